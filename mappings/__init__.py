@@ -1,0 +1,1 @@
+"""Mapping tables shipped as package data (TOML files next to this module)."""

@@ -1,0 +1,237 @@
+"""Lazy, header-first access to safetensors checkpoints.
+
+A checkpoint is a single `.safetensors` file, a sharded folder with a `*.safetensors.index.json`, or a diffusers
+model folder (`config.json` + `diffusion_pytorch_model*.safetensors`). Opening one reads headers only; tensor
+bytes are read one tensor (or one row range) at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from .errors import InputError, UnsupportedFormatError
+
+# safetensors dtype tag -> torch dtype
+ST_TO_TORCH: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+TORCH_TO_ST = {v: k for k, v in ST_TO_TORCH.items()}
+
+PICKLE_SUFFIXES = {".ckpt", ".bin", ".pt", ".pth", ".pkl"}
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lives and what it is, known from the header alone."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    file: Path
+    start: int  # absolute byte offset of the tensor data in `file`
+    nbytes: int
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return ST_TO_TORCH[self.dtype]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """Parse and check a safetensors header without reading tensor data.
+
+    Returns the tensors by stored key and the `__metadata__` dict.
+    """
+    path = Path(path)
+    if path.suffix.lower() in PICKLE_SUFFIXES:
+        raise UnsupportedFormatError(
+            f"{path}: pickle checkpoints ({path.suffix}) can run arbitrary code when loaded; flux-port refuses them.",
+            hint="Convert it to safetensors first in a sandbox you trust, e.g. with "
+                 "`torch.load(path, weights_only=True)` followed by `safetensors.torch.save_file`.",
+        )
+    try:
+        size = path.stat().st_size
+    except OSError as e:
+        raise InputError(f"{path}: cannot read ({e.strerror}).") from e
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise InputError(f"{path}: not a safetensors file (only {size} bytes).",
+                             hint="Check that the download finished.")
+        (n,) = struct.unpack("<Q", head)
+        if n == 0 or n > MAX_HEADER_BYTES or n > size - 8:
+            raise InputError(
+                f"{path}: not a safetensors file (header length field says {n} bytes, file has {size}).",
+                hint="Is this a pickle or GGUF file renamed to .safetensors, or a truncated download?")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InputError(f"{path}: safetensors header is not valid JSON ({e}).") from e
+    if not isinstance(header, dict):
+        raise InputError(f"{path}: safetensors header is not a JSON object.")
+    metadata = header.pop("__metadata__", None) or {}
+    data_start = 8 + n
+    data_size = size - data_start
+    tensors: dict[str, TensorInfo] = {}
+    spans: list[tuple[int, int, str]] = []
+    for key, entry in header.items():
+        try:
+            dtype, shape, (begin, end) = entry["dtype"], tuple(int(s) for s in entry["shape"]), entry["data_offsets"]
+        except (KeyError, TypeError, ValueError) as e:
+            raise InputError(f"{path}: malformed header entry for tensor {key!r}.") from e
+        if dtype not in ST_TO_TORCH:
+            raise InputError(f"{path}: tensor {key!r} has dtype {dtype}, which flux-port cannot convert.",
+                             hint="Supported: " + ", ".join(sorted(ST_TO_TORCH)))
+        expected = math.prod(shape) * ST_TO_TORCH[dtype].itemsize
+        if end - begin != expected or begin < 0:
+            raise InputError(
+                f"{path}: header lies about tensor {key!r}: shape {list(shape)} {dtype} needs {expected} bytes, "
+                f"offsets [{begin}, {end}] give {end - begin}.")
+        if end > data_size:
+            raise InputError(
+                f"{path}: file is truncated: tensor {key!r} ends at byte {end} of the data section, "
+                f"which holds only {data_size} bytes.", hint="Download the file again.")
+        spans.append((begin, end, key))
+        tensors[key] = TensorInfo(key, dtype, shape, path, data_start + begin, end - begin)
+    spans.sort()
+    cursor = 0
+    for begin, end, key in spans:
+        if begin != cursor:
+            raise InputError(f"{path}: header lies about offsets: tensor {key!r} starts at {begin}, expected {cursor} "
+                             "(overlapping or gapped tensors).")
+        cursor = end
+    if cursor != data_size:
+        raise InputError(f"{path}: data section holds {data_size} bytes but the header describes {cursor}.",
+                         hint="The file is truncated or has trailing garbage; download it again.")
+    try:  # second opinion from the safetensors library itself
+        with safe_open(str(path), framework="pt"):
+            pass
+    except SafetensorError as e:
+        raise InputError(f"{path}: safetensors rejects this file: {e}.") from e
+    return tensors, metadata
+
+
+@dataclass
+class Checkpoint:
+    """A set of tensors spread over one or more safetensors files, addressed by key."""
+
+    path: Path
+    tensors: dict[str, TensorInfo]
+    files: list[Path]
+    config: dict | None = None  # config.json of a diffusers model folder
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    @property
+    def parameter_count(self) -> int:
+        return sum(t.numel for t in self.tensors.values())
+
+    def dtypes(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for t in self.tensors.values():
+            counts[t.dtype] = counts.get(t.dtype, 0) + 1
+        return dict(sorted(counts.items()))
+
+    def read(self, key: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """Read one tensor, or rows [a, b) of dim 0, with plain file reads.
+
+        Plain reads instead of mmap keep resident memory at one tensor: mapped pages of a 18 GB file would
+        otherwise count towards the process RSS.
+        """
+        info = self.tensors[key]
+        start, nbytes, shape = info.start, info.nbytes, list(info.shape)
+        if rows is not None:
+            a, b = rows
+            row_bytes = info.nbytes // info.shape[0] if info.shape[0] else 0
+            start, nbytes, shape[0] = start + a * row_bytes, (b - a) * row_bytes, b - a
+        buf = bytearray(nbytes)
+        with open(info.file, "rb", buffering=0) as f:
+            f.seek(start)
+            view, got = memoryview(buf), 0
+            while got < nbytes:
+                n = f.readinto(view[got:])
+                if not n:
+                    raise InputError(f"{info.file}: unexpected end of file while reading tensor {key!r}.")
+                got += n
+        if nbytes == 0:
+            return torch.empty(shape, dtype=info.torch_dtype)
+        return torch.frombuffer(buf, dtype=info.torch_dtype).reshape(shape)
+
+
+def _index_files(folder: Path) -> list[Path]:
+    return sorted(folder.glob("*.safetensors.index.json"))
+
+
+def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    """Open a single file, a sharded folder or a diffusers model folder, headers only."""
+    path = Path(path)
+    if not path.exists():
+        raise InputError(f"{path}: no such file or folder.")
+    if path.is_file():
+        if path.name.endswith(".index.json"):
+            return _open_index(path)
+        tensors, metadata = read_header(path)
+        return Checkpoint(path, tensors, [path], metadata=metadata)
+    config = None
+    if (path / "config.json").is_file():
+        config = json.loads((path / "config.json").read_text())
+    indexes = _index_files(path)
+    if len(indexes) > 1:
+        raise InputError(f"{path}: several index files ({', '.join(p.name for p in indexes)}); pass one of them.")
+    if indexes:
+        ckpt = _open_index(indexes[0])
+        ckpt.path, ckpt.config = path, config
+        return ckpt
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        pickles = [p.name for p in path.iterdir() if p.suffix.lower() in PICKLE_SUFFIXES]
+        if pickles:
+            read_header(path / pickles[0])  # raises the pickle refusal
+        raise InputError(f"{path}: no .safetensors file in this folder.")
+    if len(files) > 1:
+        raise InputError(f"{path}: {len(files)} .safetensors files and no index.json; pass the file to use.",
+                         hint="Files: " + ", ".join(p.name for p in files))
+    tensors, metadata = read_header(files[0])
+    return Checkpoint(path, tensors, files, config=config, metadata=metadata)
+
+
+def _open_index(index_path: Path) -> Checkpoint:
+    try:
+        weight_map: dict[str, str] = json.loads(index_path.read_text())["weight_map"]
+    except (OSError, ValueError, KeyError) as e:
+        raise InputError(f"{index_path}: not a valid safetensors index (needs a 'weight_map').") from e
+    folder = index_path.parent
+    tensors: dict[str, TensorInfo] = {}
+    files = sorted({folder / f for f in weight_map.values()})
+    for file in files:
+        if not file.is_file():
+            raise InputError(f"{index_path}: shard {file.name} listed in the index is missing.")
+        shard, _ = read_header(file)
+        for key, info in shard.items():
+            if key in tensors:
+                raise InputError(f"{index_path}: tensor {key!r} is stored in two shards.")
+            tensors[key] = info
+    listed = set(weight_map)
+    if listed != set(tensors):
+        missing = sorted(listed - set(tensors))[:5]
+        extra = sorted(set(tensors) - listed)[:5]
+        raise InputError(f"{index_path}: index and shards disagree (in index only: {missing}; in shards only: {extra}).")
+    return Checkpoint(index_path.parent, tensors, files)

@@ -1,0 +1,80 @@
+"""One error hierarchy for every verb; each class carries its exit code and a hint."""
+
+from __future__ import annotations
+
+# Exit codes shared by all verbs (docs/exit-codes.md).
+EXIT_OK = 0
+EXIT_CHECK_FAILED = 1
+EXIT_USAGE = 2
+EXIT_AUTH = 3
+EXIT_NETWORK = 4
+EXIT_DISK = 5
+
+
+class PortError(Exception):
+    """Base error: a message for the user, an optional next step, and an exit code."""
+
+    exit_code = EXIT_USAGE
+
+    def __init__(self, message: str, hint: str | None = None, details: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+        self.details = details
+
+
+class InputError(PortError):
+    """The input file or folder cannot be read as a checkpoint."""
+
+
+class UnsupportedFormatError(InputError):
+    """A pickle checkpoint or another format flux-port refuses to open."""
+
+
+class UnknownArchitectureError(InputError):
+    """The keys match no known mapping table."""
+
+
+class OutputExistsError(PortError):
+    """The destination exists and --force was not given."""
+
+
+class MappingTableError(PortError):
+    """A mapping table is malformed (a bug in the table, not in the user's input)."""
+
+
+class PlanError(PortError):
+    """The strict plan found missing, unexpected or mis-shaped keys."""
+
+    exit_code = EXIT_CHECK_FAILED
+
+    def __init__(self, message: str, hint: str | None = None, details: str | None = None,
+                 report: dict | None = None):
+        super().__init__(message, hint, details)
+        self.report = report or {}
+
+
+class ConfigMismatchError(PlanError):
+    """The checkpoint does not fit the base config given with --config."""
+
+
+class CheckFailed(PortError):
+    """A check ran and said no (validation verdict, hash mismatch)."""
+
+    exit_code = EXIT_CHECK_FAILED
+
+
+class DeviceError(PortError):
+    """The requested device or backend is not available."""
+
+
+class AuthError(PortError):
+    exit_code = EXIT_AUTH
+
+
+class NetworkError(PortError):
+    exit_code = EXIT_NETWORK
+
+
+class DiskSpaceError(PortError):
+    exit_code = EXIT_DISK
