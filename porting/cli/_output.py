@@ -1,0 +1,68 @@
+"""The one output sink: data to stdout (a rich table, or one JSON document with --json), everything else to stderr."""
+
+from __future__ import annotations
+
+import json
+import sys
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+from rich.console import Console
+from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                           TransferSpeedColumn)
+from rich.table import Table
+
+
+class Output:
+    def __init__(self, json_mode: bool = False, quiet: bool = False) -> None:
+        self.json_mode = json_mode
+        self.quiet = quiet or json_mode
+        self.out = Console(file=sys.stdout, highlight=False, soft_wrap=True)
+        self.err = Console(file=sys.stderr, highlight=False, soft_wrap=True)
+
+    def status(self, text: str) -> None:
+        """A progress line for humans (stderr); silent in --quiet and --json."""
+        if not self.quiet:
+            self.err.print(text, markup=False)
+
+    def result(self, text: str) -> None:
+        """A line of data for humans (stdout); silent in --json."""
+        if not self.json_mode:
+            self.out.print(text, markup=False)
+
+    def table(self, table: Table) -> None:
+        if not self.json_mode:
+            self.out.print(table)
+
+    def document(self, doc: Any) -> None:
+        if self.json_mode:
+            sys.stdout.write(json.dumps(doc, indent=2, default=str) + "\n")
+
+    def warning(self, text: str) -> None:
+        self.err.print(f"Warning: {text}", markup=False)
+
+    def hint(self, text: str) -> None:
+        if not self.quiet:
+            self.err.print(f"Hint: {text}", markup=False)
+
+    @contextmanager
+    def bytes_progress(self, description: str) -> Iterator[tuple[Any, Any]]:
+        """Yields (on_start(total), on_bytes(n)) callbacks driving a rich bar on stderr."""
+        if self.quiet:
+            yield (lambda total: None), (lambda n: None)
+            return
+        progress = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                            TransferSpeedColumn(), TimeRemainingColumn(), console=self.err, transient=True)
+        task = progress.add_task(description, total=None)
+        with progress:
+            yield (lambda total: progress.update(task, total=total)), (lambda n: progress.advance(task, n))
+
+
+# set by each command once its options are parsed, so main() formats errors in the right mode
+current = Output()
+
+
+def use(json_mode: bool = False, quiet: bool = False) -> Output:
+    global current
+    current = Output(json_mode, quiet)
+    return current

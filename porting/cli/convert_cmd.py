@@ -1,0 +1,68 @@
+"""`port convert SRC --out DIR`: rename and split weights through a mapping table, streaming."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+
+from ..convert import ConvertResult, convert as run_convert
+from ..errors import PortError
+from . import _output
+from ._options import Direction, DtypeChoice, ForceOpt, JsonOpt, OptionalOutDirOpt, QuietOpt
+
+CONVERT_EXAMPLES = """Examples:
+  port convert Flux2-Klein-9B-True-bf16.safetensors --out ./transformer --strict
+  port convert ft.safetensors --out ./transformer --config ./FLUX.2-klein-9B --strict
+  port convert ./transformer --to original --out ./bfl
+  port convert ft.safetensors --dry-run --json
+"""
+
+
+def summary_table(result: ConvertResult) -> Table:
+    s = result.plan.summary()
+    table = Table(title="conversion plan", show_header=False)
+    table.add_row("table", f"{s['table']} ({s['from']} -> {s['to']})")
+    table.add_row("variant", s["variant"])
+    table.add_row("tensors", f"{s['source_tensors']} -> {s['target_tensors']} (target model: {s['target_model_tensors']})")
+    table.add_row("parameters", f"{s['parameters']:,}")
+    table.add_row("output size", f"{s['output_bytes'] / 1e9:.3f} GB")
+    table.add_row("plan", "every key and shape accounted for" if s["ok"] else f"{len(s['problems'])} problem(s)")
+    if result.out:
+        table.add_row("written", f"{result.out} ({', '.join(result.files)})")
+        table.add_row("weights sha256", str(result.weights_sha256))
+        table.add_row("time", f"{result.seconds:.1f} s")
+    return table
+
+
+def convert(
+    src: Annotated[Path, typer.Argument(help="Checkpoint: .safetensors file, sharded folder or diffusers folder.")],
+    out: OptionalOutDirOpt = None,
+    to: Annotated[Direction, typer.Option("--to", help="Target naming.")] = Direction.diffusers,
+    dtype: Annotated[DtypeChoice, typer.Option("--dtype", help="Cast weights on the way.")] = DtypeChoice.keep,
+    config: Annotated[Optional[Path], typer.Option("--config", help="Base model folder or config.json the "
+                                                   "checkpoint must fit.")] = None,
+    max_shard_size: Annotated[str, typer.Option("--max-shard-size", help="Largest output shard.")] = "5GB",
+    strict: Annotated[bool, typer.Option("--strict/--no-strict", help="Refuse unless every key and shape is "
+                                         "accounted for.")] = True,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan, write nothing.")] = False,
+    force: ForceOpt = False,
+    json_: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Convert FLUX.2 / FLUX.1 transformer weights between original (BFL) and diffusers naming."""
+    output = _output.use(json_mode=json_, quiet=quiet)
+    if out is None and not dry_run:
+        raise PortError("port convert needs --out DIR (or --dry-run to only print the plan).")
+    with output.bytes_progress("converting") as (on_start, on_bytes):
+        result = run_convert(src, out, to=to.value, dtype=dtype.value, config=config, max_shard_size=max_shard_size,
+                             strict=strict, dry_run=dry_run, force=force, on_start=on_start, on_bytes=on_bytes)
+    output.document(result.to_dict())
+    output.table(summary_table(result))
+    if not result.plan.ok:
+        for row in result.plan.problems()[:20]:
+            output.warning(f"{row['kind']}: {row['key']}")
+    if result.out and to == Direction.diffusers:
+        output.hint(f"validate it next: port validate {result.out} --device npu:0")

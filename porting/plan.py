@@ -1,0 +1,205 @@
+"""The conversion plan: which source tensors become which target tensors, with shapes, before any data is read.
+
+The strict check compares the plan against the target model instantiated on the meta device from the config, so a
+plan is only accepted when every source tensor is consumed exactly once and every target tensor is produced
+exactly once with the shape the model expects.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping
+
+import torch
+
+from .checkpoint import ST_TO_TORCH, TORCH_TO_ST, Checkpoint
+from .detect import Detection
+from .errors import MappingTableError
+from .mapping import MappingTable, Naming, Step
+from .ops import OpShapeError, Shape
+
+
+@dataclass
+class PlannedStep:
+    step: Step
+    stored_sources: tuple[str, ...]  # keys as stored in the checkpoint (prefix included)
+    in_shapes: tuple[Shape, ...]
+    out_shapes: tuple[Shape, ...]
+    out_dtype: str
+
+
+@dataclass
+class Plan:
+    detection: Detection
+    source_naming: Naming
+    target_naming: Naming
+    steps: list[PlannedStep]
+    target_shapes: dict[str, Shape]
+    missing_sources: list[tuple[str, str | None]] = field(default_factory=list)
+    unexpected: list[tuple[str, str | None]] = field(default_factory=list)
+    missing_targets: list[str] = field(default_factory=list)
+    extra_targets: list[str] = field(default_factory=list)
+    mismatched: list[tuple[str, Shape, Shape]] = field(default_factory=list)
+    shape_errors: list[tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not (self.missing_sources or self.unexpected or self.missing_targets or self.extra_targets
+                    or self.mismatched or self.shape_errors)
+
+    def outputs(self) -> Iterator[tuple[str, Shape, str]]:
+        for ps in self.steps:
+            for key, shape in zip(ps.step.targets, ps.out_shapes):
+                yield key, shape, ps.out_dtype
+
+    @property
+    def output_bytes(self) -> int:
+        total = 0
+        for _, shape, dtype in self.outputs():
+            n = ST_TO_TORCH[dtype].itemsize
+            for s in shape:
+                n *= s
+            total += n
+        return total
+
+    @property
+    def output_count(self) -> int:
+        return sum(len(ps.step.targets) for ps in self.steps)
+
+    def problems(self) -> list[dict[str, Any]]:
+        rows: list[dict[str, Any]] = []
+        rows += [{"kind": "missing source", "key": k, "closest": c} for k, c in self.missing_sources]
+        rows += [{"kind": "unexpected source", "key": k, "closest": c} for k, c in self.unexpected]
+        rows += [{"kind": "not produced", "key": k, "closest": None} for k in self.missing_targets]
+        rows += [{"kind": "not in target model", "key": k,
+                  "closest": _closest(k, self.target_shapes)} for k in self.extra_targets]
+        rows += [{"kind": "shape mismatch", "key": k, "closest": None, "produced": list(p), "expected": list(e)}
+                 for k, p, e in self.mismatched]
+        rows += [{"kind": "shape error", "key": k, "closest": None, "message": m} for k, m in self.shape_errors]
+        return rows
+
+    def summary(self) -> dict[str, Any]:
+        d = self.detection
+        return {
+            "table": d.table.name, "from": self.source_naming, "to": self.target_naming, "variant": d.variant,
+            "source_tensors": sum(len(ps.stored_sources) for ps in self.steps) + len(self.unexpected),
+            "target_tensors": self.output_count, "target_model_tensors": len(self.target_shapes),
+            "parameters": sum(_numel(s) for _, s, _ in self.outputs()), "output_bytes": self.output_bytes,
+            "ok": self.ok, "problems": self.problems(),
+        }
+
+
+def _numel(shape: Shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _closest(key: str, candidates) -> str | None:
+    found = difflib.get_close_matches(key, list(candidates), n=1, cutoff=0.5)
+    return found[0] if found else None
+
+
+@contextmanager
+def _quiet_diffusers() -> Iterator[None]:
+    log = logging.getLogger("diffusers")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def meta_state_shapes(class_name: str, config: Mapping[str, Any]) -> dict[str, Shape]:
+    """Shapes of every tensor of the diffusers model, instantiated on the meta device (no memory)."""
+    import diffusers
+
+    cls = getattr(diffusers, class_name)
+    clean = {k: v for k, v in config.items() if not k.startswith("_")}
+    with _quiet_diffusers(), torch.device("meta"):
+        model = cls.from_config(clean)
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def expected_shapes(table: MappingTable, config: Mapping[str, Any], target: Naming) -> dict[str, Shape]:
+    """Shapes the target naming must have, derived from the meta diffusers model (and the table for `original`)."""
+    diffusers_shapes = meta_state_shapes(table.diffusers_class, config)
+    if target == "diffusers":
+        return diffusers_shapes
+    original: dict[str, Shape] = {}
+    for step in table.expand(table_sizes(config), "diffusers"):
+        if not all(s in diffusers_shapes for s in step.sources):
+            continue
+        try:
+            shapes = step.op.shapes([diffusers_shapes[s] for s in step.sources])
+        except OpShapeError:
+            continue
+        original.update(zip(step.targets, shapes))
+    return original
+
+
+def table_sizes(c: Mapping[str, Any]) -> dict[str, Any]:
+    """Values that table sizes and block counts may refer to."""
+    inner = int(c["num_attention_heads"]) * int(c["attention_head_dim"])
+    mlp_ratio = c.get("mlp_ratio", 4.0)  # FluxTransformer2DModel has a fixed 4.0
+    return {**c, "inner_dim": inner, "mlp_hidden": int(inner * mlp_ratio)}
+
+
+def build_plan(ckpt: Checkpoint, detection: Detection, target: Naming, dtype: str | None = None) -> Plan:
+    """Plan the conversion of `ckpt` into `target` naming; `dtype` is a safetensors tag or None to keep."""
+    source = detection.naming
+    steps = detection.table.expand(table_sizes(detection.config), source)
+    prefix = detection.prefix
+    target_shapes = expected_shapes(detection.table, detection.config, target)
+    plan = Plan(detection, source, target, [], target_shapes)
+    consumed: dict[str, int] = {}
+    available = {k[len(prefix):]: k for k in ckpt.tensors if k.startswith(prefix)}
+    for step in steps:
+        missing = [s for s in step.sources if s not in available]
+        if missing:
+            for s in missing:
+                plan.missing_sources.append((s, None))
+            continue
+        for s in step.sources:
+            if s in consumed:
+                raise MappingTableError(f"{detection.table.name}: source {s!r} is used by rules "
+                                        f"{consumed[s] + 1} and {step.rule_index + 1}.")
+            consumed[s] = step.rule_index
+        infos = [ckpt.tensors[available[s]] for s in step.sources]
+        try:
+            out_shapes = tuple(step.op.shapes([i.shape for i in infos]))
+        except OpShapeError as e:
+            plan.shape_errors.append((", ".join(step.sources), str(e)))
+            continue
+        out_dtype = dtype or infos[0].dtype
+        plan.steps.append(PlannedStep(step, tuple(available[s] for s in step.sources),
+                                      tuple(i.shape for i in infos), out_shapes, out_dtype))
+    leftovers = sorted(set(available) - set(consumed)) + sorted(k for k in ckpt.tensors if not k.startswith(prefix))
+    plan.unexpected = [(k, _closest(k, [s for st in steps for s in st.sources])) for k in leftovers]
+    plan.missing_sources = [(k, _closest(k, leftovers)) for k, _ in plan.missing_sources]
+    produced = {}
+    for key, shape, _ in plan.outputs():
+        produced[key] = shape
+    plan.missing_targets = sorted(set(target_shapes) - set(produced))
+    plan.extra_targets = sorted(set(produced) - set(target_shapes))
+    plan.mismatched = [(k, s, target_shapes[k]) for k, s in produced.items()
+                       if k in target_shapes and target_shapes[k] != s]
+    return plan
+
+
+def torch_dtype_tag(name: str) -> str | None:
+    """`keep` -> None, else the safetensors tag for bf16 / fp16 / fp32."""
+    table = {"keep": None, "bf16": "BF16", "bfloat16": "BF16", "fp16": "F16", "float16": "F16",
+             "fp32": "F32", "float32": "F32"}
+    if name not in table:
+        raise ValueError(name)
+    return table[name]
+
+
+__all__ = ["Plan", "PlannedStep", "build_plan", "meta_state_shapes", "expected_shapes", "torch_dtype_tag",
+           "TORCH_TO_ST"]

@@ -1,0 +1,70 @@
+"""Tiny random checkpoints in the real FLUX architectures, for the demo, tests and benchmarks."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from .checkpoint import ST_TO_TORCH
+from .mapping import Naming, builtin_tables
+from .plan import expected_shapes
+from .writer import Entry, write_shards
+
+TINY_FLUX2: dict[str, Any] = {
+    "_class_name": "Flux2Transformer2DModel", "patch_size": 1, "in_channels": 16, "out_channels": None,
+    "num_layers": 2, "num_single_layers": 2, "attention_head_dim": 16, "num_attention_heads": 2,
+    "joint_attention_dim": 48, "timestep_guidance_channels": 256, "mlp_ratio": 3.0,
+    "axes_dims_rope": [4, 4, 4, 4], "rope_theta": 2000, "eps": 1e-6, "guidance_embeds": False,
+}
+
+# Real sizes (flux2-checkpoints.md section 2.2); used header-only by plans and by the benchmarks.
+REAL_FLUX2: dict[str, dict[str, Any]] = {
+    "klein-4b": {**TINY_FLUX2, "in_channels": 128, "num_layers": 5, "num_single_layers": 20,
+                 "attention_head_dim": 128, "num_attention_heads": 24, "joint_attention_dim": 7680,
+                 "axes_dims_rope": [32, 32, 32, 32]},
+    "klein-9b": {**TINY_FLUX2, "in_channels": 128, "num_layers": 8, "num_single_layers": 24,
+                 "attention_head_dim": 128, "num_attention_heads": 32, "joint_attention_dim": 12288,
+                 "axes_dims_rope": [32, 32, 32, 32]},
+    "flux2-dev": {**TINY_FLUX2, "in_channels": 128, "num_layers": 8, "num_single_layers": 48,
+                  "attention_head_dim": 128, "num_attention_heads": 48, "joint_attention_dim": 15360,
+                  "axes_dims_rope": [32, 32, 32, 32], "guidance_embeds": True},
+}
+
+
+def model_shapes(config: Mapping[str, Any], naming: Naming = "original", table: str = "flux2") -> dict[str, tuple]:
+    return expected_shapes(builtin_tables()[table], config, naming)
+
+
+def random_tensor(key: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    """Weights at a scale that keeps a deep random model's activations finite and non-trivial."""
+    if len(shape) == 1:  # RMSNorm scales and biases
+        base = 1.0 if key.endswith(("scale", "norm_q.weight", "norm_k.weight", "norm_added_q.weight",
+                                    "norm_added_k.weight")) else 0.0
+        return base + 0.1 * torch.randn(shape, generator=generator)
+    fan_in = shape[-1]
+    return torch.randn(shape, generator=generator) / math.sqrt(fan_in)
+
+
+def write_random_checkpoint(path: str | Path, config: Mapping[str, Any], naming: Naming = "original",
+                            dtype: str = "BF16", seed: int = 0, table: str = "flux2", prefix: str = "",
+                            max_shard_bytes: int | None = None) -> Path:
+    """Write a random checkpoint of `config` in `naming`, streamed so even real sizes fit in little memory.
+
+    `path` is a `.safetensors` file (single file) or a folder (shards with an index when `max_shard_bytes`).
+    """
+    path = Path(path)
+    shapes = model_shapes(config, naming, table)
+    gen = torch.Generator().manual_seed(seed)
+    entries = [Entry(prefix + k, s, dtype) for k, s in shapes.items()]
+    tensors = (random_tensor(e.key, e.shape, gen).to(ST_TO_TORCH[dtype]) for e in entries)
+    if path.suffix == ".safetensors":
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_shards(path.parent, path.name[: -len(".safetensors")], entries, tensors, 2**62,
+                     metadata={"format": "pt"})
+    else:
+        path.mkdir(parents=True, exist_ok=True)
+        write_shards(path, "model", entries, tensors, max_shard_bytes or 2**62, metadata={"format": "pt"})
+    return path
