@@ -235,3 +235,14 @@ def _open_index(index_path: Path) -> Checkpoint:
         extra = sorted(set(tensors) - listed)[:5]
         raise InputError(f"{index_path}: index and shards disagree (in index only: {missing}; in shards only: {extra}).")
     return Checkpoint(index_path.parent, tensors, files)
+
+
+def hash_checkpoint(ckpt: Checkpoint, prefix: str = "") -> str:
+    """The weights identity that convert records (see `writer.WeightsHasher`), read tensor by tensor."""
+    from .writer import WeightsHasher
+
+    hasher = WeightsHasher()
+    for key, info in ckpt.tensors.items():
+        if key.startswith(prefix):
+            hasher.update(key[len(prefix):], ckpt.read(key), info.dtype)
+    return hasher.hexdigest()

@@ -86,17 +86,24 @@ def _header_bytes(entries: list[Entry], metadata: dict[str, str] | None) -> byte
 
 
 class WeightsHasher:
-    """Identity of a set of weights: sha256 over names, dtypes, shapes and bytes, in key order of writing."""
+    """Identity of a set of weights, independent of file layout and tensor order.
+
+    sha256 over the sorted lines `key|dtype|shape|sha256(bytes)`; `hash_checkpoint` recomputes it from files, so
+    validate and publish can prove they look at the weights convert wrote.
+    """
 
     def __init__(self) -> None:
-        self._h = hashlib.sha256()
+        self._lines: dict[str, str] = {}
 
     def update(self, key: str, tensor: torch.Tensor, dtype: str) -> None:
-        self._h.update(f"{key}|{dtype}|{list(tensor.shape)}\n".encode())
-        self._h.update(_as_bytes(tensor))
+        digest = hashlib.sha256(_as_bytes(tensor)).hexdigest()
+        self._lines[key] = f"{key}|{dtype}|{list(tensor.shape)}|{digest}\n"
 
     def hexdigest(self) -> str:
-        return self._h.hexdigest()
+        h = hashlib.sha256()
+        for key in sorted(self._lines):
+            h.update(self._lines[key].encode())
+        return h.hexdigest()
 
 
 def _as_bytes(tensor: torch.Tensor) -> memoryview:
