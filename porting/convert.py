@@ -6,7 +6,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
@@ -14,7 +14,7 @@ from . import __version__
 from .checkpoint import ST_TO_TORCH, Checkpoint, open_checkpoint
 from .detect import Detection, detect, load_base_config
 from .errors import PlanError
-from .mapping import Naming
+from .mapping import MappingTable, Naming
 from .plan import Plan, build_plan, torch_dtype_tag
 from .writer import Entry, WeightsHasher, atomic_folder, parse_size, write_shards
 
@@ -35,11 +35,15 @@ class ConvertResult:
 
 
 def prepare(src: str | Path, to: Naming = "diffusers", dtype: str = "keep",
-            config: str | Path | None = None) -> tuple[Checkpoint, Detection, Plan]:
-    """Open headers, detect, and plan; nothing is read beyond headers."""
+            config: str | Path | None = None,
+            tables: Mapping[str, MappingTable] | None = None) -> tuple[Checkpoint, Detection, Plan]:
+    """Open headers, detect, and plan; nothing is read beyond headers.
+
+    `tables` replaces the built-in mapping tables (by name), e.g. a table loaded with `load_table_file`.
+    """
     ckpt = open_checkpoint(src)
     base = load_base_config(config) if config else None
-    detection = detect(ckpt, base)
+    detection = detect(ckpt, base, tables)
     plan = build_plan(ckpt, detection, to, torch_dtype_tag(dtype))
     return ckpt, detection, plan
 
@@ -81,10 +85,11 @@ def convert(src: str | Path, out: str | Path | None, to: Naming = "diffusers", d
             config: str | Path | None = None, max_shard_size: str | int = "5GB", strict: bool = True,
             dry_run: bool = False, force: bool = False,
             on_start: Callable[[int], None] | None = None,
-            on_bytes: Callable[[int], None] | None = None) -> ConvertResult:
+            on_bytes: Callable[[int], None] | None = None,
+            tables: Mapping[str, MappingTable] | None = None) -> ConvertResult:
     """Convert a checkpoint; with `strict`, refuse any plan that does not account for every key and shape."""
     started = time.perf_counter()
-    ckpt, detection, plan = prepare(src, to, dtype, config)
+    ckpt, detection, plan = prepare(src, to, dtype, config, tables)
     if strict and not plan.ok:
         raise strict_error(plan, src)
     if dry_run or out is None:

@@ -1,0 +1,21 @@
+"""Session fixtures: tiny checkpoints written once per run (real files on disk, no network)."""
+
+from __future__ import annotations
+
+import pytest
+
+from .helpers import TINY2, reference_model, save_state
+
+
+@pytest.fixture(scope="session")
+def tiny2_state():
+    """A tiny FLUX.2 [klein]-shaped reference model's weights (original naming, fp32)."""
+    return reference_model(TINY2, seed=1).state_dict()
+
+
+@pytest.fixture(scope="session")
+def tiny2_file(tmp_path_factory, tiny2_state):
+    """The same weights as an original-naming .safetensors file (bf16, as published checkpoints are)."""
+    import torch
+
+    return save_state(tmp_path_factory.mktemp("tiny2") / "klein-tiny.safetensors", tiny2_state, torch.bfloat16)
