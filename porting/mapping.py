@@ -80,6 +80,14 @@ class MappingTable:
                 steps.append(Step(src, dst, op, index))
         return steps
 
+    def identity(self, config: Mapping[str, Any], naming: Naming) -> list[Step]:
+        """Steps that keep every key of `naming` as it is (re-shard or cast without renaming)."""
+        from .ops import Rename
+
+        other: Naming = "diffusers" if naming == "original" else "original"
+        return [Step((key,), (key,), Rename(), step.rule_index)
+                for step in self.expand(config, other) for key in step.targets]
+
     def _bindings(self, rule: Rule, config: Mapping[str, Any]) -> Iterator[dict[str, Any]]:
         names = sorted({n for t in rule.original + rule.diffusers for n in PLACEHOLDER.findall(t)})
         ranges = []

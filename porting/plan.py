@@ -153,7 +153,9 @@ def table_sizes(c: Mapping[str, Any]) -> dict[str, Any]:
 def build_plan(ckpt: Checkpoint, detection: Detection, target: Naming, dtype: str | None = None) -> Plan:
     """Plan the conversion of `ckpt` into `target` naming; `dtype` is a safetensors tag or None to keep."""
     source = detection.naming
-    steps = detection.table.expand(table_sizes(detection.config), source)
+    sizes = table_sizes(detection.config)
+    table = detection.table
+    steps = table.identity(sizes, source) if source == target else table.expand(sizes, source)
     prefix = detection.prefix
     target_shapes = expected_shapes(detection.table, detection.config, target)
     plan = Plan(detection, source, target, [], target_shapes)

@@ -17,8 +17,9 @@ class Output:
     def __init__(self, json_mode: bool = False, quiet: bool = False) -> None:
         self.json_mode = json_mode
         self.quiet = quiet or json_mode
-        self.out = Console(file=sys.stdout, highlight=False, soft_wrap=True)
-        self.err = Console(file=sys.stderr, highlight=False, soft_wrap=True)
+        # tables stay readable when piped or captured (rich assumes 80 columns off a terminal)
+        self.out = Console(file=sys.stdout, highlight=False, width=None if sys.stdout.isatty() else 160)
+        self.err = Console(file=sys.stderr, highlight=False, width=None if sys.stderr.isatty() else 160)
 
     def status(self, text: str) -> None:
         """A progress line for humans (stderr); silent in --quiet and --json."""

@@ -12,6 +12,9 @@ from . import _output
 from .convert_cmd import CONVERT_EXAMPLES, convert
 from .demo_cmd import demo
 from .inspect_cmd import INSPECT_EXAMPLES, inspect
+from .validate_cmd import VALIDATE_EXAMPLES, validate
+from .publish_cmd import PUBLISH_EXAMPLES, publish
+from .generate_cmd import GENERATE_EXAMPLES, generate
 
 app = typer.Typer(
     name="port", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
@@ -19,7 +22,10 @@ app = typer.Typer(
 )
 app.command(epilog=INSPECT_EXAMPLES)(inspect)
 app.command(epilog=CONVERT_EXAMPLES)(convert)
+app.command(epilog=VALIDATE_EXAMPLES)(validate)
 app.command()(demo)
+app.command(epilog=PUBLISH_EXAMPLES)(publish)
+app.command(epilog=GENERATE_EXAMPLES)(generate)
 
 
 def report_error(err: PortError) -> None:

@@ -1,0 +1,89 @@
+"""`port validate MODEL --device npu:0`: is the port right on this device, and if not, where does it go wrong."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from ..errors import CheckFailed, PortError
+from . import _output
+from ._options import JsonOpt, QuietOpt
+
+VALIDATE_EXAMPLES = """Examples:
+  port validate ./transformer --device npu:0
+  port validate Flux2-Klein-9B-True-bf16.safetensors --device cuda --resolution 1024 --seeds 0,1
+  port validate ./transformer --device npu:0 --base ./FLUX.2-klein-9B --prompt "a red fox in snow"
+"""
+
+
+def _floats(text: str, option: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise PortError(f"{option} {text!r}: expected comma-separated numbers, e.g. 1.0,0.5,0.1") from None
+
+
+def validate(
+    model: Annotated[Path, typer.Argument(help="Converted diffusers transformer folder, or an original-naming file.")],
+    device: Annotated[str, typer.Option("--device", help="Device under test: cpu, cuda[:N], npu[:N], mps, xpu[:N].")] = "cpu",
+    reference: Annotated[str, typer.Option("--reference", help="Where the golden and intrinsic runs happen.")] = "cpu",
+    dtype: Annotated[str, typer.Option("--dtype", help="dtype on the device: bf16, fp16 or fp32.")] = "bf16",
+    golden_dtype: Annotated[str, typer.Option("--golden-dtype", help="fp32, or fp64 to judge fp32 runs.")] = "fp32",
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Folder for report.json and report.md "
+                                                "(default: reports/ next to MODEL).")] = None,
+    resolution: Annotated[int, typer.Option("--resolution", help="Image side in pixels.")] = 512,
+    text_len: Annotated[int, typer.Option("--text-len", help="Text tokens (the pipeline pads to 512).")] = 512,
+    timesteps: Annotated[str, typer.Option("--timesteps", help="Comma-separated, in [0, 1].")] = "1.0,0.5,0.1",
+    seeds: Annotated[str, typer.Option("--seeds", help="Comma-separated CPU generator seeds.")] = "0",
+    base: Annotated[Optional[Path], typer.Option("--base", help="Base model folder whose text encoder encodes "
+                                                 "--prompt.")] = None,
+    prompt: Annotated[Optional[str], typer.Option("--prompt", help="Prompt for real text features.")] = None,
+    max_ratio: Annotated[float, typer.Option("--max-ratio", help="Largest accepted device/intrinsic error ratio.")] = 2.0,
+    config: Annotated[Optional[Path], typer.Option("--config", help="Base config the weights must fit.")] = None,
+    json_: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Run the full transformer on the device against a float32 golden and judge it against bf16's own error."""
+    from validation.api import validate as run_validate
+    from validation.report import terminal_table
+
+    output = _output.use(json_mode=json_, quiet=quiet)
+    if prompt and base is None:
+        raise PortError("--prompt needs --base (the base model's text encoder encodes it).")
+    out = out or (model.resolve().parent / "reports")
+    seed_list = [int(s) for s in _floats(seeds, "--seeds")]
+    progress = None
+    if not output.quiet:
+        progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                            console=output.err, transient=True)
+    task = None
+
+    def on_stage(stage: str, total: int) -> None:
+        nonlocal task
+        if progress is None:
+            return
+        if task is None:
+            task = progress.add_task("validating", total=total)
+        progress.update(task, advance=1, description=f"validated {stage}")
+
+    if progress:
+        progress.start()
+    try:
+        report = run_validate(model, device=device, dtype=dtype, reference=reference, golden_dtype=golden_dtype,
+                              out=out, resolution=resolution, text_len=text_len,
+                              timesteps=_floats(timesteps, "--timesteps"), seeds=seed_list, base=base, prompt=prompt,
+                              max_ratio=max_ratio, config=config, on_stage=on_stage)
+    finally:
+        if progress:
+            progress.stop()
+    data = report.to_dict()
+    output.document(data)
+    output.table(terminal_table(data))
+    output.status(f"report: {out / 'report.json'} and {out / 'report.md'}")
+    if report.verdict != "pass":
+        raise CheckFailed("Validation failed: " + "; ".join(data["reasons"]) + ".",
+                          hint=f"See {out / 'report.md'}; the first bad block is where to look.")
+    output.hint(f"publish it next: port publish --transformer {model} --report {out / 'report.json'} --base BASE_DIR --out DIR")

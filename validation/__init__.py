@@ -1,0 +1,1 @@
+"""Forward checks of a ported transformer on a target device against a higher-precision golden."""

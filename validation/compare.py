@@ -1,0 +1,86 @@
+"""Lock-step comparison: golden, intrinsic reference and device under test advance stage by stage.
+
+For every stage each model runs twice: on its own previous output (accumulated error) and on the golden's input
+(teacher-forced: the stage's own error). Errors are relative L2 against the golden; a stage's ratio is the
+device's error over the intrinsic error of the same dtype on the reference device.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from .metrics import compare, error_ratio
+from .staged import StagedFlux2, cast_state, stage_input, stage_output
+
+GROWTH_FLAG = 1.5  # device error grows this much faster than the reference's through one block
+
+
+@dataclass
+class Runs:
+    golden: StagedFlux2
+    intrinsic: StagedFlux2
+    device: StagedFlux2
+
+
+def _first_bad(rows: list[dict[str, Any]], max_ratio: float) -> dict[str, Any] | None:
+    for row in rows:
+        tf = row["teacher_forced"]
+        if tf["device"]["nonfinite"] or tf["ratio"] > max_ratio:
+            return row
+    return None
+
+
+def lockstep(runs: Runs, inputs: dict[str, Any], max_ratio: float,
+             on_stage: Callable[[str], None] | None = None) -> tuple[list[dict[str, Any]], dict[str, torch.Tensor]]:
+    """Per-stage metrics and the three final outputs (golden, intrinsic, device)."""
+    dtype = runs.device.dtype
+    golden_state = cast_state(inputs, runs.golden.dtype, runs.golden.device)
+    intrinsic_state, device_state = inputs, inputs
+    rows: list[dict[str, Any]] = []
+    prev: dict[str, float] | None = None
+    for index, stage in enumerate(runs.golden.stage_names()):
+        (g_out,) = runs.golden.run(stage, [golden_state])
+        if index == 0:  # same inputs for both runs: teacher forcing is the accumulated run
+            i_acc, = runs.intrinsic.run(stage, [intrinsic_state])
+            d_acc, = runs.device.run(stage, [device_state])
+            i_tf, d_tf = i_acc, d_acc
+        else:
+            i_acc, i_tf = runs.intrinsic.run(stage, [intrinsic_state, golden_state])
+            d_acc, d_tf = runs.device.run(stage, [device_state, golden_state])
+        golden_t = stage_output(stage, g_out)
+        m = {name: compare(stage_output(stage, st), golden_t, dtype)
+             for name, st in (("i_acc", i_acc), ("d_acc", d_acc))}
+        # A block adds a small update to a large residual stream; judging the update itself keeps a wrong branch
+        # from hiding behind the residual it is added to.
+        residual = stage_input(stage, golden_state)
+        if residual is None:
+            m.update({name: compare(stage_output(stage, st), golden_t, dtype)
+                      for name, st in (("i_tf", i_tf), ("d_tf", d_tf))})
+        else:
+            base = residual.to("cpu", torch.float64)
+            update = golden_t.to("cpu", torch.float64) - base
+            m.update({name: compare(stage_output(stage, st).to("cpu", torch.float64) - base, update, dtype)
+                      for name, st in (("i_tf", i_tf), ("d_tf", d_tf))})
+        row = {
+            "stage": stage,
+            "accumulated": {"device": m["d_acc"], "intrinsic": m["i_acc"],
+                            "ratio": error_ratio(m["d_acc"]["rel_l2"], m["i_acc"]["rel_l2"], dtype)},
+            "teacher_forced": {"device": m["d_tf"], "intrinsic": m["i_tf"],
+                               "ratio": error_ratio(m["d_tf"]["rel_l2"], m["i_tf"]["rel_l2"], dtype)},
+            "growth_flag": False,
+        }
+        cur = {"d": m["d_acc"]["rel_l2"], "i": m["i_acc"]["rel_l2"]}
+        if prev and stage != "final" and all(v > 0 and math.isfinite(v) for v in (*cur.values(), *prev.values())):
+            row["growth"] = {"device": cur["d"] / prev["d"], "intrinsic": cur["i"] / prev["i"]}
+            row["growth_flag"] = row["growth"]["device"] > GROWTH_FLAG * row["growth"]["intrinsic"]
+        prev = cur
+        rows.append(row)
+        golden_state, intrinsic_state, device_state = g_out, i_acc, d_acc
+        if on_stage:
+            on_stage(stage)
+    outputs = {"golden": golden_state["out"], "intrinsic": intrinsic_state["out"], "device": device_state["out"]}
+    return rows, outputs

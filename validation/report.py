@@ -1,0 +1,120 @@
+"""report.json (the contract with `port publish`), report.md and the terminal table."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+from porting.mapping import MappingTable
+
+REPORT_JSON = "report.json"
+REPORT_MD = "report.md"
+
+
+def original_name(table: MappingTable, stage: str) -> str:
+    """`transformer_blocks.3` -> `double_blocks.3`, through the mapping table's block templates."""
+    if stage == "embed":
+        return "img_in, txt_in, time_in, *_modulation"
+    if stage == "final":
+        return "final_layer"
+    diff, orig = table.block_patterns("diffusers"), table.block_patterns("original")
+    for placeholder, pattern in diff.items():
+        m = pattern.match(stage + ".")
+        if m and placeholder in orig:
+            head = orig[placeholder].pattern.split("(")[0].replace("\\", "")
+            return f"{head}{m.group(1)}"
+    return stage
+
+
+@dataclass
+class Report:
+    data: dict[str, Any]
+
+    @property
+    def verdict(self) -> str:
+        return self.data["verdict"]
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.data
+
+    def write(self, folder: Path) -> list[Path]:
+        folder.mkdir(parents=True, exist_ok=True)
+        paths = [folder / REPORT_JSON, folder / REPORT_MD]
+        paths[0].write_text(json.dumps(_finite(self.data), indent=2) + "\n")
+        paths[1].write_text(to_markdown(self.data))
+        return paths
+
+
+def _finite(obj: Any) -> Any:
+    """JSON has no NaN/Infinity: write them as strings so every reader can parse the report."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.3f} %" if math.isfinite(x) else "NaN/Inf"
+
+
+def _ratio(x: float) -> str:
+    return f"{x:.2f}" if math.isfinite(x) else "inf"
+
+
+def to_markdown(d: dict[str, Any]) -> str:
+    lines = [f"# Validation report: **{d['verdict'].upper()}**", "",
+             f"- model: `{d['model']['path']}` ({d['model']['variant']}, {d['model']['naming']} naming)",
+             f"- weights sha256: `{d['weights_sha256']}`",
+             f"- device under test: `{d['device']}` in {d['dtype']}; golden: `{d['reference']}` in {d['golden_dtype']}; "
+             f"intrinsic reference: `{d['reference']}` in {d['dtype']}",
+             f"- inputs: {d['inputs']['resolution']}x{d['inputs']['resolution']} ({d['inputs']['image_tokens']} image "
+             f"tokens), {d['inputs']['text_tokens']} text tokens, timesteps {d['inputs']['timesteps']}, seeds "
+             f"{d['inputs']['seeds']}, text features: {d['inputs']['text_features']}",
+             f"- rule: {d['rule']['statement']}", ""]
+    if d["reasons"]:
+        lines += ["## Why it failed", ""] + [f"- {r}" for r in d["reasons"]] + [""]
+    lines += ["## Final output", "", "| case | device rel-L2 | intrinsic rel-L2 | ratio | cosine (device) |",
+              "|---|---|---|---|---|"]
+    for row in d["summary"]:
+        lines.append(f"| {row['name']} | {_pct(row['device_error'])} | {_pct(row['intrinsic_error'])} | "
+                     f"{_ratio(row['ratio'])} | {row['cosine']:.6f} |")
+    lines += ["", "## Per block (teacher-forced: each block fed the golden inputs)", "",
+              "| stage | original | device rel-L2 | intrinsic rel-L2 | ratio | accumulated ratio | flag |",
+              "|---|---|---|---|---|---|---|"]
+    for b in d["blocks"]:
+        tf = b["teacher_forced"]
+        flag = "BLAME" if d["blame"] and d["blame"]["stage"] == b["stage"] else ("growth" if b["growth_flag"] else "")
+        lines.append(f"| {b['stage']} | {b['original']} | {_pct(tf['device']['rel_l2'])} | "
+                     f"{_pct(tf['intrinsic']['rel_l2'])} | {_ratio(tf['ratio'])} | "
+                     f"{_ratio(b['accumulated']['ratio'])} | {flag} |")
+    if d.get("known_differences"):
+        lines += ["", "## Known, expected differences", ""] + [f"- {x}" for x in d["known_differences"]]
+    lines += ["", "Relative L2 e and cosine relate as cosine = 1/sqrt(1+e^2): e = 1 % is cosine 0.99995, "
+              "e = 14 % is cosine 0.99.", ""]
+    return "\n".join(lines)
+
+
+def terminal_table(d: dict[str, Any], max_rows: int = 80) -> Table:
+    table = Table(title=f"port validate: {d['verdict'].upper()}  (device {d['device']} {d['dtype']} vs golden "
+                        f"{d['reference']} {d['golden_dtype']}; limit ratio {d['rule']['max_ratio']})")
+    for col in ("stage", "original", "device err", "bf16-on-ref err" if d["dtype"] == "bf16" else "intrinsic err",
+                "ratio", "acc. ratio", ""):
+        table.add_column(col)
+    blame = d["blame"]["stage"] if d["blame"] else None
+    for b in d["blocks"][:max_rows]:
+        tf = b["teacher_forced"]
+        flag = "<- first bad block" if b["stage"] == blame else ("growth" if b["growth_flag"] else "")
+        table.add_row(b["stage"], b["original"], _pct(tf["device"]["rel_l2"]), _pct(tf["intrinsic"]["rel_l2"]),
+                      _ratio(tf["ratio"]), _ratio(b["accumulated"]["ratio"]), flag)
+    for row in d["summary"]:
+        table.add_row(f"output {row['name']}", "", _pct(row["device_error"]), _pct(row["intrinsic_error"]),
+                      _ratio(row["ratio"]), "", "")
+    return table

@@ -1,0 +1,67 @@
+"""Diffusers-named tensors from any supported checkpoint, one at a time.
+
+An original-naming file is converted on the fly through the same mapping tables `port convert` uses, so a
+fine-tune can be validated before it is converted on disk.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from porting.checkpoint import Checkpoint, hash_checkpoint, open_checkpoint
+from porting.detect import Detection, detect, load_base_config
+from porting.errors import InputError
+from porting.plan import Plan, build_plan
+
+WeightTransform = Callable[[str, torch.Tensor], torch.Tensor]
+
+
+class WeightSource:
+    def __init__(self, path: str | Path, config: str | Path | None = None) -> None:
+        self.path = Path(path)
+        self.ckpt: Checkpoint = open_checkpoint(path)
+        self.detection: Detection = detect(self.ckpt, load_base_config(config) if config else None)
+        if self.detection.table.name != "flux2":
+            raise InputError(f"{path}: validation supports FLUX.2 transformers; this is {self.detection.variant}.")
+        self.plan: Plan = build_plan(self.ckpt, self.detection, "diffusers")
+        if not self.plan.ok:
+            raise InputError(f"{path}: the checkpoint does not map cleanly onto {self.detection.table.diffusers_class} "
+                             f"({len(self.plan.problems())} problem(s)).",
+                             hint=f"Run `port convert {path} --dry-run --strict` to see them.")
+        self._where: dict[str, tuple[int, int]] = {}
+        for i, ps in enumerate(self.plan.steps):
+            for j, key in enumerate(ps.step.targets):
+                self._where[key] = (i, j)
+        self._cached: tuple[int, list[torch.Tensor]] | None = None
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return self.detection.config
+
+    def keys(self) -> list[str]:
+        return list(self._where)
+
+    def get(self, key: str) -> torch.Tensor:
+        """The tensor `key` (diffusers naming) in its stored dtype."""
+        if key not in self._where:
+            raise KeyError(key)
+        i, j = self._where[key]
+        if self._cached is None or self._cached[0] != i:
+            ps = self.plan.steps[i]
+            # keep one step's outputs: a fused qkv is read once for its three targets
+            self._cached = (i, ps.step.op.apply([self.ckpt.read(k) for k in ps.stored_sources]))
+        return self._cached[1][j]
+
+    def weights_sha256(self) -> str:
+        """Identity of the weights as `port convert` records it (diffusers naming)."""
+        if self.detection.naming == "diffusers":
+            return hash_checkpoint(self.ckpt, self.detection.prefix)
+        from porting.writer import WeightsHasher
+
+        hasher = WeightsHasher()
+        for key, _, dtype in self.plan.outputs():
+            hasher.update(key, self.get(key).contiguous(), dtype)
+        return hasher.hexdigest()
