@@ -1,0 +1,79 @@
+"""`port generate FOLDER --prompt TEXT`: run a published folder and report its speed and memory."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+
+from ..generate import GenerateResult, generate as run_generate
+from . import _output
+from ._options import JsonOpt, QuietOpt
+
+GENERATE_EXAMPLES = """Examples:
+  port generate ./my-klein-ft --prompt "a red fox in the snow" --device npu:0 --steps 4 --output fox.png
+  port generate ./my-klein-ft --prompt "a red fox" --device cuda --size 768x1024 --cpu-offload model
+  port generate ./my-klein-ft --prompt "make it winter" --image ref.png --device cuda --output edit.png
+"""
+
+
+class OffloadChoice(str, Enum):
+    model = "model"
+    sequential = "sequential"
+
+
+class GenDtype(str, Enum):
+    bf16 = "bf16"
+    fp16 = "fp16"
+    fp32 = "fp32"
+
+
+def _gb(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def summary_table(r: GenerateResult) -> Table:
+    table = Table(title="generated", show_header=False)
+    table.add_row("image", f"{r.output} ({r.width}x{r.height})")
+    table.add_row("pipeline", f"{r.pipeline} on {r.device} ({r.dtype}" + (f", {r.cpu_offload} offload)"
+                                                                           if r.cpu_offload else ")"))
+    table.add_row("load", f"{r.load_s:.2f} s")
+    table.add_row("denoising", f"{r.denoise_s:.2f} s for {r.steps} step(s), {r.s_per_it:.3f} s/it")
+    table.add_row("total call", f"{r.total_s:.2f} s (text encoding, denoising, decoding)")
+    table.add_row("peak memory", f"{_gb(r.peak_memory_bytes)} ({r.peak_memory_kind})")
+    return table
+
+
+def generate(
+    folder: Annotated[Path, typer.Argument(help="Published pipeline folder (port publish --out).")],
+    prompt: Annotated[str, typer.Option("--prompt", "-p", help="Text prompt.")],
+    device: Annotated[str, typer.Option("--device", help="cpu, cuda[:N] or npu[:N].")] = "cpu",
+    steps: Annotated[Optional[int], typer.Option("--steps", help="Denoising steps (default 4 for distilled "
+                                                                 "models, 50 otherwise).")] = None,
+    seed: Annotated[int, typer.Option("--seed", help="Noise seed (CPU generator: same image on every "
+                                                     "device).")] = 0,
+    size: Annotated[str, typer.Option("--size", help="Side in pixels, or WIDTHxHEIGHT.")] = "1024",
+    output: Annotated[Path, typer.Option("--output", "-o", help="PNG file to write.")] = Path("image.png"),
+    cpu_offload: Annotated[Optional[OffloadChoice], typer.Option("--cpu-offload", help="Keep weights on CPU and "
+                                                                 "move them to the device per model or per "
+                                                                 "layer.")] = None,
+    image: Annotated[Optional[list[Path]], typer.Option("--image", help="Reference image for editing "
+                                                        "(repeatable).")] = None,
+    dtype: Annotated[Optional[GenDtype], typer.Option("--dtype", help="Default bf16 on accelerators, fp32 on "
+                                                      "cpu.")] = None,
+    guidance_scale: Annotated[Optional[float], typer.Option("--guidance-scale", help="CFG scale (base and dev "
+                                                            "models; distilled models ignore it).")] = None,
+    json_: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Generate an image from a published folder; prints load time, denoising time, s/it and peak memory."""
+    out = _output.use(json_mode=json_, quiet=quiet)
+    result = run_generate(folder, prompt, device=device, steps=steps, seed=seed, size=size, output=output,
+                          cpu_offload=cpu_offload.value if cpu_offload else None, images=image or [],
+                          dtype=dtype.value if dtype else None, guidance_scale=guidance_scale,
+                          progress=not out.quiet, on_status=out.status)
+    out.document(result.to_dict())
+    out.table(summary_table(result))

@@ -1,0 +1,230 @@
+"""`port generate`: run a published folder through its diffusers pipeline and measure it.
+
+Loads with `DiffusionPipeline.from_pretrained(folder, local_files_only=True)` (the class comes from
+model_index.json), draws the noise from a CPU generator so a seed gives the same image on every device, and times
+loading and denoising; peak memory is the device allocator's peak on an accelerator, the process peak RSS on CPU.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import resource
+import sys
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .errors import DeviceError, InputError, PortError
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+OFFLOAD_MODES = ("model", "sequential")
+MIN_REFERENCE_SIDE = 64  # Flux2 pipelines refuse smaller reference images (flux2-checkpoints.md 8.1)
+
+
+@dataclass
+class GenerateResult:
+    output: str
+    pipeline: str
+    prompt: str
+    width: int
+    height: int
+    steps: int
+    seed: int
+    device: str
+    dtype: str
+    cpu_offload: str | None
+    reference_images: list[str]
+    load_s: float
+    denoise_s: float
+    s_per_it: float
+    total_s: float
+    peak_memory_bytes: int
+    peak_memory_kind: str  # "device allocator" or "process RSS"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def resolve_device(text: str) -> torch.device:
+    """Device string to torch.device, importing torch_npu lazily (validation.devices does the full check)."""
+    try:
+        from validation.devices import resolve_device as full
+    except ImportError:  # validation/ not installed: the minimal check
+        if text.startswith("npu"):
+            try:
+                import torch_npu  # noqa: F401
+            except ImportError as e:
+                raise DeviceError(f"--device {text} needs torch_npu, which is not installed.",
+                                  hint='pip install "flux-port[npu]" (matching your torch and CANN).') from e
+        if text.startswith("cuda") and not torch.cuda.is_available():
+            raise DeviceError(f"--device {text}: no CUDA device available.", hint="Use --device cpu.")
+        return torch.device(text)
+    return full(text)
+
+
+def parse_size(text: str | int) -> tuple[int, int]:
+    """'1024' or '768x1024' (width x height)."""
+    s = str(text).lower().strip()
+    try:
+        w, _, h = s.partition("x")
+        width, height = int(w), int(h or w)
+    except ValueError as e:
+        raise PortError(f"--size {text!r}: use one number (1024) or WIDTHxHEIGHT (768x1024).") from e
+    if width <= 0 or height <= 0:
+        raise PortError(f"--size {text!r}: sides must be positive.")
+    return width, height
+
+
+def read_model_index(folder: Path) -> dict[str, Any]:
+    path = folder / "model_index.json"
+    if not path.is_file():
+        raise InputError(f"{folder}: no model_index.json; not a diffusers pipeline folder.",
+                         hint="Publish one first: port publish --base BASE --transformer DIR --out FOLDER.")
+    try:
+        return json.loads(path.read_text())
+    except ValueError as e:
+        raise InputError(f"{path}: not valid JSON ({e}).") from e
+
+
+def default_steps(index: dict[str, Any]) -> int:
+    """4 for distilled klein (and the KV pipeline, which is distilled), 50 for base and dev models."""
+    if index.get("_class_name") == "Flux2KleinKVPipeline" or index.get("is_distilled"):
+        return 4
+    return 50
+
+
+def load_references(paths: Sequence[Path]) -> list[Any]:
+    from PIL import Image
+
+    images = []
+    for p in paths:
+        if not Path(p).is_file():
+            raise InputError(f"--image {p}: no such file.")
+        try:
+            img = Image.open(p).convert("RGB")
+        except OSError as e:
+            raise InputError(f"--image {p}: not an image PIL can read ({e}).") from e
+        if min(img.size) < MIN_REFERENCE_SIDE:
+            raise InputError(f"--image {p}: {img.size[0]}x{img.size[1]} px; reference images need at least "
+                             f"{MIN_REFERENCE_SIDE} px per side.")
+        images.append(img)
+    return images
+
+
+def _peak_rss_bytes() -> int:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB
+
+
+def _accelerator(device: torch.device) -> Any | None:
+    return {"cuda": getattr(torch, "cuda", None), "npu": getattr(torch, "npu", None),
+            "xpu": getattr(torch, "xpu", None)}.get(device.type)
+
+
+def load_pipeline(folder: Path, device: torch.device, dtype: torch.dtype, cpu_offload: str | None = None) -> Any:
+    """The folder's pipeline, on `device` (or offloaded to it), quiet about its own progress bars."""
+    from diffusers import DiffusionPipeline
+
+    with warnings.catch_warnings():  # diffusers 0.42 renames torch_dtype to dtype; older releases only know torch_dtype
+        warnings.filterwarnings("ignore", message=".*torch_dtype.*", category=FutureWarning)
+        pipe = DiffusionPipeline.from_pretrained(folder, local_files_only=True, torch_dtype=dtype)
+    if cpu_offload == "model":
+        pipe.enable_model_cpu_offload(device=device)
+    elif cpu_offload == "sequential":
+        pipe.enable_sequential_cpu_offload(device=device)
+    else:
+        pipe.to(device)
+    return pipe
+
+
+def generate(folder: str | Path, prompt: str, *, device: str = "cpu", steps: int | None = None, seed: int = 0,
+             size: str | int = 1024, output: str | Path = "image.png", cpu_offload: str | None = None,
+             images: Sequence[str | Path] = (), dtype: str | None = None, guidance_scale: float | None = None,
+             progress: bool = True, on_status: Callable[[str], None] | None = None) -> GenerateResult:
+    """Generate one image from a published folder and write it as PNG to `output`."""
+    folder, output = Path(folder), Path(output)
+    say = on_status or (lambda text: None)
+    index = read_model_index(folder)
+    dev = resolve_device(device)
+    if cpu_offload is not None:
+        if cpu_offload not in OFFLOAD_MODES:
+            raise PortError(f"--cpu-offload {cpu_offload!r}: choose model or sequential.")
+        if dev.type == "cpu":
+            raise PortError("--cpu-offload moves weights between CPU and an accelerator; it needs --device cuda or "
+                            "npu:N.")
+    dtype_name = dtype or ("fp32" if dev.type == "cpu" else "bf16")
+    if dtype_name not in DTYPES:
+        raise PortError(f"--dtype {dtype_name!r}: choose one of {', '.join(DTYPES)}.")
+    width, height = parse_size(size)
+    references = load_references([Path(p) for p in images])
+    steps = steps or default_steps(index)
+    if steps < 1:
+        raise PortError(f"--steps {steps}: needs at least 1.")
+    if output.suffix.lower() != ".png":
+        raise PortError(f"--output {output}: flux-port writes PNG; name the file *.png.")
+
+    acc = _accelerator(dev)
+    if acc is not None:
+        acc.reset_peak_memory_stats(dev)
+    say(f"loading {index.get('_class_name')} from {folder} on {dev} ({dtype_name}"
+        + (f", {cpu_offload} offload" if cpu_offload else "") + ")")
+    started = time.perf_counter()
+    pipe = load_pipeline(folder, dev, DTYPES[dtype_name], cpu_offload)
+    pipe.set_progress_bar_config(disable=not progress)
+    load_s = time.perf_counter() - started
+
+    multiple = getattr(pipe, "vae_scale_factor", 8) * 2
+    if width % multiple or height % multiple:
+        raise PortError(f"--size {width}x{height}: both sides must be multiples of {multiple} for this pipeline.",
+                        hint=f"e.g. --size {max(multiple, width // multiple * multiple)}")
+
+    marks: dict[str, float] = {}
+
+    def first_forward(module: Any, args: Any) -> None:
+        marks.setdefault("denoise_start", time.perf_counter())
+
+    def step_end(pipeline: Any, i: int, t: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+        marks["denoise_end"] = time.perf_counter()
+        return kwargs
+
+    handle = pipe.transformer.register_forward_pre_hook(first_forward)
+    accepted = inspect.signature(pipe.__call__).parameters
+    kwargs: dict[str, Any] = {"prompt": prompt, "height": height, "width": width, "num_inference_steps": steps,
+                              "generator": torch.Generator("cpu").manual_seed(seed),
+                              "callback_on_step_end": step_end}
+    if references:
+        kwargs["image"] = references if len(references) > 1 else references[0]
+    if guidance_scale is not None:
+        if "guidance_scale" not in accepted:
+            raise PortError(f"--guidance-scale: {type(pipe).__name__} takes no guidance scale.")
+        kwargs["guidance_scale"] = guidance_scale
+    say(f"generating {width}x{height}, {steps} step(s), seed {seed}")
+    call_start = time.perf_counter()
+    try:
+        image = pipe(**kwargs).images[0]
+    finally:
+        handle.remove()
+    total_s = time.perf_counter() - call_start
+    denoise_s = marks.get("denoise_end", call_start) - marks.get("denoise_start", call_start)
+
+    output.parent.mkdir(parents=True, exist_ok=True)
+    partial = output.with_name(f".{output.name}.partial")
+    image.save(partial, format="PNG")
+    os.replace(partial, output)
+
+    if acc is not None:
+        peak, kind = int(acc.max_memory_allocated(dev)), "device allocator"
+    else:
+        peak, kind = _peak_rss_bytes(), "process RSS"
+    return GenerateResult(
+        output=str(output), pipeline=type(pipe).__name__, prompt=prompt, width=width, height=height, steps=steps,
+        seed=seed, device=str(dev), dtype=dtype_name, cpu_offload=cpu_offload,
+        reference_images=[str(p) for p in images], load_s=round(load_s, 3), denoise_s=round(denoise_s, 3),
+        s_per_it=round(denoise_s / steps, 4), total_s=round(total_s, 3), peak_memory_bytes=peak,
+        peak_memory_kind=kind)

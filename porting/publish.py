@@ -1,0 +1,483 @@
+"""`port publish`: a diffusers pipeline folder from a base repository and a converted transformer, gated on validation.
+
+The folder is what `Flux2KleinPipeline.from_pretrained(folder)` (or the KV / dev pipeline) loads: `model_index.json`,
+the base's `scheduler/`, `text_encoder/`, `tokenizer/`, `vae/` (hard-linked, not copied, where the filesystem
+allows), the converted `transformer/`, a model card, the validation report and a manifest with the sha256 of every
+file. It is built next to the destination and moved into place only when complete.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+from . import __version__
+from .checkpoint import hash_checkpoint, open_checkpoint
+from .convert import MANIFEST as CONVERT_MANIFEST
+from .detect import config_mismatches
+from .errors import CheckFailed, DiskSpaceError, InputError, PortError
+from .writer import atomic_folder
+
+LinkMode = Literal["hardlink", "symlink", "copy"]
+LINK_MODES: tuple[str, ...] = ("hardlink", "symlink", "copy")
+MANIFEST = "manifest.json"
+REPORT_FILES = ("report.json", "report.md")
+TRANSFORMER_CLASS = "Flux2Transformer2DModel"
+
+
+@dataclass(frozen=True)
+class VariantSpec:
+    """What a published folder of one FLUX.2 variant declares and needs."""
+
+    pipeline: str
+    text_encoder: str  # class the pipeline expects in text_encoder/
+    guidance_embeds: bool
+    out_layers: tuple[int, ...]  # the pipeline's default text_encoder_out_layers
+    registers_is_distilled: bool  # whether the pipeline's config (model_index.json) records is_distilled
+    title: str
+
+
+# flux2-checkpoints.md section 8: pipeline classes, their text encoders and default hidden-state layers.
+VARIANTS: dict[str, VariantSpec] = {
+    "klein": VariantSpec("Flux2KleinPipeline", "Qwen3ForCausalLM", False, (9, 18, 27), True, "FLUX.2 [klein]"),
+    "klein-kv": VariantSpec("Flux2KleinKVPipeline", "Qwen3ForCausalLM", False, (9, 18, 27), False,
+                            "FLUX.2 [klein] KV"),
+    "dev": VariantSpec("Flux2Pipeline", "Mistral3ForConditionalGeneration", True, (10, 20, 30), False,
+                       "FLUX.2 [dev]"),
+}
+PIPELINE_TO_VARIANT = {spec.pipeline: name for name, spec in VARIANTS.items()}
+
+
+@dataclass
+class Gate:
+    """The validation evidence for one transformer: `status` is pass, missing, fail, mismatch or unreadable."""
+
+    status: str
+    message: str
+    path: Path | None = None
+    report: dict[str, Any] | None = None
+
+    @property
+    def passed(self) -> bool:
+        return self.status == "pass"
+
+
+@dataclass
+class PublishResult:
+    out: Path
+    variant: str
+    pipeline: str
+    weights_sha256: str
+    gate: Gate
+    skip_validation: bool
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)
+    notices: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for info in self.files.values():
+            out[info["how"]] = out.get(info["how"], 0) + 1
+        return dict(sorted(out.items()))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"out": str(self.out), "variant": self.variant, "pipeline": self.pipeline,
+                "weights_sha256": self.weights_sha256,
+                "validation": {"status": self.gate.status, "message": self.gate.message,
+                               "report": str(self.gate.path) if self.gate.path else None,
+                               "enforced": not self.skip_validation},
+                "files": len(self.files), "bytes": sum(f["bytes"] for f in self.files.values()),
+                "how": self.counts(), "notices": self.notices, "seconds": round(self.seconds, 3)}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# reading the inputs
+
+def _read_json(path: Path, what: str) -> dict[str, Any]:
+    if not path.is_file():
+        raise InputError(f"{path}: missing ({what}).")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise InputError(f"{path}: not valid JSON ({e}).") from e
+    if not isinstance(data, dict):
+        raise InputError(f"{path}: expected a JSON object.")
+    return data
+
+
+def read_base(base: Path) -> dict[str, Any]:
+    """The base repository's model_index.json, after checking its component folders exist."""
+    if not base.is_dir():
+        raise InputError(f"{base}: base folder not found.",
+                         hint="Point --base at a diffusers-layout base repository (port fetch RECIPE downloads one).")
+    index = _read_json(base / "model_index.json", "a diffusers base repository has one at its root")
+    for name in base_components(index):
+        if not (base / name).is_dir():
+            raise InputError(f"{base}: model_index.json lists component '{name}' but {base / name} is missing.",
+                             hint="The base download is incomplete; run port fetch again.")
+    return index
+
+
+def base_components(index: dict[str, Any]) -> list[str]:
+    """Components the base provides (everything in model_index.json but the transformer)."""
+    return sorted(k for k, v in index.items() if not k.startswith("_") and k != "transformer"
+                  and isinstance(v, list) and len(v) == 2 and v[0] is not None and v[1] is not None)
+
+
+def infer_variant(base_index: dict[str, Any], transformer_cfg: dict[str, Any]) -> str:
+    found = PIPELINE_TO_VARIANT.get(str(base_index.get("_class_name")))
+    if found:
+        return found
+    return "dev" if transformer_cfg.get("guidance_embeds") else "klein"
+
+
+def transformer_identity(transformer: Path) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """(weights sha256 recomputed from the files, config.json, convert's flux-port.json or {})."""
+    cfg = _read_json(transformer / "config.json", "a converted transformer folder has one; port convert writes it")
+    weights = hash_checkpoint(open_checkpoint(transformer))
+    convert_manifest: dict[str, Any] = {}
+    if (transformer / CONVERT_MANIFEST).is_file():
+        convert_manifest = _read_json(transformer / CONVERT_MANIFEST, "written by port convert")
+        recorded = convert_manifest.get("weights_sha256")
+        if recorded and recorded != weights:
+            raise CheckFailed(
+                f"{transformer}: weights changed since port convert wrote them (recorded {recorded[:16]}..., "
+                f"files now {weights[:16]}...).",
+                hint="Convert again (port convert ... --force) and validate the new weights before publishing.")
+    return weights, cfg, convert_manifest
+
+
+def text_encoder_facts(cfg: dict[str, Any]) -> tuple[int, int]:
+    """(hidden size, hidden layers) of a Qwen3 config or of the text part of a Mistral3 config."""
+    inner = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    return int(inner["hidden_size"]), int(inner["num_hidden_layers"])
+
+
+def check_consistency(base: Path, base_index: dict[str, Any], cfg: dict[str, Any], variant: str) -> list[str]:
+    """Refuse a transformer that does not fit the base; returns notices for checks that could not run."""
+    spec, notices, problems = VARIANTS[variant], [], []
+    if cfg.get("_class_name") != TRANSFORMER_CLASS:
+        problems.append(f"transformer/config.json _class_name is {cfg.get('_class_name')!r}, the {spec.title} "
+                        f"pipeline needs {TRANSFORMER_CLASS!r}")
+    if bool(cfg.get("guidance_embeds")) != spec.guidance_embeds:
+        problems.append(f"transformer guidance_embeds is {bool(cfg.get('guidance_embeds'))}, {spec.title} has "
+                        f"{spec.guidance_embeds}")
+    base_cfg_path = base / "transformer" / "config.json"
+    if base_cfg_path.is_file():
+        for name, want, got in config_mismatches(_read_json(base_cfg_path, "base transformer config"), cfg):
+            problems.append(f"{name}: base {base_cfg_path} has {want}, the fine-tune has {got}")
+    else:
+        notices.append(f"{base_cfg_path} not found: the fine-tune's architecture was only checked against the text "
+                       "encoder and the VAE")
+    te_entry = base_index.get("text_encoder") or [None, None]
+    if te_entry[1] != spec.text_encoder:
+        problems.append(f"base model_index.json text_encoder is {te_entry[1]!r}, {spec.pipeline} needs "
+                        f"{spec.text_encoder!r}")
+    te_cfg = _read_json(base / "text_encoder" / "config.json", "text encoder config")
+    hidden, layers = text_encoder_facts(te_cfg)
+    jad = cfg.get("joint_attention_dim")
+    if jad != 3 * hidden:
+        problems.append(f"text encoder hidden_size {hidden} x 3 = {3 * hidden} ({base / 'text_encoder'}), but the "
+                        f"transformer's joint_attention_dim is {jad}")
+    if layers < max(spec.out_layers):
+        problems.append(f"text encoder has {layers} hidden layers; {spec.pipeline} reads layers "
+                        f"{list(spec.out_layers)} by default")
+    vae_cfg = _read_json(base / "vae" / "config.json", "VAE config")
+    patch = vae_cfg.get("patch_size") or [2, 2]
+    latent, patch_area = int(vae_cfg.get("latent_channels", 32)), int(patch[0]) * int(patch[1])
+    if cfg.get("in_channels") != latent * patch_area:
+        problems.append(f"VAE latent_channels {latent} x {patch_area} (2x2 patches) = {latent * patch_area} "
+                        f"({base / 'vae'}), but the transformer's in_channels is {cfg.get('in_channels')}")
+    if problems:
+        raise CheckFailed(
+            f"the transformer does not fit the base {base} ({len(problems)} problem(s)); nothing was written.",
+            details="\n".join(f"  {p}" for p in problems),
+            hint="A fine-tune must be published with the base it was trained from (e.g. klein-4B with "
+                 "FLUX.2-klein-4B, klein-9B with FLUX.2-klein-9B), and --variant must match it.")
+    return notices
+
+
+def check_report(report: Path | None, weights: str) -> Gate:
+    """Read a validate report (a report.json or the folder holding it) and judge it for these weights."""
+    if report is None:
+        return Gate("missing", "no validation report was given")
+    path = report / "report.json" if report.is_dir() else report
+    if not path.is_file():
+        return Gate("missing", f"{path} does not exist", path)
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as e:
+        return Gate("unreadable", f"{path} is not a readable report ({e})", path)
+    recorded = data.get("weights_sha256")
+    if recorded != weights:
+        return Gate("mismatch", f"{path} validated other weights ({str(recorded)[:16]}...), this transformer is "
+                                f"{weights[:16]}...", path, data)
+    if data.get("verdict") != "pass":
+        return Gate("fail", f"{path} has verdict {data.get('verdict')!r}", path, data)
+    return Gate("pass", f"{path}: verdict pass on {data.get('device')} {data.get('dtype')}", path, data)
+
+
+def refusal(gate: Gate, transformer: Path) -> CheckFailed:
+    hints = {
+        "missing": f"Validate first: port validate {transformer} --device npu:0 --out REPORTS, then pass "
+                   "--report REPORTS/report.json.",
+        "mismatch": f"The report belongs to other weights: validate this transformer ({transformer}) and pass "
+                    "its report.",
+        "fail": "Read report.md for the blamed block; a failing port must not be published.",
+        "unreadable": "Run port validate again to write a fresh report.json.",
+    }
+    return CheckFailed(f"refusing to publish: {gate.message}.",
+                       hint=hints.get(gate.status, "") + " (--skip-validation publishes anyway and says so in the "
+                                                         "model card.)")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# writing
+
+def link_file(src: Path, dst: Path, mode: str, hardlink: Callable[[Path, Path], None] = os.link) -> str:
+    """Place `src` at `dst` by `mode`; returns how it was placed. A hard link that the filesystem refuses
+    (another device, no link support, too many links) falls back to a copy."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    if mode == "hardlink":
+        try:
+            hardlink(src, dst)
+            return "hardlink"
+        except OSError as e:
+            if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP,
+                               errno.EACCES):
+                raise
+    elif mode == "symlink":
+        os.symlink(os.path.abspath(src), dst)
+        return "symlink"
+    shutil.copy2(src, dst)
+    return "copy"
+
+
+def _files_under(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if p.is_file() and not any(part.startswith(".")
+                                                                          for part in p.relative_to(folder).parts))
+
+
+def sha256_file(path: Path, on_bytes: Callable[[int], None] | None = None) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+            if on_bytes:
+                on_bytes(len(chunk))
+    return h.hexdigest()
+
+
+def build_model_index(base_index: dict[str, Any], variant: str) -> dict[str, Any]:
+    import diffusers
+
+    spec = VARIANTS[variant]
+    index: dict[str, Any] = {"_class_name": spec.pipeline, "_diffusers_version": diffusers.__version__}
+    if spec.registers_is_distilled and "is_distilled" in base_index:
+        index["is_distilled"] = bool(base_index["is_distilled"])
+    for name in base_components(base_index):
+        index[name] = list(base_index[name])
+    index["transformer"] = ["diffusers", TRANSFORMER_CLASS]
+    return dict(sorted(index.items(), key=lambda kv: (not kv[0].startswith("_"), kv[0])))
+
+
+def base_card_metadata(base: Path) -> dict[str, str]:
+    """license / license_name / license_link from the YAML header of the base's README.md, if any."""
+    readme = base / "README.md"
+    if not readme.is_file():
+        return {}
+    lines = readme.read_text(errors="replace").splitlines()
+    if not lines or lines[0].strip() != "---":
+        return {}
+    out: dict[str, str] = {}
+    for line in lines[1:]:
+        if line.strip() == "---":
+            break
+        key, sep, value = line.partition(":")
+        if sep and key in ("license", "license_name", "license_link") and value.strip():
+            out[key] = value.strip().strip("'\"")
+    return out
+
+
+def _source_sha256(convert_manifest: dict[str, Any], transformer: Path) -> str | None:
+    if convert_manifest.get("source_sha256"):
+        return str(convert_manifest["source_sha256"])
+    port_json = transformer.parent / "port.json"  # the workspace record, when the transformer lives in one
+    if port_json.is_file():
+        try:
+            record = json.loads(port_json.read_text())
+        except ValueError:
+            return None
+        for key in ("source_sha256", "finetune_sha256"):
+            if isinstance(record, dict) and record.get(key):
+                return str(record[key])
+    return None
+
+
+def _fmt(value: Any, digits: int = 4) -> str:
+    if isinstance(value, float):
+        return f"{value:.{digits}g}"
+    return "n/a" if value is None else str(value)
+
+
+def model_card(*, name: str, base_model: str, base: Path, variant: str, weights: str, gate: Gate,
+               skip_validation: bool, convert_manifest: dict[str, Any], transformer: Path) -> str:
+    spec = VARIANTS[variant]
+    meta: dict[str, str] = {"base_model": base_model, "base_model_relation": "finetune", "library_name": "diffusers",
+                            "pipeline_tag": "text-to-image", **base_card_metadata(base)}
+    lines = ["---"] + [f"{k}: {json.dumps(v)}" for k, v in meta.items()]
+    lines += ["tags:", "  - flux-port", "  - flux2", "---", "", f"# {name}", "",
+              f"A {spec.title} fine-tune of [{base_model}](https://huggingface.co/{base_model}) in diffusers layout, "
+              f"ported by flux-port {__version__}. The base repository provides the scheduler, text encoder, "
+              "tokenizer and VAE; the transformer is the converted fine-tune.", ""]
+    if not gate.passed:
+        lines += ["> **Not validated.** This folder was published with `--skip-validation`: "
+                  f"{gate.message}. Nothing checked that these weights compute what the original checkpoint "
+                  "computes. Treat its outputs with care.", ""]
+    lines += ["## Use", "", "```python", "import torch", f"from diffusers import {spec.pipeline}", "",
+              f'pipe = {spec.pipeline}.from_pretrained("{name}", torch_dtype=torch.bfloat16)',
+              'image = pipe(prompt="a red fox in the snow").images[0]', "```", "",
+              f'or `port generate {name} --prompt "a red fox in the snow" --device cuda --output fox.png`.', "",
+              "## How it was converted", "", "| | |", "|---|---|"]
+    source_hash = _source_sha256(convert_manifest, transformer)
+    rows = [("source file", Path(str(convert_manifest.get("source", "not recorded"))).name),
+            ("source sha256", source_hash or "not recorded"),
+            ("source naming", convert_manifest.get("source_naming", "not recorded")),
+            ("mapping table", convert_manifest.get("table", "not recorded")),
+            ("detected variant", convert_manifest.get("variant") or "unnamed"),
+            ("transformer weights sha256", weights),
+            ("converted with", f"flux-port {convert_manifest.get('version', 'unknown')}"),
+            ("published with", f"flux-port {__version__}, pipeline {spec.pipeline}")]
+    lines += [f"| {k} | `{v}` |" for k, v in rows] + [""]
+    lines += validation_section(gate, skip_validation)
+    lines += ["## Files", "", "`manifest.json` lists the sha256 of every file; `report.json` and `report.md` are the "
+              "validation report as `port validate` wrote it.", ""]
+    return "\n".join(lines)
+
+
+def validation_section(gate: Gate, skip_validation: bool) -> list[str]:
+    lines = ["## Validation", ""]
+    r = gate.report
+    if not gate.passed:
+        lines += [f"Not validated: {gate.message}." + (" Published with `--skip-validation`." if skip_validation
+                                                        else ""), ""]
+        if r is None:
+            return lines
+    rule = r.get("rule") or {}
+    lines += [f"Verdict **{r.get('verdict')}**: full-model forward on `{r.get('device')}` in `{r.get('dtype')}` "
+              f"against a `{r.get('golden_dtype')}` golden on `{r.get('reference')}`; the rule passes when the "
+              f"device error is at most {_fmt(rule.get('max_ratio'))} x the dtype's intrinsic error "
+              f"(report by {r.get('tool', 'flux-port')} {r.get('version', '')}).", ""]
+    summary = r.get("summary") or []
+    if summary:
+        lines += ["| output | device error | intrinsic error | ratio |", "|---|---|---|---|"]
+        lines += [f"| {_fmt(row.get('name'))} | {_fmt(row.get('device_error'))} | {_fmt(row.get('intrinsic_error'))} "
+                  f"| {_fmt(row.get('ratio'))} |" for row in summary]
+        lines.append("")
+    metrics = r.get("output") or {}
+    if metrics:
+        lines += ["Final output: " + ", ".join(f"{k} {_fmt(v, 6)}" for k, v in metrics.items()
+                                               if isinstance(v, (int, float))) + ".", ""]
+    return lines
+
+
+def publish(base: str | Path, transformer: str | Path, out: str | Path, *, report: str | Path | None = None,
+            link: str = "hardlink", skip_validation: bool = False, variant: str | None = None,
+            base_model: str | None = None, force: bool = False,
+            on_status: Callable[[str], None] | None = None,
+            on_start: Callable[[int], None] | None = None, on_bytes: Callable[[int], None] | None = None,
+            hardlink: Callable[[Path, Path], None] = os.link) -> PublishResult:
+    """Assemble a diffusers pipeline folder at `out` from `base` and a converted `transformer`.
+
+    Refuses (CheckFailed, exit 1) without a passing report.json for exactly these weights unless
+    `skip_validation`, and when the transformer does not fit the base. `hardlink` is the link call, replaceable
+    in tests to simulate a filesystem that refuses hard links.
+    """
+    started = time.perf_counter()
+    base, transformer, out = Path(base), Path(transformer), Path(out)
+    say = on_status or (lambda text: None)
+    if link not in LINK_MODES:
+        raise PortError(f"--link {link!r}: choose one of {', '.join(LINK_MODES)}.")
+    if variant is not None and variant not in VARIANTS:
+        raise PortError(f"--variant {variant!r}: choose one of {', '.join(VARIANTS)}.")
+    if out.exists() and not force:
+        raise PortError(f"{out}: output folder already exists.", hint="Pass --force to replace it.")
+    if out.resolve() in (base.resolve(), transformer.resolve()):
+        raise PortError(f"{out}: --out must be a new folder, not the base or the transformer folder.")
+    base_index = read_base(base)
+    if not transformer.is_dir():
+        raise InputError(f"{transformer}: converted transformer folder not found.",
+                         hint="Convert the fine-tune first: port convert FILE --out DIR --strict.")
+    say(f"hashing the transformer weights in {transformer}")
+    weights, cfg, convert_manifest = transformer_identity(transformer)
+    variant = variant or infer_variant(base_index, cfg)
+    notices = check_consistency(base, base_index, cfg, variant)
+    gate = check_report(Path(report) if report is not None else None, weights)
+    if not gate.passed and not skip_validation:
+        raise refusal(gate, transformer)
+    if not gate.passed:
+        notices.append(f"validation skipped ({gate.message}); the model card says so")
+    base_model = base_model or base.resolve().name
+
+    sources: list[tuple[Path, Path]] = [(f, Path(name) / f.relative_to(base / name))
+                                        for name in base_components(base_index) for f in _files_under(base / name)]
+    sources += [(f, Path("transformer") / f.relative_to(transformer)) for f in _files_under(transformer)]
+    total = sum(src.stat().st_size for src, _ in sources)
+    if link == "copy":
+        free = shutil.disk_usage(out.resolve().parent if out.parent.exists() else Path.cwd()).free
+        if free < total:
+            raise DiskSpaceError(f"{out.parent}: copying needs {total / 1e9:.2f} GB, {free / 1e9:.2f} GB free.",
+                                 hint="Use --link hardlink or symlink, or free some space.")
+    if on_start:
+        on_start(2 * total)  # placing, then hashing
+    files: dict[str, dict[str, Any]] = {}
+    with atomic_folder(out, force=force) as staging:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(staging, 0o777 & ~umask)  # a staging folder is private (mkdtemp); the published one is not
+        say(f"placing {len(sources)} files ({link})")
+        for src, rel in sources:
+            how = link_file(src, staging / rel, link, hardlink)
+            files[rel.as_posix()] = {"how": how}
+            if on_bytes:
+                on_bytes(src.stat().st_size)
+        placed = set(files)
+        copied = [r for r, f in files.items() if f["how"] == "copy"]
+        if link == "hardlink" and copied:
+            notices.append(f"hard links not possible from {base} or {transformer} to {out} (another filesystem?); "
+                           f"copied {len(copied)} file(s) instead")
+        (staging / "model_index.json").write_text(json.dumps(build_model_index(base_index, variant), indent=2) + "\n")
+        files["model_index.json"] = {"how": "written"}
+        if gate.path is not None and gate.report is not None:
+            for name in REPORT_FILES:
+                if (gate.path.parent / name).is_file():
+                    shutil.copy2(gate.path.parent / name, staging / name)
+                    files[name] = {"how": "copy"}
+        card = model_card(name=out.name, base_model=base_model, base=base, variant=variant, weights=weights,
+                          gate=gate, skip_validation=skip_validation, convert_manifest=convert_manifest,
+                          transformer=transformer)
+        (staging / "README.md").write_text(card)
+        files["README.md"] = {"how": "written"}
+        say("hashing every file for manifest.json")
+        for rel, info in files.items():
+            info["bytes"] = (staging / rel).stat().st_size
+            info["sha256"] = sha256_file(staging / rel, on_bytes if rel in placed else None)
+        manifest = {
+            "tool": "flux-port", "version": __version__, "format_version": 1, "pipeline": VARIANTS[variant].pipeline,
+            "variant": variant, "base": str(base.resolve()), "base_model": base_model,
+            "transformer": str(transformer.resolve()), "weights_sha256": weights,
+            "validation": {"status": gate.status, "message": gate.message, "enforced": not skip_validation},
+            "files": dict(sorted(files.items())),
+        }
+        (staging / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return PublishResult(out, variant, VARIANTS[variant].pipeline, weights, gate, skip_validation, files, notices,
+                         time.perf_counter() - started)
