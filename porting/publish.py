@@ -373,10 +373,11 @@ def validation_section(gate: Gate, skip_validation: bool) -> list[str]:
         if r is None:
             return lines
     rule = r.get("rule") or {}
+    statement = rule.get("statement") or (f"pass when the device error is at most {_fmt(rule.get('max_ratio'))} x "
+                                          "the dtype's intrinsic error")
     lines += [f"Verdict **{r.get('verdict')}**: full-model forward on `{r.get('device')}` in `{r.get('dtype')}` "
-              f"against a `{r.get('golden_dtype')}` golden on `{r.get('reference')}`; the rule passes when the "
-              f"device error is at most {_fmt(rule.get('max_ratio'))} x the dtype's intrinsic error "
-              f"(report by {r.get('tool', 'flux-port')} {r.get('version', '')}).", ""]
+              f"against a `{r.get('golden_dtype')}` golden on `{r.get('reference')}` (report by "
+              f"{r.get('tool', 'flux-port')} {r.get('version', '')}). Rule: {statement}.", ""]
     summary = r.get("summary") or []
     if summary:
         lines += ["| output | device error | intrinsic error | ratio |", "|---|---|---|---|"]
@@ -384,9 +385,12 @@ def validation_section(gate: Gate, skip_validation: bool) -> list[str]:
                   f"| {_fmt(row.get('ratio'))} |" for row in summary]
         lines.append("")
     metrics = r.get("output") or {}
-    if metrics:
-        lines += ["Final output: " + ", ".join(f"{k} {_fmt(v, 6)}" for k, v in metrics.items()
-                                               if isinstance(v, (int, float))) + ".", ""]
+    if isinstance(metrics.get("device"), dict):  # {"device": {...}, "intrinsic": {...}, "ratio": x}
+        metrics = metrics["device"]
+    shown = [f"{k} {_fmt(v, 6)}" for k, v in metrics.items()
+             if k in ("cosine", "rel_l2", "max_abs", "mean_abs") and isinstance(v, (int, float))]
+    if shown:
+        lines += ["Final output on the device against the golden: " + ", ".join(shown) + ".", ""]
     return lines
 
 

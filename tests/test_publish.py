@@ -15,14 +15,13 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tinyport import build_tiny_port, write_report  # noqa: E402
+from tinyport import build_tiny_port, in_memory_image, write_report  # noqa: E402
 
 from porting.cli.app import main  # noqa: E402
 from porting.convert import convert  # noqa: E402
 from porting.errors import CheckFailed  # noqa: E402
 from porting.publish import publish  # noqa: E402
 from porting.tiny import TINY_FLUX2, write_random_checkpoint  # noqa: E402
-from porting.tinypipe import tiny_components  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -43,19 +42,6 @@ def run_cli(argv: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str, s
         main(argv)
     captured = capsys.readouterr()
     return int(exc.value.code or 0), captured.out, captured.err
-
-
-def in_memory_image(pipeline_cls: type, transformer_dir: Path, **call) -> np.ndarray:
-    """The same pipeline assembled in memory: the tiny components rebuilt from their seed, the transformer from
-    the converted folder (not from the published one)."""
-    from diffusers import Flux2Transformer2DModel
-
-    comps = tiny_components(seed=0)
-    comps["transformer"] = Flux2Transformer2DModel.from_pretrained(transformer_dir, dtype=torch.float32)
-    pipe = pipeline_cls(**comps) if pipeline_cls.__name__.endswith("KVPipeline") else pipeline_cls(
-        **comps, is_distilled=True)
-    pipe.set_progress_bar_config(disable=True)
-    return np.array(pipe(**call, generator=torch.Generator().manual_seed(7)).images[0])
 
 
 def loaded_image(pipeline_cls: type, folder: Path, **call) -> np.ndarray:
@@ -290,3 +276,15 @@ def test_publish_recipe_from_workspace(port: dict, tmp_path: Path, capsys: pytes
     assert (recipe / "published" / "model_index.json").is_file()
     record = workspace.read_port_json(workspace.recipe_paths("tiny"))
     assert record["publish"]["validation"]["status"] == "pass"
+
+
+def test_real_validate_report_gates_publish(port: dict, tmp_path: Path) -> None:
+    # the contract end to end: port validate's own report.json (not a hand-written one) opens the gate
+    api = pytest.importorskip("validation.api")
+    report = api.validate(port["transformer"], device="cpu", out=tmp_path / "reports", resolution=32, text_len=16,
+                          timesteps=(1.0,), base=port["base"], prompt="a fox")
+    assert report.verdict == "pass"
+    result = publish(port["base"], port["transformer"], tmp_path / "pub", report=tmp_path / "reports")
+    assert result.gate.passed
+    card = (tmp_path / "pub" / "README.md").read_text()
+    assert "Verdict **pass**" in card and "| all cases |" in card

@@ -8,11 +8,14 @@ import os
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from porting.convert import convert  # noqa: E402
 from porting.tiny import TINY_FLUX2, write_random_checkpoint  # noqa: E402
-from porting.tinypipe import build_demo_base  # noqa: E402
+from porting.tinypipe import build_demo_base, tiny_components  # noqa: E402
 
 OTHER_WEIGHTS = "0" * 64
 
@@ -56,3 +59,16 @@ def build_tiny_port(root: Path) -> dict[str, Any]:
     }
     done.write_text(json.dumps({k: str(v) for k, v in paths.items()}))
     return paths
+
+
+def in_memory_image(pipeline_cls: type, transformer_dir: Path, seed: int = 7, **call: Any) -> np.ndarray:
+    """The same pipeline assembled in memory: the tiny components rebuilt from their seed, the transformer from
+    the converted folder (not from the published one)."""
+    from diffusers import Flux2Transformer2DModel
+
+    comps = tiny_components(seed=0)
+    comps["transformer"] = Flux2Transformer2DModel.from_pretrained(transformer_dir, dtype=torch.float32)
+    pipe = pipeline_cls(**comps) if pipeline_cls.__name__.endswith("KVPipeline") else pipeline_cls(
+        **comps, is_distilled=True)
+    pipe.set_progress_bar_config(disable=True)
+    return np.array(pipe(**call, generator=torch.Generator().manual_seed(seed)).images[0])
