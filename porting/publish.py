@@ -228,8 +228,8 @@ def check_report(report: Path | None, weights: str) -> Gate:
 
 def refusal(gate: Gate, transformer: Path) -> CheckFailed:
     hints = {
-        "missing": f"Validate first: port validate {transformer} --device npu:0 --out REPORTS, then pass "
-                   "--report REPORTS/report.json.",
+        "missing": f"Validate first: port validate {transformer} --device npu:0 (it writes "
+                   f"{transformer.parent / 'reports'}/report.json, which publish then finds), or pass --report.",
         "mismatch": f"The report belongs to other weights: validate this transformer ({transformer}) and pass "
                     "its report.",
         "fail": "Read report.md for the blamed block; a failing port must not be published.",
@@ -425,6 +425,9 @@ def publish(base: str | Path, transformer: str | Path, out: str | Path, *, repor
     weights, cfg, convert_manifest = transformer_identity(transformer)
     variant = variant or infer_variant(base_index, cfg)
     notices = check_consistency(base, base_index, cfg, variant)
+    if report is None and (transformer.parent / "reports" / "report.json").is_file():
+        report = transformer.parent / "reports"  # where port validate writes by default (and the workspace layout)
+        say(f"using the validation report in {report}")
     gate = check_report(Path(report) if report is not None else None, weights)
     if not gate.passed and not skip_validation:
         raise refusal(gate, transformer)

@@ -16,7 +16,7 @@ from tinyport import build_tiny_port, in_memory_image  # noqa: E402
 
 from porting.cli.app import main  # noqa: E402
 from porting.errors import DeviceError, InputError, PortError  # noqa: E402
-from porting.generate import generate, parse_size  # noqa: E402
+from porting.generate import default_steps, generate, parse_size  # noqa: E402
 from porting.publish import publish  # noqa: E402
 
 
@@ -76,10 +76,12 @@ def test_kv_edit_with_reference_image_matches_in_memory(port: dict, folders: dic
     assert result.pipeline == "Flux2KleinKVPipeline" and result.reference_images == [str(reference_png)]
 
 
-def test_default_steps_follow_the_folder(folders: dict, tmp_path: Path) -> None:
-    # a distilled klein folder (is_distilled true) defaults to 4 steps, not the pipeline's 50
-    result = generate(folders["klein"], "x", size=16, output=tmp_path / "x.png", progress=False)
-    assert result.steps == 4
+def test_default_steps_follow_the_folder() -> None:
+    # distilled klein (is_distilled true) and the KV pipeline default to 4 steps; base and dev models to 50
+    assert default_steps({"_class_name": "Flux2KleinPipeline", "is_distilled": True}) == 4
+    assert default_steps({"_class_name": "Flux2KleinKVPipeline"}) == 4
+    assert default_steps({"_class_name": "Flux2KleinPipeline"}) == 50
+    assert default_steps({"_class_name": "Flux2Pipeline"}) == 50
 
 
 def test_cli_generate_prints_timings(folders: dict, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -288,3 +288,14 @@ def test_real_validate_report_gates_publish(port: dict, tmp_path: Path) -> None:
     assert result.gate.passed
     card = (tmp_path / "pub" / "README.md").read_text()
     assert "Verdict **pass**" in card and "| all cases |" in card
+
+
+def test_report_found_where_validate_writes_it(port: dict, tmp_path: Path) -> None:
+    # port validate DIR writes DIR/../reports/report.json by default; publish looks there when --report is absent
+    shutil.copytree(port["transformer"], tmp_path / "transformer")
+    write_report(tmp_path / "reports", port["weights"])
+    result = publish(port["base"], tmp_path / "transformer", tmp_path / "pub")
+    assert result.gate.passed and result.gate.path == tmp_path / "reports" / "report.json"
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (tmp_path / "pub").stat().st_mode & 0o777 == 0o777 & ~umask  # not the staging folder's private mode

@@ -13,7 +13,8 @@ from ..generate import GenerateResult, generate as run_generate
 from . import _output
 from ._options import JsonOpt, QuietOpt
 
-GENERATE_EXAMPLES = """Examples:
+GENERATE_EXAMPLES = """\b
+Examples:
   port generate ./my-klein-ft --prompt "a red fox in the snow" --device npu:0 --steps 4 --output fox.png
   port generate ./my-klein-ft --prompt "a red fox" --device cuda --size 768x1024 --cpu-offload model
   port generate ./my-klein-ft --prompt "make it winter" --image ref.png --device cuda --output edit.png

@@ -14,7 +14,8 @@ from ..publish import PublishResult, publish as run_publish
 from . import _output
 from ._options import ForceOpt, JsonOpt, OptionalOutDirOpt, QuietOpt
 
-PUBLISH_EXAMPLES = """Examples:
+PUBLISH_EXAMPLES = """\b
+Examples:
   port publish --base ./FLUX.2-klein-4B --transformer ./transformer --report ./reports --out ./my-klein-ft
   port publish --base ./FLUX.2-klein-9B --transformer ./transformer --report ./reports/report.json \\
       --variant klein-kv --out ./my-klein-kv --link symlink
