@@ -308,18 +308,25 @@ def base_card_metadata(base: Path) -> dict[str, str]:
     return out
 
 
-def _source_sha256(convert_manifest: dict[str, Any], transformer: Path) -> str | None:
+FETCH_MANIFEST = "fetch-manifest.json"  # written by port fetch next to what it downloaded
+
+
+def source_sha256(convert_manifest: dict[str, Any]) -> str | None:
+    """sha256 of the file convert read: recorded by convert, or by port fetch in the folder it downloaded to."""
     if convert_manifest.get("source_sha256"):
         return str(convert_manifest["source_sha256"])
-    port_json = transformer.parent / "port.json"  # the workspace record, when the transformer lives in one
-    if port_json.is_file():
+    if not convert_manifest.get("source"):
+        return None
+    source = Path(str(convert_manifest["source"]))
+    for folder in list(source.parents)[:3]:
         try:
-            record = json.loads(port_json.read_text())
-        except ValueError:
-            return None
-        for key in ("source_sha256", "finetune_sha256"):
-            if isinstance(record, dict) and record.get(key):
-                return str(record[key])
+            doc = json.loads((folder / FETCH_MANIFEST).read_text())
+        except (OSError, ValueError):
+            continue
+        rel = source.relative_to(folder).as_posix()
+        for record in doc.get("files", []) if isinstance(doc, dict) else []:
+            if isinstance(record, dict) and record.get("path") == rel and record.get("sha256"):
+                return str(record["sha256"])
     return None
 
 
@@ -330,7 +337,7 @@ def _fmt(value: Any, digits: int = 4) -> str:
 
 
 def model_card(*, name: str, base_model: str, base: Path, variant: str, weights: str, gate: Gate,
-               skip_validation: bool, convert_manifest: dict[str, Any], transformer: Path) -> str:
+               skip_validation: bool, convert_manifest: dict[str, Any]) -> str:
     spec = VARIANTS[variant]
     meta: dict[str, str] = {"base_model": base_model, "base_model_relation": "finetune", "library_name": "diffusers",
                             "pipeline_tag": "text-to-image", **base_card_metadata(base)}
@@ -348,7 +355,7 @@ def model_card(*, name: str, base_model: str, base: Path, variant: str, weights:
               'image = pipe(prompt="a red fox in the snow").images[0]', "```", "",
               f'or `port generate {name} --prompt "a red fox in the snow" --device cuda --output fox.png`.', "",
               "## How it was converted", "", "| | |", "|---|---|"]
-    source_hash = _source_sha256(convert_manifest, transformer)
+    source_hash = source_sha256(convert_manifest)
     rows = [("source file", Path(str(convert_manifest.get("source", "not recorded"))).name),
             ("source sha256", source_hash or "not recorded"),
             ("source naming", convert_manifest.get("source_naming", "not recorded")),
@@ -470,8 +477,7 @@ def publish(base: str | Path, transformer: str | Path, out: str | Path, *, repor
                     shutil.copy2(gate.path.parent / name, staging / name)
                     files[name] = {"how": "copy"}
         card = model_card(name=out.name, base_model=base_model, base=base, variant=variant, weights=weights,
-                          gate=gate, skip_validation=skip_validation, convert_manifest=convert_manifest,
-                          transformer=transformer)
+                          gate=gate, skip_validation=skip_validation, convert_manifest=convert_manifest)
         (staging / "README.md").write_text(card)
         files["README.md"] = {"how": "written"}
         say("hashing every file for manifest.json")

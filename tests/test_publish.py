@@ -265,17 +265,25 @@ def test_cli_publish_json_document(port: dict, tmp_path: Path, capsys: pytest.Ca
 
 def test_publish_recipe_from_workspace(port: dict, tmp_path: Path, capsys: pytest.CaptureFixture,
                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    # `port publish RECIPE` reads the workspace that fetch/convert/validate filled, and records itself in port.json
     workspace = pytest.importorskip("porting.workspace")
-    recipe = tmp_path / "ws" / "tiny"
+    name = "flux2-klein-4b"  # a shipped recipe: the card names its base repository
+    recipe = tmp_path / "ws" / name
     shutil.copytree(port["base"], recipe / "base")
     shutil.copytree(port["transformer"], recipe / "transformer")
     shutil.copytree(port["pass"].parent, recipe / "reports")
     monkeypatch.setenv("FLUX_PORT_HOME", str(tmp_path / "ws"))
-    code, out, err = run_cli(["publish", "tiny", "--json"], capsys)
+    code, out, err = run_cli(["publish", name, "--json"], capsys)
     assert code == 0, err
     assert (recipe / "published" / "model_index.json").is_file()
-    record = workspace.read_port_json(workspace.recipe_paths("tiny"))
+    record = workspace.read_port_json(workspace.recipe_paths(name))
     assert record["publish"]["validation"]["status"] == "pass"
+    try:
+        from porting.recipes import get_recipe
+        repo = get_recipe(name).base.repo
+    except Exception:  # recipes not shipped in this build: the base folder's name stands in
+        repo = "base"
+    assert f'base_model: "{repo}"' in (recipe / "published" / "README.md").read_text()
 
 
 def test_real_validate_report_gates_publish(port: dict, tmp_path: Path) -> None:
@@ -299,3 +307,21 @@ def test_report_found_where_validate_writes_it(port: dict, tmp_path: Path) -> No
     umask = os.umask(0)
     os.umask(umask)
     assert (tmp_path / "pub").stat().st_mode & 0o777 == 0o777 & ~umask  # not the staging folder's private mode
+
+
+def test_card_carries_the_source_hash_port_fetch_recorded(tmp_path: Path) -> None:
+    from porting.tinypipe import build_demo_base
+
+    src = write_random_checkpoint(tmp_path / "finetune" / "ft.safetensors", TINY_FLUX2, seed=4)
+    digest = hashlib.sha256(src.read_bytes()).hexdigest()
+    (tmp_path / "finetune" / "fetch-manifest.json").write_text(json.dumps(
+        {"format_version": 1, "files": [{"path": "ft.safetensors", "size": src.stat().st_size, "sha256": digest}]}))
+    weights = convert(src, tmp_path / "transformer", strict=True).weights_sha256
+    write_report(tmp_path / "reports", weights)
+    base = build_demo_base(tmp_path / "base")
+    (base / "README.md").write_text("---\nlicense: other\nlicense_name: flux-non-commercial-license\n"
+                                    "license_link: LICENSE.md\n---\n# base\n")
+    publish(base, tmp_path / "transformer", tmp_path / "pub")
+    card = (tmp_path / "pub" / "README.md").read_text()
+    assert f"| source sha256 | `{digest}` |" in card
+    assert 'license: "other"\nlicense_name: "flux-non-commercial-license"\nlicense_link: "LICENSE.md"' in card

@@ -9,7 +9,7 @@ from typing import Annotated, Any, Optional
 import typer
 from rich.table import Table
 
-from ..errors import PortError
+from ..errors import InputError, PortError
 from ..publish import PublishResult, publish as run_publish
 from . import _output
 from ._options import ForceOpt, JsonOpt, OptionalOutDirOpt, QuietOpt
@@ -59,6 +59,15 @@ def _recipe_paths(recipe: str, workspace: Path | None) -> Any:
     return recipe_paths(recipe, workspace)
 
 
+def _known_recipe(name: str) -> Any | None:
+    """The shipped recipe of that name (its variant and base repo id), or None for a workspace-only recipe."""
+    try:
+        from ..recipes import get_recipe
+        return get_recipe(name)
+    except (ImportError, InputError):
+        return None
+
+
 def publish(
     recipe: Annotated[Optional[str], typer.Argument(help="Recipe whose workspace fetch/convert/validate filled "
                                                          "(instead of --base/--transformer).")] = None,
@@ -91,6 +100,10 @@ def publish(
         base, transformer = paths.base, paths.transformer
         out = out or paths.published
         report = report or paths.reports
+        known = _known_recipe(recipe)
+        if known is not None:
+            variant = variant or VariantChoice(known.variant)
+            base_model = base_model or known.base.repo
     missing = [flag for flag, value in (("--base", base), ("--transformer", transformer), ("--out", out))
                if value is None]
     if missing:
