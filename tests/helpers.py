@@ -113,6 +113,11 @@ class Run:
     out: str
     err: str
 
+    @property
+    def msg(self) -> str:
+        """stderr with whitespace runs (terminal wrapping, table padding) collapsed to single spaces."""
+        return " ".join(self.err.split())
+
 
 def run_port(capsys, *argv: str | Path) -> Run:
     """`port ARGV...` in this process (main() always ends in SystemExit); returns exit code, stdout, stderr."""
