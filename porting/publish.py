@@ -219,8 +219,8 @@ def check_report(report: Path | None, weights: str) -> Gate:
         return Gate("unreadable", f"{path} is not a readable report ({e})", path)
     recorded = data.get("weights_sha256")
     if recorded != weights:
-        return Gate("mismatch", f"{path} validated other weights ({str(recorded)[:16]}...), this transformer is "
-                                f"{weights[:16]}...", path, data)
+        return Gate("mismatch", f"{path} validated other weights ({str(recorded)[:16]}...; this transformer is "
+                                f"{weights[:16]}...)", path, data)
     if data.get("verdict") != "pass":
         return Gate("fail", f"{path} has verdict {data.get('verdict')!r}", path, data)
     return Gate("pass", f"{path}: verdict pass on {data.get('device')} {data.get('dtype')}", path, data)
@@ -342,8 +342,9 @@ def model_card(*, name: str, base_model: str, base: Path, variant: str, weights:
     meta: dict[str, str] = {"base_model": base_model, "base_model_relation": "finetune", "library_name": "diffusers",
                             "pipeline_tag": "text-to-image", **base_card_metadata(base)}
     lines = ["---"] + [f"{k}: {json.dumps(v)}" for k, v in meta.items()]
+    base_link = f"[{base_model}](https://huggingface.co/{base_model})" if "/" in base_model else f"`{base_model}`"
     lines += ["tags:", "  - flux-port", "  - flux2", "---", "", f"# {name}", "",
-              f"A {spec.title} fine-tune of [{base_model}](https://huggingface.co/{base_model}) in diffusers layout, "
+              f"A {spec.title} fine-tune of {base_link} in diffusers layout, "
               f"ported by flux-port {__version__}. The base repository provides the scheduler, text encoder, "
               "tokenizer and VAE; the transformer is the converted fine-tune.", ""]
     if not gate.passed:
@@ -440,7 +441,10 @@ def publish(base: str | Path, transformer: str | Path, out: str | Path, *, repor
         raise refusal(gate, transformer)
     if not gate.passed:
         notices.append(f"validation skipped ({gate.message}); the model card says so")
-    base_model = base_model or base.resolve().name
+    if base_model is None:
+        base_model = base.resolve().name
+        notices.append(f"the model card names the base by its folder name {base_model!r}; pass --base-model ORG/NAME "
+                       "(e.g. black-forest-labs/FLUX.2-klein-4B) to link it")
 
     sources: list[tuple[Path, Path]] = [(f, Path(name) / f.relative_to(base / name))
                                         for name in base_components(base_index) for f in _files_under(base / name)]
