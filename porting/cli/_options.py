@@ -25,3 +25,7 @@ class DtypeChoice(str, Enum):
     bf16 = "bf16"
     fp16 = "fp16"
     fp32 = "fp32"
+
+
+WorkspaceOpt = Annotated[Optional[Path], typer.Option("--workspace", help="Workspace root holding one folder per "
+                                                     "recipe (default: $FLUX_PORT_HOME, else ./ports).")]

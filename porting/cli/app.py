@@ -12,6 +12,7 @@ from . import _output
 from .convert_cmd import CONVERT_EXAMPLES, convert
 from .demo_cmd import demo
 from .inspect_cmd import INSPECT_EXAMPLES, inspect
+from .fetch_cmd import FETCH_EXAMPLES, RECIPES_EXAMPLES, fetch, recipes
 from .validate_cmd import VALIDATE_EXAMPLES, validate
 from .publish_cmd import PUBLISH_EXAMPLES, publish
 from .generate_cmd import GENERATE_EXAMPLES, generate
@@ -20,6 +21,8 @@ app = typer.Typer(
     name="port", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
     rich_markup_mode=None, help="Port FLUX.2 / FLUX.1 checkpoints to diffusers, with numerical proof.",
 )
+app.command(epilog=FETCH_EXAMPLES)(fetch)
+app.command(epilog=RECIPES_EXAMPLES)(recipes)
 app.command(epilog=INSPECT_EXAMPLES)(inspect)
 app.command(epilog=CONVERT_EXAMPLES)(convert)
 app.command(epilog=VALIDATE_EXAMPLES)(validate)

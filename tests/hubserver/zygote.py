@@ -1,0 +1,61 @@
+"""A fork server for CLI runs: imports the heavy part of `port` (torch) once, then forks one child per request.
+
+Each child gets a fresh environment, working folder and stdout/stderr files before it imports huggingface_hub or
+modelscope_hub, so the clients read their configuration from that child's environment exactly as in a new
+process. Protocol on stdin/stdout, one JSON object per line:
+  request  {"argv", "env", "cwd", "stdout", "stderr", "patches"}
+  replies  {"pid": N}   when the child is started, then {"pid": N, "code": exit code (negative: signal)}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+
+def _child(req: dict) -> None:
+    code = 99
+    try:
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        for fd, name in ((1, "stdout"), (2, "stderr")):
+            target = os.open(req[name], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(target, fd)
+            os.close(target)
+        os.chdir(req["cwd"])
+        os.environ.clear()
+        os.environ.update(req["env"])
+        from hubserver.runner import run
+
+        code = run(req["argv"], req.get("patches", {}))
+    except BaseException:  # noqa: BLE001 - report anything to the test through stderr
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def main() -> None:
+    import porting.cli.app  # noqa: F401  (torch and the CLI, imported once)
+    from hubserver import runner  # noqa: F401  (imported before any child changes its working folder)
+
+    print(json.dumps({"ready": os.getpid()}), flush=True)
+    for line in sys.stdin:
+        req = json.loads(line)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            _child(req)
+        print(json.dumps({"pid": pid}), flush=True)
+        _, status = os.waitpid(pid, 0)
+        print(json.dumps({"pid": pid, "code": os.waitstatus_to_exitcode(status)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
