@@ -108,6 +108,10 @@ class Concat:
             if len(s) != len(first) or any(a != b for i, (a, b) in enumerate(zip(s, first)) if i != self.dim):
                 raise OpShapeError(f"cannot concatenate shapes {[list(x) for x in in_shapes]} along dim {self.dim}")
         got = tuple(s[self.dim] for s in in_shapes)
+        if self.sizes is None and len(set(got)) > 1:
+            # the inverse of an unsized concat splits into equal parts, which would not give these parts back
+            raise OpShapeError(f"parts have unequal sizes {list(got)} along dim {self.dim}; a concat of unequal parts "
+                               "needs `sizes` in the table so its inverse can split them back")
         if self.sizes is not None and got != self.sizes:
             raise OpShapeError(f"parts have sizes {list(got)} along dim {self.dim}, the table expects {list(self.sizes)}")
         out = list(first)
