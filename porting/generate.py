@@ -204,6 +204,8 @@ def generate(folder: str | Path, prompt: str, *, device: str = "cpu", steps: int
         if "guidance_scale" not in accepted:
             raise PortError(f"--guidance-scale: {type(pipe).__name__} takes no guidance scale.")
         kwargs["guidance_scale"] = guidance_scale
+    elif "guidance_scale" in accepted and getattr(pipe.config, "is_distilled", False):
+        kwargs["guidance_scale"] = 1.0  # distilled models ignore guidance; 1.0 spares the pipeline's warning about it
     say(f"generating {width}x{height}, {steps} step(s), seed {seed}")
     call_start = time.perf_counter()
     try:

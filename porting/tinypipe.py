@@ -53,8 +53,10 @@ TINY_SCHEDULER: dict[str, Any] = {
 # The transformer the tiny base declares; a tiny fine-tune from `porting.tiny.write_random_checkpoint(...,
 # TINY_FLUX2)` fits it. Checked here so a change to TINY_FLUX2 fails loudly instead of producing a broken base.
 TINY_BASE_TRANSFORMER: dict[str, Any] = dict(TINY_FLUX2)
-assert TINY_BASE_TRANSFORMER["joint_attention_dim"] == 3 * TINY_TEXT_ENCODER["hidden_size"]
-assert TINY_BASE_TRANSFORMER["in_channels"] == 4 * TINY_VAE["latent_channels"]
+if (TINY_BASE_TRANSFORMER["joint_attention_dim"] != 3 * TINY_TEXT_ENCODER["hidden_size"]
+        or TINY_BASE_TRANSFORMER["in_channels"] != 4 * TINY_VAE["latent_channels"]):
+    raise RuntimeError("porting.tiny.TINY_FLUX2 no longer fits the tiny base: joint_attention_dim must be 3 x "
+                       f"{TINY_TEXT_ENCODER['hidden_size']} and in_channels 4 x {TINY_VAE['latent_channels']}.")
 
 
 def byte_symbols() -> list[str]:
