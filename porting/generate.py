@@ -131,7 +131,7 @@ def load_pipeline(folder: Path, device: torch.device, dtype: torch.dtype, cpu_of
     """The folder's pipeline, on `device` (or offloaded to it), quiet about its own progress bars."""
     from diffusers import DiffusionPipeline
 
-    with warnings.catch_warnings():  # diffusers 0.42 renames torch_dtype to dtype; older releases only know torch_dtype
+    with warnings.catch_warnings():  # diffusers 0.42 renamed torch_dtype to dtype; older ones know torch_dtype only
         warnings.filterwarnings("ignore", message=".*torch_dtype.*", category=FutureWarning)
         pipe = DiffusionPipeline.from_pretrained(folder, local_files_only=True, torch_dtype=dtype)
     if cpu_offload == "model":
