@@ -48,18 +48,36 @@ def random_tensor(key: str, shape: tuple[int, ...], generator: torch.Generator) 
     return torch.randn(shape, generator=generator) / math.sqrt(fan_in)
 
 
+POOL_SIZE = 1_000_003  # prime and larger than any row count, so the rows of a tiled tensor all differ
+
+
+def tiled_tensor(shape: tuple[int, ...], pool: torch.Tensor, offset: int) -> torch.Tensor:
+    """A tensor cut from a repeated random pool: memcpy speed instead of a random draw per element."""
+    n = math.prod(shape)
+    reps = -(-(n + offset) // pool.numel())
+    return pool.repeat(reps)[offset:offset + n].reshape(shape).clone()
+
+
 def write_random_checkpoint(path: str | Path, config: Mapping[str, Any], naming: Naming = "original",
                             dtype: str = "BF16", seed: int = 0, table: str = "flux2", prefix: str = "",
-                            max_shard_bytes: int | None = None) -> Path:
+                            max_shard_bytes: int | None = None, fill: str = "random") -> Path:
     """Write a random checkpoint of `config` in `naming`, streamed so even real sizes fit in little memory.
 
     `path` is a `.safetensors` file (single file) or a folder (shards with an index when `max_shard_bytes`).
+    `fill="tiled"` cuts every tensor from one small random pool at a tensor-specific offset (for benchmarks at real
+    size, where drawing billions of random numbers would take longer than the conversion being measured).
     """
     path = Path(path)
     shapes = model_shapes(config, naming, table)
     gen = torch.Generator().manual_seed(seed)
     entries = [Entry(prefix + k, s, dtype) for k, s in shapes.items()]
-    tensors = (random_tensor(e.key, e.shape, gen).to(ST_TO_TORCH[dtype]) for e in entries)
+    if fill == "random":
+        tensors = (random_tensor(e.key, e.shape, gen).to(ST_TO_TORCH[dtype]) for e in entries)
+    elif fill == "tiled":
+        pool = (0.02 * torch.randn(POOL_SIZE, generator=gen)).to(ST_TO_TORCH[dtype])
+        tensors = (tiled_tensor(e.shape, pool, (7919 * i) % POOL_SIZE) for i, e in enumerate(entries))
+    else:
+        raise ValueError(f"fill must be 'random' or 'tiled', not {fill!r}")
     if path.suffix == ".safetensors":
         path.parent.mkdir(parents=True, exist_ok=True)
         write_shards(path.parent, path.name[: -len(".safetensors")], entries, tensors, 2**62,

@@ -1,0 +1,231 @@
+"""Benchmark `port convert --strict` at real size against `cp` of the same file on the same disk.
+
+    python bench/convert.py                       # klein-9B shapes, bf16, ~18.2 GB
+    python bench/convert.py --model klein-4b      # ~7.75 GB
+    python bench/convert.py --model klein-4b --diffusers   # also diffusers' from_single_file + save_pretrained
+
+A synthetic checkpoint with the real shapes (original BFL naming, bf16) is generated with
+`porting.tiny.write_random_checkpoint(fill="tiled")`; its generation is not what is measured. Then, each as a
+child process timed with wall-clock and its own peak RSS (`os.wait4` rusage):
+
+  (a) `cp SRC DST` on the same disk;
+  (b) `port convert SRC --out DIR --strict --json`;
+  (c) with --diffusers: `Flux2Transformer2DModel.from_single_file(SRC, config=<dir with config.json>)` then
+      `save_pretrained`, i.e. diffusers' own path.
+
+Page cache: before each run everything is synced and the source's cached pages are dropped with
+posix_fadvise(POSIX_FADV_DONTNEED) (no root needed); the residency `fincore` reports is printed so the reader
+can judge. Targets on the 2-core / 24 GiB machine: convert wall <= 1.3 x cp, peak RSS <= 2 GiB.
+Not part of CI. Needs about 2.1 x the file size free on the disk of --workdir (the files are deleted afterwards).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+GIB = 2**30
+TARGET_RATIO = 1.3
+TARGET_RSS_GIB = 2.0
+
+
+def drop_from_page_cache(*paths: Path) -> None:
+    """Write back dirty pages, then ask the kernel to drop the files' clean cached pages."""
+    os.sync()
+    for path in paths:
+        for f in ([path] if path.is_file() else sorted(path.rglob("*")) if path.exists() else []):
+            if f.is_file():
+                fd = os.open(f, os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+
+
+def resident_share(path: Path) -> str:
+    """Share of the file in the page cache, from util-linux `fincore` (if installed)."""
+    if not shutil.which("fincore"):
+        return "n/a (no fincore)"
+    try:
+        out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES,SIZE", str(path)],
+                             capture_output=True, text=True, check=True).stdout.split()
+        return f"{100 * int(out[0]) / max(int(out[1]), 1):.1f}%"
+    except (subprocess.CalledProcessError, ValueError, IndexError):
+        return "n/a"
+
+
+def measure(cmd: list[str], log: Path) -> tuple[float, float, int]:
+    """Run `cmd` as a child; returns (wall seconds, peak RSS GiB of that command, exit code).
+
+    The peak RSS comes from GNU time (`%M`), which execs the command from a small process: a child forked from this
+    Python process would report this process's own RSS (torch is loaded here) as its peak.
+    """
+    rss_file = log.with_suffix(".rss")
+    wrapped = (["/usr/bin/time", "-f", "%M", "-o", str(rss_file)] + cmd) if Path("/usr/bin/time").exists() else cmd
+    with open(log, "wb") as out:
+        start = time.perf_counter()
+        proc = subprocess.Popen(wrapped, stdout=out, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - start
+    proc.returncode = os.waitstatus_to_exitcode(status)  # reaped by wait4; tell Popen
+    if rss_file.exists():
+        lines = rss_file.read_text().split()
+        kib = int(lines[-1])
+    else:
+        kib = usage.ru_maxrss  # RUSAGE of the child itself (includes pages inherited at fork)
+    return wall, kib * 1024 / GIB, proc.returncode
+
+
+def timed_sync() -> float:
+    start = time.perf_counter()
+    os.sync()
+    return time.perf_counter() - start
+
+
+DIFFUSERS_SCRIPT = textwrap.dedent("""
+    import sys, torch
+    from diffusers import Flux2Transformer2DModel
+    src, config, out = sys.argv[1:4]
+    model = Flux2Transformer2DModel.from_single_file(src, config=config, torch_dtype=torch.bfloat16)
+    model.save_pretrained(out)
+""")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=["klein-4b", "klein-9b", "flux2-dev"], default="klein-9b")
+    parser.add_argument("--workdir", type=Path, default=None,
+                        help="where the files go (default: a new folder under the system temp dir)")
+    parser.add_argument("--diffusers", action="store_true", help="also measure diffusers' own path")
+    parser.add_argument("--no-cp", action="store_true", help="skip the cp baseline")
+    parser.add_argument("--keep", action="store_true", help="keep the generated source file")
+    parser.add_argument("--source", type=Path, default=None, help="use this existing source file instead")
+    args = parser.parse_args(argv)
+
+    from porting.plan import table_sizes  # noqa: F401  (imports torch; after argparse so --help is quick)
+    from porting.tiny import REAL_FLUX2, model_shapes, write_random_checkpoint
+
+    config = REAL_FLUX2[args.model]
+    shapes = model_shapes(config, "original")
+    size = sum(2 * _numel(s) for s in shapes.values())
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="flux-port-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(work).free
+    need = (size if args.source is None else 0) + 1.05 * size
+    print(f"flux-port convert benchmark: {args.model} shapes, bf16, {len(shapes)} tensors, {size / 1e9:.2f} GB, "
+          f"in {work} ({free / 1e9:.0f} GB free)")
+    if free < need:
+        print(f"not enough free disk: need {need / 1e9:.1f} GB", file=sys.stderr)
+        return 2
+    src = args.source or work / f"{args.model}.safetensors"
+    results: dict[str, dict[str, float]] = {}
+    try:
+        if args.source is None:
+            start = time.perf_counter()
+            write_random_checkpoint(src, config, "original", "BF16", seed=0, fill="tiled")
+            print(f"generated {src.name} in {time.perf_counter() - start:.1f} s (not measured)")
+        port = [sys.executable, "-m", "porting"]
+
+        if not args.no_cp:
+            dst = work / "copy.safetensors"
+            drop_from_page_cache(src)
+            print(f"cp: source resident in page cache before the run: {resident_share(src)}")
+            wall, rss, code = measure(["cp", str(src), str(dst)], work / "cp.log")
+            assert code == 0, (work / "cp.log").read_text()
+            results["cp"] = {"wall": wall, "sync": timed_sync(), "rss": rss}
+            dst.unlink()
+
+        out = work / "converted"
+        drop_from_page_cache(src)
+        print(f"convert: source resident in page cache before the run: {resident_share(src)}")
+        wall, rss, code = measure(port + ["convert", str(src), "--out", str(out), "--strict", "--json", "--force"],
+                                  work / "convert.log")
+        log = (work / "convert.log").read_text()
+        if code != 0:
+            print(log, file=sys.stderr)
+            return 1
+        doc = json.loads(log[log.index("{"):])
+        results["convert"] = {"wall": wall, "sync": timed_sync(), "rss": rss, "inner": doc["seconds"]}
+        assert doc["target_tensors"] == len(shapes) + 4 * config["num_layers"], doc["target_tensors"]
+        _spot_check(src, out)
+        shutil.rmtree(out)
+
+        if args.diffusers:
+            cfg_dir = work / "config"
+            cfg_dir.mkdir(exist_ok=True)
+            (cfg_dir / "config.json").write_text(json.dumps(config))
+            out = work / "diffusers-out"
+            drop_from_page_cache(src)
+            print(f"diffusers: source resident in page cache before the run: {resident_share(src)}")
+            wall, rss, code = measure([sys.executable, "-c", DIFFUSERS_SCRIPT, str(src), str(cfg_dir), str(out)],
+                                      work / "diffusers.log")
+            if code != 0:
+                print((work / "diffusers.log").read_text()[-3000:], file=sys.stderr)
+                return 1
+            results["diffusers"] = {"wall": wall, "sync": timed_sync(), "rss": rss}
+            shutil.rmtree(out)
+    finally:
+        if args.source is None and not args.keep:
+            src.unlink(missing_ok=True)
+        if args.workdir is None and not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+    _report(results, size)
+    return 0
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _spot_check(src: Path, out: Path) -> None:
+    """The one reordered tensor came out right (reads two small tensors, after the timing)."""
+    import torch
+    from safetensors import safe_open
+
+    with safe_open(str(src), "pt") as f:
+        bfl = f.get_tensor("final_layer.adaLN_modulation.1.weight")
+    files = sorted(out.glob("*.safetensors"))
+    for file in files:
+        with safe_open(str(file), "pt") as f:
+            if "norm_out.linear.weight" in f.keys():
+                shift, scale = bfl.chunk(2)
+                assert torch.equal(f.get_tensor("norm_out.linear.weight"), torch.cat([scale, shift]))
+                return
+    raise AssertionError("norm_out.linear.weight not found in the output")
+
+
+def _report(results: dict[str, dict[str, float]], size: int) -> None:
+    print()
+    for name, r in results.items():
+        extra = f"  (conversion itself {r['inner']:.2f} s, rest is interpreter start and imports)" if "inner" in r else ""
+        print(f"{name + ':':<11} wall {r['wall']:8.2f} s   then sync {r['sync']:6.2f} s   "
+              f"throughput {size / r['wall'] / 1e6:6.0f} MB/s   peak RSS {r['rss']:6.2f} GiB{extra}")
+    if "cp" in results:
+        ratio = results["convert"]["wall"] / results["cp"]["wall"]
+        with_sync = ((results["convert"]["wall"] + results["convert"]["sync"])
+                     / (results["cp"]["wall"] + results["cp"]["sync"]))
+        print(f"ratio convert/cp: {ratio:.2f}x wall ({with_sync:.2f}x including the final sync); target <= "
+              f"{TARGET_RATIO}x: {'PASS' if ratio <= TARGET_RATIO else 'MISS'}")
+    rss = results["convert"]["rss"]
+    print(f"convert peak RSS: {rss:.2f} GiB; target <= {TARGET_RSS_GIB} GiB: "
+          f"{'PASS' if rss <= TARGET_RSS_GIB else 'MISS'}")
+    if "diffusers" in results:
+        d = results["diffusers"]
+        print(f"diffusers from_single_file + save_pretrained: {d['wall']:.2f} s, peak RSS {d['rss']:.2f} GiB "
+              f"({d['wall'] / results['convert']['wall']:.2f}x convert's wall time)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
