@@ -38,7 +38,7 @@ def encode_prompt(base: Path, prompt: str, text_len: int,
         raise InputError(f"{base}: no text_encoder/ and tokenizer/ folders to encode the prompt with.",
                          hint="Point --base at the diffusers base model (port fetch fills <recipe>/base/).")
     tokenizer = AutoTokenizer.from_pretrained(tok_dir, local_files_only=True)
-    encoder = AutoModelForCausalLM.from_pretrained(enc_dir, torch_dtype=torch.float32, local_files_only=True)
+    encoder = AutoModelForCausalLM.from_pretrained(enc_dir, dtype=torch.float32, local_files_only=True)
     used = _encoder_layers(encoder.config.num_hidden_layers, layers)
     with torch.no_grad():
         feats = Flux2KleinPipeline._get_qwen3_prompt_embeds(

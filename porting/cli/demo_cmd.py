@@ -1,4 +1,4 @@
-"""`port demo`: the whole path on a built-in tiny model, offline."""
+"""`port demo`: the whole path on a built-in tiny model, offline: build, inspect, convert, validate, publish, generate."""
 
 from __future__ import annotations
 
@@ -9,33 +9,61 @@ from typing import Annotated
 import typer
 
 from ..convert import convert as run_convert
+from ..generate import generate
+from ..publish import publish
 from ..tiny import TINY_FLUX2, write_random_checkpoint
+from ..tinypipe import build_demo_base
 from . import _output
 from .inspect_cmd import describe
 
+PROMPT = "a red fox in the snow"
+
 
 def demo(
-    workdir: Annotated[Path, typer.Option("--workdir", help="Where the demo writes its files.")] = Path("demo-out"),
+    workdir: Annotated[Path, typer.Option("--workdir", help="Where the demo writes its files (replaced).")] = Path("demo-out"),
     json_: Annotated[bool, typer.Option("--json", help="Print one JSON document.")] = False,
 ) -> None:
-    """Build a tiny random FLUX.2 [klein]-architecture fine-tune in original naming and port it."""
+    """Port a tiny random FLUX.2 [klein] fine-tune end to end, offline, and generate a PNG with it."""
+    from validation.api import validate
+
     out = _output.use(json_mode=json_)
     if workdir.exists():
         shutil.rmtree(workdir)
     workdir.mkdir(parents=True)
     steps: dict[str, object] = {}
 
+    base = build_demo_base(workdir / "base")
+    out.result(f"[1/6] tiny FLUX.2 [klein] base (Qwen3 text encoder, tokenizer, VAE, scheduler): {base}")
+
     src = write_random_checkpoint(workdir / "finetune" / "tiny-klein-finetune.safetensors", TINY_FLUX2, seed=1)
-    out.result(f"[1/2] built a tiny FLUX.2 [klein] fine-tune in original (BFL) naming: {src}")
     info = describe(src)
     steps["inspect"] = info
-    out.result(f"      inspect: {info['family']} {info['variant']}, naming {info['naming']}, "
-               f"{info['tensors']} tensors, {info['parameters']:,} parameters, dtypes {info['dtypes']}")
+    out.result(f"[2/6] tiny fine-tune in original (BFL) naming: {src}\n"
+               f"      inspect: {info['family']} {info['variant']}, naming {info['naming']}, {info['tensors']} tensors, "
+               f"{info['parameters']:,} parameters, {', '.join(info['dtypes'])}")
 
-    result = run_convert(src, workdir / "transformer", strict=True)
-    steps["convert"] = result.to_dict()
-    s = result.plan.summary()
-    out.result(f"[2/2] convert --strict: {s['source_tensors']} -> {s['target_tensors']} tensors, every key and "
-               f"shape accounted for; wrote {result.out}/{result.files[0]} (weights sha256 "
-               f"{result.weights_sha256[:16]}...)")
+    converted = run_convert(src, workdir / "transformer", strict=True, config=base)
+    steps["convert"] = converted.to_dict()
+    s = converted.plan.summary()
+    out.result(f"[3/6] convert --strict --config base: {s['source_tensors']} -> {s['target_tensors']} tensors, every key "
+               f"and shape accounted for -> {converted.out}")
+
+    report = validate(converted.out, device="cpu", out=workdir / "reports", resolution=64, text_len=32,
+                      base=base, prompt=PROMPT)
+    d = report.to_dict()
+    steps["validate"] = {k: d[k] for k in ("verdict", "output", "summary", "blame", "weights_sha256")}
+    worst = max(b["teacher_forced"]["ratio"] for b in d["blocks"])
+    out.result(f"[4/6] validate on cpu in bf16 vs float32 golden: {d['verdict'].upper()}; output error "
+               f"{d['output']['device']['rel_l2']:.3%} = {d['output']['ratio']:.2f}x bf16's own error; worst block ratio "
+               f"{worst:.2f} (limit {d['rule']['max_ratio']}) -> {workdir / 'reports' / 'report.md'}")
+
+    published = publish(base, converted.out, workdir / "published", report=workdir / "reports")
+    steps["publish"] = published.to_dict()
+    out.result(f"[5/6] publish: {published.out} loads with Flux2KleinPipeline.from_pretrained (validation gate passed)")
+
+    image = workdir / "demo.png"
+    g = generate(workdir / "published", PROMPT, device="cpu", steps=4, seed=0, size=64, output=image, progress=False)
+    steps["generate"] = {"image": str(image), "load_s": g.load_s, "denoise_s": g.denoise_s, "s_per_it": g.s_per_it}
+    out.result(f"[6/6] generate: {image} (64x64, 4 steps; load {g.load_s:.2f} s, denoise {g.denoise_s:.2f} s, "
+               f"{g.s_per_it:.3f} s/it)")
     out.document(steps)

@@ -1,0 +1,27 @@
+"""`port demo`: the README's main job walks the whole path offline and leaves a loadable pipeline and a PNG."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from PIL import Image
+
+from porting.cli.app import main
+
+
+def test_demo_walks_the_whole_path(tmp_path, capsys):
+    work = tmp_path / "demo"
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", "--workdir", str(work), "--json"])
+    assert exc.value.code == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["convert"]["ok"] and doc["convert"]["source_tensors"] == 41 and doc["convert"]["target_tensors"] == 49
+    assert doc["validate"]["verdict"] == "pass"
+    report = json.loads((work / "reports" / "report.json").read_text())
+    assert report["inputs"]["text_features"] == "prompt"  # the tiny base's own text encoder was used
+    published = work / "published"
+    assert json.loads((published / "model_index.json").read_text())["_class_name"] == "Flux2KleinPipeline"
+    assert (published / "report.json").is_file() and (published / "README.md").is_file()
+    with Image.open(work / "demo.png") as image:
+        assert image.size == (64, 64)
