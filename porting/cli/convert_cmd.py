@@ -11,13 +11,15 @@ from rich.table import Table
 from ..convert import ConvertResult, convert as run_convert
 from ..errors import PortError
 from . import _output
-from ._options import Direction, DtypeChoice, ForceOpt, JsonOpt, OptionalOutDirOpt, QuietOpt
+from ._options import Direction, DtypeChoice, ForceOpt, JsonOpt, OptionalOutDirOpt, QuietOpt, WorkspaceOpt
+from ._recipe import as_recipe, base_config, finetune_file
 
 CONVERT_EXAMPLES = """Examples:
   port convert Flux2-Klein-9B-True-bf16.safetensors --out ./transformer --strict
   port convert ft.safetensors --out ./transformer --config ./FLUX.2-klein-9B --strict
   port convert ./transformer --to original --out ./bfl
   port convert ft.safetensors --dry-run --json
+  port convert flux2-klein-9b-true-v1          (a recipe fetched with port fetch: finetune/ -> transformer/)
 """
 
 
@@ -38,7 +40,8 @@ def summary_table(result: ConvertResult) -> Table:
 
 
 def convert(
-    src: Annotated[Path, typer.Argument(help="Checkpoint: .safetensors file, sharded folder or diffusers folder.")],
+    src: Annotated[Path, typer.Argument(help="Checkpoint: .safetensors file, sharded folder, diffusers folder, or a "
+                                        "recipe name in the workspace.")],
     out: OptionalOutDirOpt = None,
     to: Annotated[Direction, typer.Option("--to", help="Target naming.")] = Direction.diffusers,
     dtype: Annotated[DtypeChoice, typer.Option("--dtype", help="Cast weights on the way.")] = DtypeChoice.keep,
@@ -49,16 +52,25 @@ def convert(
                                          "accounted for.")] = True,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan, write nothing.")] = False,
     force: ForceOpt = False,
+    workspace: WorkspaceOpt = None,
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
     """Convert FLUX.2 / FLUX.1 transformer weights between original (BFL) and diffusers naming."""
     output = _output.use(json_mode=json_, quiet=quiet)
+    recipe = as_recipe(src, workspace)
+    if recipe is not None:
+        src = finetune_file(recipe)
+        out = out or recipe.transformer
+        config = config or base_config(recipe)
     if out is None and not dry_run:
         raise PortError("port convert needs --out DIR (or --dry-run to only print the plan).")
     with output.bytes_progress("converting") as (on_start, on_bytes):
         result = run_convert(src, out, to=to.value, dtype=dtype.value, config=config, max_shard_size=max_shard_size,
                              strict=strict, dry_run=dry_run, force=force, on_start=on_start, on_bytes=on_bytes)
+    if recipe is not None and result.out:
+        from ..workspace import record_step
+        record_step(recipe, "convert", result.to_dict())
     output.document(result.to_dict())
     output.table(summary_table(result))
     if not result.plan.ok:

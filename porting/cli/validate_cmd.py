@@ -10,12 +10,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ..errors import CheckFailed, PortError
 from . import _output
-from ._options import JsonOpt, QuietOpt
+from ._options import JsonOpt, QuietOpt, WorkspaceOpt
+from ._recipe import as_recipe
 
 VALIDATE_EXAMPLES = """Examples:
   port validate ./transformer --device npu:0
   port validate Flux2-Klein-9B-True-bf16.safetensors --device cuda --resolution 1024 --seeds 0,1
   port validate ./transformer --device npu:0 --base ./FLUX.2-klein-9B --prompt "a red fox in snow"
+  port validate flux2-klein-9b-true-v1 --device npu:0 --prompt "a red fox in snow"   (a recipe's workspace)
 """
 
 
@@ -27,7 +29,8 @@ def _floats(text: str, option: str) -> list[float]:
 
 
 def validate(
-    model: Annotated[Path, typer.Argument(help="Converted diffusers transformer folder, or an original-naming file.")],
+    model: Annotated[Path, typer.Argument(help="Converted diffusers transformer folder, an original-naming file, or a "
+                                          "recipe name in the workspace.")],
     device: Annotated[str, typer.Option("--device", help="Device under test: cpu, cuda[:N], npu[:N], mps, xpu[:N].")] = "cpu",
     reference: Annotated[str, typer.Option("--reference", help="Where the golden and intrinsic runs happen.")] = "cpu",
     dtype: Annotated[str, typer.Option("--dtype", help="dtype on the device: bf16, fp16 or fp32.")] = "bf16",
@@ -43,6 +46,7 @@ def validate(
     prompt: Annotated[Optional[str], typer.Option("--prompt", help="Prompt for real text features.")] = None,
     max_ratio: Annotated[float, typer.Option("--max-ratio", help="Largest accepted device/intrinsic error ratio.")] = 2.0,
     config: Annotated[Optional[Path], typer.Option("--config", help="Base config the weights must fit.")] = None,
+    workspace: WorkspaceOpt = None,
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -51,6 +55,11 @@ def validate(
     from validation.report import terminal_table
 
     output = _output.use(json_mode=json_, quiet=quiet)
+    recipe = as_recipe(model, workspace)
+    if recipe is not None:
+        model, out = recipe.transformer, out or recipe.reports
+        if base is None and (recipe.base / "text_encoder").is_dir():
+            base = recipe.base
     if prompt and base is None:
         raise PortError("--prompt needs --base (the base model's text encoder encodes it).")
     out = out or (model.resolve().parent / "reports")
@@ -80,6 +89,10 @@ def validate(
         if progress:
             progress.stop()
     data = report.to_dict()
+    if recipe is not None:
+        from ..workspace import record_step
+        record_step(recipe, "validate", {"report": str(out / "report.json"), "verdict": data["verdict"],
+                                         "weights_sha256": data["weights_sha256"], "device": data["device"]})
     output.document(data)
     output.table(terminal_table(data))
     output.status(f"report: {out / 'report.json'} and {out / 'report.md'}")

@@ -1,0 +1,31 @@
+"""Let convert and validate take a recipe name (a workspace folder filled by `port fetch`) instead of paths."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import InputError
+from ..workspace import RecipePaths, recipe_paths
+
+
+def as_recipe(arg: Path, workspace: Path | None) -> RecipePaths | None:
+    """The recipe named by `arg` when `arg` is not an existing path but a workspace folder of that name exists."""
+    if arg.exists() or len(arg.parts) != 1:
+        return None
+    try:
+        paths = recipe_paths(str(arg), workspace)
+    except InputError:
+        return None
+    return paths if paths.dir.is_dir() else None
+
+
+def finetune_file(paths: RecipePaths) -> Path:
+    files = sorted(paths.finetune.glob("*.safetensors")) if paths.finetune.is_dir() else []
+    if len(files) != 1:
+        raise InputError(f"{paths.finetune}: expected one .safetensors fine-tune file, found {len(files)}.",
+                         hint=f"Run `port fetch {paths.name}` first, or pass the file path to `port convert`.")
+    return files[0]
+
+
+def base_config(paths: RecipePaths) -> Path | None:
+    return paths.base if (paths.base / "transformer" / "config.json").is_file() else None
