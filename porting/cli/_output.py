@@ -24,12 +24,12 @@ class Output:
     def status(self, text: str) -> None:
         """A progress line for humans (stderr); silent in --quiet and --json."""
         if not self.quiet:
-            self.err.print(text, markup=False)
+            self.err.print(text, markup=False, soft_wrap=True)
 
     def result(self, text: str) -> None:
         """A line of data for humans (stdout); silent in --json."""
         if not self.json_mode:
-            self.out.print(text, markup=False)
+            self.out.print(text, markup=False, soft_wrap=True)
 
     def table(self, table: Table) -> None:
         if not self.json_mode:
