@@ -150,6 +150,9 @@ def atomic_folder(out: Path, force: bool = False) -> Iterator[Path]:
                                 hint="Pass --force to replace it, or choose another --out.")
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    umask = os.umask(0o022)
+    os.umask(umask)
+    os.chmod(staging, 0o777 & ~umask)  # mkdtemp makes it private; the finished folder is an ordinary one
     try:
         yield staging
     except BaseException:

@@ -14,7 +14,8 @@ from . import _output
 from ._options import Direction, DtypeChoice, ForceOpt, JsonOpt, OptionalOutDirOpt, QuietOpt, WorkspaceOpt
 from ._recipe import as_recipe, base_config, finetune_file
 
-CONVERT_EXAMPLES = """Examples:
+CONVERT_EXAMPLES = """\b
+Examples:
   port convert Flux2-Klein-9B-True-bf16.safetensors --out ./transformer --strict
   port convert ft.safetensors --out ./transformer --config ./FLUX.2-klein-9B --strict
   port convert ./transformer --to original --out ./bfl

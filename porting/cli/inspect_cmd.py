@@ -13,7 +13,8 @@ from ..detect import detect
 from . import _output
 from ._options import JsonOpt
 
-INSPECT_EXAMPLES = """Examples:
+INSPECT_EXAMPLES = """\b
+Examples:
   port inspect flux-2-klein-9b.safetensors
   port inspect ./my-finetune/ --json
 """

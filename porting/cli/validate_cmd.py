@@ -13,7 +13,8 @@ from . import _output
 from ._options import JsonOpt, QuietOpt, WorkspaceOpt
 from ._recipe import as_recipe
 
-VALIDATE_EXAMPLES = """Examples:
+VALIDATE_EXAMPLES = """\b
+Examples:
   port validate ./transformer --device npu:0
   port validate Flux2-Klein-9B-True-bf16.safetensors --device cuda --resolution 1024 --seeds 0,1
   port validate ./transformer --device npu:0 --base ./FLUX.2-klein-9B --prompt "a red fox in snow"
