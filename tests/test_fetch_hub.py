@@ -4,29 +4,14 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 
-from tests.hubserver.harness import cli, client_env, hubs  # noqa: F401  (pytest fixtures)
+from tests.hubserver.harness import MiB, cli, client_env, hubs, local_files, wait_until  # noqa: F401  (fixtures)
 from tests.hubserver.server import Repo, git_sha1, sha256, tiny_pipeline_files
-
-MiB = 1 << 20
 
 
 def fetch(cli, hubs, tmp_path: Path, *args: str, patches: dict | None = None, **env: str):
     return cli.run(["fetch", *args], client_env(tmp_path, hubs, **env), tmp_path, patches)
-
-
-def local_files(folder: Path) -> dict[str, bytes]:
-    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
-
-
-def wait_until(condition, timeout: float = 60.0) -> None:
-    """Readiness check: poll a condition on the file system until it holds (fails the test after `timeout`)."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.02)
 
 
 def test_full_snapshot(cli, hubs, tmp_path):

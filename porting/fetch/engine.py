@@ -228,7 +228,7 @@ def _known_secrets() -> list[str]:
 def fetch_source(source: Source, out: Path, opts: FetchOptions, ui: Reporter) -> FetchResult:
     """Fetch files of one repository into `out` (plain files, no cache links)."""
     try:
-        run = plan_part("source", source, out, opts, ui)
+        run = plan_part("source", source, Path(os.path.abspath(out)), opts, ui)
         return FetchResult(parts=_execute([run], opts, ui), dry_run=opts.dry_run)
     except PortError as err:
         raise _scrubbed(err, _known_secrets()) from None
@@ -267,7 +267,8 @@ def fetch_recipe(recipe: Recipe, via: str | None, endpoint: str | None, finetune
             part_opts = FetchOptions(revision=part.revision, include=list(part.include),
                                      exclude=list(part.exclude), files=list(part.files), dry_run=opts.dry_run,
                                      send_token=opts.send_token, timeout=opts.timeout, retries=opts.retries)
-            runs.append((plan_part(name, source, getattr(paths, name), part_opts, ui), part_opts))
+            out = Path(os.path.abspath(getattr(paths, name)))
+            runs.append((plan_part(name, source, out, part_opts, ui), part_opts))
         done = _execute([r for r, _ in runs], opts, ui)
     except PortError as err:
         raise _scrubbed(err, _known_secrets()) from None

@@ -6,6 +6,7 @@ under a second; FLUX_PORT_TEST_SPAWN=1 starts a fresh interpreter per run instea
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import select
@@ -24,6 +25,19 @@ from .server import FakeHubs
 
 TESTS_DIR = Path(__file__).resolve().parents[1]
 REPO_ROOT = TESTS_DIR.parent
+MiB = 1 << 20
+
+
+def local_files(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def wait_until(condition: Any, timeout: float = 60.0) -> None:
+    """Readiness check: poll a condition on the file system until it holds (fails the test after `timeout`)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
 
 
 @dataclass
@@ -136,11 +150,17 @@ def client_env(tmp_path: Path, hubs: FakeHubs, **extra: str) -> dict[str, str]:
     return env
 
 
-@pytest.fixture(scope="session")
-def cli() -> Iterator[CliRunner]:
-    runner = CliRunner(spawn=os.environ.get("FLUX_PORT_TEST_SPAWN") == "1")
-    yield runner
-    runner.close()
+_RUNNER: list[CliRunner] = []
+
+
+@pytest.fixture
+def cli() -> CliRunner:
+    """One fork server for the whole session, shared by every test module that imports this fixture
+    (a session fixture imported into several modules would start one per module)."""
+    if not _RUNNER:
+        _RUNNER.append(CliRunner(spawn=os.environ.get("FLUX_PORT_TEST_SPAWN") == "1"))
+        atexit.register(_RUNNER[0].close)
+    return _RUNNER[0]
 
 
 @pytest.fixture

@@ -136,7 +136,8 @@ class FakeHubs:
 
         srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         srv.daemon_threads = True
-        threading.Thread(target=srv.serve_forever, daemon=True, name=f"fake-{name}").start()
+        threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True,
+                         name=f"fake-{name}").start()
         return srv
 
     def blob(self, digest: str) -> tuple[Repo, str, bytes] | None:

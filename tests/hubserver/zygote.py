@@ -1,8 +1,12 @@
-"""A fork server for CLI runs: imports the heavy part of `port` (torch) once, then forks one child per request.
+"""A fork server for CLI runs: imports the heavy part of `port` once, then forks one child per request.
 
-Each child gets a fresh environment, working folder and stdout/stderr files before it imports huggingface_hub or
-modelscope_hub, so the clients read their configuration from that child's environment exactly as in a new
-process. Protocol on stdin/stdout, one JSON object per line:
+`port` imports torch, and its main() imports diffusers and transformers (to quiet their logging), which also
+imports huggingface_hub: a real `port fetch` process has huggingface_hub's import-time constants set before the
+fetch code runs, and so do these children (from this server's clean environment: temporary HF_HOME, no token,
+no HF_ENDPOINT). flux-port passes endpoint, token and timeouts to the client explicitly, so they come from each
+child's own environment. modelscope_hub is not imported here: each child configures and imports it itself.
+Each child gets a fresh environment, working folder and stdout/stderr files.
+Protocol on stdin/stdout, one JSON object per line:
   request  {"argv", "env", "cwd", "stdout", "stderr", "patches"}
   replies  {"pid": N}   when the child is started, then {"pid": N, "code": exit code (negative: signal)}
 """
@@ -43,6 +47,12 @@ def _child(req: dict) -> None:
 def main() -> None:
     import porting.cli.app  # noqa: F401  (torch and the CLI, imported once)
     from hubserver import runner  # noqa: F401  (imported before any child changes its working folder)
+
+    for name in ("diffusers", "transformers", "requests"):  # what main() and the clients import anyway
+        try:
+            __import__(name)
+        except ImportError:
+            pass
 
     print(json.dumps({"ready": os.getpid()}), flush=True)
     for line in sys.stdin:
