@@ -192,5 +192,13 @@ def test_unreachable_endpoint_is_a_network_error(cli, hubs, tmp_path):
     s.close()                                                  # nothing listens there any more
     r = fetch(cli, hubs, tmp_path, "hf:acme/tiny", "--endpoint", f"http://127.0.0.1:{port}", "--retries", "0")
     assert r.code == 4, r
-    assert f"Cannot reach 127.0.0.1" in r.err
+    assert "Cannot reach 127.0.0.1" in r.err
 
+
+
+def test_output_folder_that_is_a_file_is_a_clear_error(cli, hubs, tmp_path):
+    hubs.add_hf(Repo("acme/tiny", {"a.json": b"{}"}))
+    (tmp_path / "out").write_text("not a folder")
+    r = fetch(cli, hubs, tmp_path, "hf:acme/tiny", "--out", "out")
+    assert r.code == 2, r
+    assert "Cannot write" in r.err and "Traceback" not in r.stderr

@@ -289,3 +289,12 @@ def test_ms_error_table():
     assert isinstance(backend.translate(ms.RequestTimeoutError("slow"), "master"), NetworkError)
     assert isinstance(backend.translate(ms.FileIntegrityError("bad"), "master", path="w"), CheckFailed)
     assert isinstance(backend.translate(OSError(errno.ENOSPC, "full"), "master", path="w"), DiskSpaceError)
+
+
+def test_local_disk_errors_map_to_exit_codes():
+    from porting.fetch.engine import _local_error
+
+    full = _local_error(OSError(errno.ENOSPC, "No space left on device", "/data/x.part"))
+    assert isinstance(full, DiskSpaceError) and "/data/x.part" in full.message
+    denied = _local_error(PermissionError(errno.EACCES, "Permission denied", "/data/x"))
+    assert denied.exit_code == 2 and "Permission denied" in denied.message

@@ -11,9 +11,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..errors import InputError
-from ..fetch.engine import FetchOptions, FetchResult, Reporter, fetch_recipe, fetch_source
+from ..fetch.engine import FetchOptions, FetchResult, Interrupted, Reporter, fetch_recipe, fetch_source
 from ..fetch.plan import human
-from ..fetch.sources import parse_source
+from ..fetch.sources import Source, parse_source
 from ..recipes import get_recipe, load_recipes
 from . import _output
 from ._options import JsonOpt, QuietOpt, WorkspaceOpt
@@ -68,6 +68,28 @@ def _file_table(result: FetchResult) -> Table:
     return table
 
 
+def _run(src: Source | None, source: str, via: str | None, endpoint: str | None,
+         finetune_from: FromChoice | None, workspace: Path | None, out: Path | None, opts: FetchOptions,
+         ui: Reporter) -> FetchResult:
+    if src is None:
+        recipe = get_recipe(source)
+        given = [flag for flag, value in (("--revision", opts.revision), ("--include", opts.include),
+                                          ("--exclude", opts.exclude), ("--file", opts.files), ("--out", out))
+                 if value]
+        if given:
+            raise InputError(f"{', '.join(given)} cannot be used with a recipe; the recipe fixes its files and "
+                             f"folders.", hint=f"Use --workspace DIR to place {recipe.name}/ elsewhere, or fetch a "
+                                               f"repository directly: port fetch hf:{recipe.base.repo} ...")
+        return fetch_recipe(recipe, via, endpoint, finetune_from.value if finetune_from else None, workspace,
+                            opts, ui)
+    if workspace is not None or finetune_from is not None:
+        raise InputError("--workspace and --finetune-from apply to recipes only.",
+                         hint="Use --out DIR for a repository's files.")
+    if opts.files and (opts.include or opts.exclude):
+        raise InputError("Give either --file or --include / --exclude, not both.")
+    return fetch_source(src, out or Path(src.repo.split("/")[1]), opts, ui)
+
+
 def fetch(
     source: Annotated[str, typer.Argument(metavar="SOURCE_OR_RECIPE", help="hf:ORG/NAME, modelscope:ORG/NAME, "
                                           "ORG/NAME (hub from --from) or a recipe name (see `port recipes`).")],
@@ -110,23 +132,11 @@ def fetch(
     ui = Reporter(status=output.status, warning=output.warning, console=None if output.quiet else output.err)
     via = from_.value if from_ else None
     src = parse_source(source, via=via, endpoint=endpoint)
-    if src is None:
-        recipe = get_recipe(source)
-        given = [flag for flag, value in (("--revision", revision), ("--include", include), ("--exclude", exclude),
-                                          ("--file", file), ("--out", out)) if value]
-        if given:
-            raise InputError(f"{', '.join(given)} cannot be used with a recipe; the recipe fixes its files and "
-                             f"folders.", hint=f"Use --workspace DIR to place {recipe.name}/ elsewhere, or fetch a "
-                                               f"repository directly: port fetch hf:{recipe.base.repo} ...")
-        result = fetch_recipe(recipe, via, endpoint, finetune_from.value if finetune_from else None, workspace,
-                              opts, ui)
-    else:
-        if workspace is not None or finetune_from is not None:
-            raise InputError("--workspace and --finetune-from apply to recipes only.",
-                             hint="Use --out DIR for a repository's files.")
-        if opts.files and (opts.include or opts.exclude):
-            raise InputError("Give either --file or --include / --exclude, not both.")
-        result = fetch_source(src, out or Path(src.repo.split("/")[1]), opts, ui)
+    try:
+        result = _run(src, source, via, endpoint, finetune_from, workspace, out, opts, ui)
+    except KeyboardInterrupt:
+        raise Interrupted("Interrupted. Verified files and partial downloads are kept.",
+                          hint="Run the same command again to continue where it stopped.") from None
 
     output.document(result.to_dict())
     output.table(_summary(result))

@@ -3,6 +3,7 @@ verify -> manifest. For a recipe every part is planned before anything is transf
 
 from __future__ import annotations
 
+import errno
 import os
 import time
 from dataclasses import dataclass, field
@@ -11,15 +12,21 @@ from typing import Any, Callable, Protocol
 
 from rich.console import Console
 
-from ..errors import CheckFailed, InputError, NetworkError, PortError
+from ..errors import CheckFailed, DiskSpaceError, InputError, NetworkError, PortError
 from ..recipes import Recipe
 from ..workspace import record_step, recipe_paths
 from . import manifest
 from .paths import PARTIAL_DIR, check_listing
-from .plan import Listing, Plan, PlannedFile, check_disk_space, choose, human, local_state
+from .plan import Listing, Plan, PlannedFile, check_disk_space, choose, local_state
 from .progress import FetchProgress, FileBar
 from .sources import Source, hub_for, resolve_endpoint
 from .verify import RemoteFile, mismatch
+
+
+class Interrupted(PortError):
+    """Ctrl-C during a fetch: what was downloaded stays, and the next run continues from it."""
+
+    exit_code = 130
 
 
 @dataclass
@@ -219,6 +226,16 @@ def _scrubbed(err: PortError, secrets: list[str]) -> PortError:
     return err
 
 
+def _local_error(err: OSError) -> PortError:
+    """A failure of the local disk (not of a client): full disk, permissions, a folder where a file should go."""
+    where = err.filename or "the output folder"
+    if err.errno == errno.ENOSPC:
+        return DiskSpaceError(f"The disk filled up while writing {where}.",
+                              hint="Free some space and run the same command again: it resumes.")
+    return PortError(f"Cannot write {where}: {err.strerror or err}.",
+                     hint="Check the permissions of the output folder, or choose another --out / --workspace.")
+
+
 def _known_secrets() -> list[str]:
     values = [os.environ.get(k, "") for k in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "MODELSCOPE_API_TOKEN")]
     return [v for v in values if v]
@@ -232,6 +249,8 @@ def fetch_source(source: Source, out: Path, opts: FetchOptions, ui: Reporter) ->
         return FetchResult(parts=_execute([run], opts, ui), dry_run=opts.dry_run)
     except PortError as err:
         raise _scrubbed(err, _known_secrets()) from None
+    except OSError as err:
+        raise _scrubbed(_local_error(err), _known_secrets()) from err
 
 
 def recipe_sources(recipe: Recipe, via: str | None, endpoint: str | None, finetune_via: str | None,
@@ -267,11 +286,12 @@ def fetch_recipe(recipe: Recipe, via: str | None, endpoint: str | None, finetune
             part_opts = FetchOptions(revision=part.revision, include=list(part.include),
                                      exclude=list(part.exclude), files=list(part.files), dry_run=opts.dry_run,
                                      send_token=opts.send_token, timeout=opts.timeout, retries=opts.retries)
-            out = Path(os.path.abspath(getattr(paths, name)))
-            runs.append((plan_part(name, source, out, part_opts, ui), part_opts))
-        done = _execute([r for r, _ in runs], opts, ui)
+            runs.append(plan_part(name, source, Path(os.path.abspath(getattr(paths, name))), part_opts, ui))
+        done = _execute(runs, opts, ui)
     except PortError as err:
         raise _scrubbed(err, _known_secrets()) from None
+    except OSError as err:
+        raise _scrubbed(_local_error(err), _known_secrets()) from err
     result = FetchResult(parts=done, dry_run=opts.dry_run, recipe=recipe)
     if not opts.dry_run:
         result.port_json = record_step(paths, "fetch", {
@@ -283,4 +303,4 @@ def fetch_recipe(recipe: Recipe, via: str | None, endpoint: str | None, finetune
     return result
 
 
-__all__ = ["FetchOptions", "FetchResult", "Reporter", "fetch_recipe", "fetch_source", "human"]
+__all__ = ["FetchOptions", "FetchResult", "Interrupted", "Reporter", "fetch_recipe", "fetch_source"]

@@ -37,7 +37,6 @@ class HfBackend:
     def __init__(self, source: Source, *, send_token: bool, timeout: float) -> None:
         self.source = source
         self.timeout = timeout
-        self.last_file: str | None = None
         # huggingface_hub reads HF_HUB_DOWNLOAD_TIMEOUT when it is imported; the constant is also set below
         # for the case where another verb imported it first in this process.
         os.environ["HF_HUB_DOWNLOAD_TIMEOUT"] = str(int(max(1, timeout)))
@@ -89,7 +88,6 @@ class HfBackend:
         from huggingface_hub.file_download import http_get
         from huggingface_hub.utils import build_hf_headers
 
-        self.last_file = remote.path
         part = self.partial_path(out, remote)
         part.parent.mkdir(parents=True, exist_ok=True)
         have = part.stat().st_size if part.exists() else 0
