@@ -189,3 +189,12 @@ def test_cli_failing_verdict_exits_1(converted, tmp_path, capsys):
     assert exc.value.code == 1
     assert "Validation failed" in capsys.readouterr().err
     assert json.loads((tmp_path / "r" / "report.json").read_text())["verdict"] == "fail"
+
+
+def test_emulated_intrinsic_is_a_close_stand_in_for_native_bf16(converted, clean_report):
+    d = validate(converted, intrinsic="emulated", **SMALL).to_dict()
+    native = clean_report.to_dict()["output"]["intrinsic"]["rel_l2"]
+    emulated = d["output"]["intrinsic"]["rel_l2"]
+    assert d["intrinsic"].startswith("emulated")
+    assert 0.5 < emulated / native < 2.0  # same order as the real bf16 error: a usable denominator
+    assert d["verdict"] == "pass"  # a correct native-bf16 device passes against it

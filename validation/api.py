@@ -33,7 +33,7 @@ def validate(model: str | Path, *, device: str = "cpu", dtype: str = "bf16", ref
              golden_dtype: str = "fp32", out: Path | None = None, resolution: int = 512, text_len: int = 512,
              timesteps: Sequence[float] = (1.0, 0.5, 0.1), seeds: Sequence[int] = (0,),
              base: Path | None = None, prompt: str | None = None, max_ratio: float = 2.0,
-             config: Path | None = None,
+             config: Path | None = None, intrinsic: str = "native",
              device_weight_transform: WeightTransform | None = None,
              prepare_device_model: Callable[[torch.nn.Module], None] | None = None,
              on_stage: Callable[[str, int], None] | None = None) -> Report:
@@ -45,10 +45,14 @@ def validate(model: str | Path, *, device: str = "cpu", dtype: str = "bf16", ref
     run_dtype, gold_dtype = _dtype(dtype, "--dtype"), _dtype(golden_dtype, "--golden-dtype")
     if gold_dtype.itemsize <= run_dtype.itemsize and dtype != "fp32":
         raise PortError(f"--golden-dtype {golden_dtype} must be more precise than --dtype {dtype}.")
+    if intrinsic not in ("native", "emulated"):
+        raise PortError(f"--intrinsic {intrinsic!r}: use native or emulated.")
     dev, ref = resolve_device(device), resolve_device(reference)
     source = WeightSource(model, config)
     inputs = build_inputs(source.config, resolution, text_len, timesteps, seeds, base, prompt)
-    runs = Runs(StagedFlux2(source, ref, gold_dtype), StagedFlux2(source, ref, run_dtype),
+    intrinsic_run = (StagedFlux2(source, ref, run_dtype) if intrinsic == "native" else
+                     StagedFlux2(source, ref, torch.float32, emulate=run_dtype))
+    runs = Runs(StagedFlux2(source, ref, gold_dtype), intrinsic_run,
                 StagedFlux2(source, dev, run_dtype, device_weight_transform))
     if prepare_device_model is not None:
         prepare_device_model(runs.device.model)
@@ -108,6 +112,8 @@ def validate(model: str | Path, *, device: str = "cpu", dtype: str = "bf16", ref
                   "config": {k: v for k, v in source.config.items() if not k.startswith("_")}},
         "weights_sha256": source.weights_sha256(),
         "device": str(dev), "dtype": dtype, "reference": str(ref), "golden_dtype": golden_dtype,
+        "intrinsic": intrinsic if intrinsic == "native" else f"emulated ({dtype} rounding of weights, inputs and every "
+                                                             "module output, float32 arithmetic)",
         "environment": {"device": facts_dev, "reference": facts_ref},
         "inputs": inputs.description, "cases": inputs.cases,
         "rule": {"metric": "relative L2 error against the golden", "max_ratio": max_ratio,

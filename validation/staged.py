@@ -56,11 +56,14 @@ def stage_output(stage: str, state: State) -> torch.Tensor:
 
 class StagedFlux2:
     def __init__(self, source: WeightSource, device: torch.device, dtype: torch.dtype,
-                 weight_transform: WeightTransform | None = None) -> None:
+                 weight_transform: WeightTransform | None = None, emulate: torch.dtype | None = None) -> None:
+        """`emulate`: compute in `dtype` (float32) but round weights, inputs and every module output to `emulate`,
+        the storage rounding of a bf16 accelerator with float32 accumulation, for hosts whose CPU lacks fast bf16."""
         import diffusers
 
         self.source, self.device, self.dtype = source, device, dtype
         self.weight_transform = weight_transform
+        self.emulate = emulate
         cls = getattr(diffusers, source.detection.table.diffusers_class)
         clean = {k: v for k, v in source.config.items() if not k.startswith("_")}
         log = logging.getLogger("diffusers")
@@ -72,6 +75,17 @@ class StagedFlux2:
         finally:
             log.setLevel(level)
         self.model.eval().requires_grad_(False)
+        if emulate is not None:
+            for module in self.model.modules():
+                module.register_forward_hook(self._round_output)
+
+    def _round(self, t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            return t.to(self.emulate).to(self.dtype)
+        return t
+
+    def _round_output(self, module: nn.Module, inputs: Any, output: Any) -> Any:
+        return tuple(self._round(o) for o in output) if isinstance(output, tuple) else self._round(output)
 
     def stage_names(self) -> list[str]:
         m = self.model
@@ -98,6 +112,8 @@ class StagedFlux2:
                     tensor = self.source.get(key)
                     if self.weight_transform is not None:
                         tensor = self.weight_transform(key, tensor)
+                    if self.emulate is not None:
+                        tensor = tensor.to(self.emulate)
                     param.copy_(tensor.to(dtype=self.dtype))
 
     def release(self, stage: str) -> None:
@@ -109,9 +125,14 @@ class StagedFlux2:
         self.materialise(stage)
         try:
             with torch.no_grad():
-                return [self._forward(stage, cast_state(s, self.dtype, self.device)) for s in states]
+                return [self._forward(stage, self._prepare(s)) for s in states]
         finally:
             self.release(stage)
+
+    def _prepare(self, state: State) -> State:
+        if self.emulate is not None:
+            state = cast_state(state, self.emulate, self.device)
+        return cast_state(state, self.dtype, self.device)
 
     def forward_all(self, inputs: State, on_stage: Callable[[str], None] | None = None) -> torch.Tensor:
         """A whole forward pass, streamed stage by stage."""

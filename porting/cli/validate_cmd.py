@@ -47,6 +47,8 @@ def validate(
     prompt: Annotated[Optional[str], typer.Option("--prompt", help="Prompt for real text features.")] = None,
     max_ratio: Annotated[float, typer.Option("--max-ratio", help="Largest accepted device/intrinsic error ratio.")] = 2.0,
     config: Annotated[Optional[Path], typer.Option("--config", help="Base config the weights must fit.")] = None,
+    intrinsic: Annotated[str, typer.Option("--intrinsic", help="native: run --dtype on the reference device; emulated: "
+                                           "float32 arithmetic with --dtype rounding (fast on CPUs without bf16).")] = "native",
     workspace: WorkspaceOpt = None,
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -85,7 +87,8 @@ def validate(
         report = run_validate(model, device=device, dtype=dtype, reference=reference, golden_dtype=golden_dtype,
                               out=out, resolution=resolution, text_len=text_len,
                               timesteps=_floats(timesteps, "--timesteps"), seeds=seed_list, base=base, prompt=prompt,
-                              max_ratio=max_ratio, config=config, on_stage=on_stage)
+                              max_ratio=max_ratio, config=config, intrinsic=intrinsic,
+                              on_stage=on_stage)
     finally:
         if progress:
             progress.stop()
