@@ -202,3 +202,12 @@ def test_output_folder_that_is_a_file_is_a_clear_error(cli, hubs, tmp_path):
     r = fetch(cli, hubs, tmp_path, "hf:acme/tiny", "--out", "out")
     assert r.code == 2, r
     assert "Cannot write" in r.err and "Traceback" not in r.stderr
+
+
+def test_plan_is_printed_before_the_transfer(cli, hubs, tmp_path):
+    repo = hubs.add_hf(Repo("acme/tiny", {"a.json": b"{}", "w.safetensors": b"\0" * 2000}))
+    r = fetch(cli, hubs, tmp_path, "hf:acme/tiny", "--out", "out")
+    assert r.code == 0, r
+    commit = repo.branches["main"][:12]
+    assert f"source: hf:acme/tiny at main -> {commit}: 2 file(s), 2.00 KB, 2.00 KB to download into" in r.err
+    assert "2 file(s) verified in" in r.stdout

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +18,7 @@ from ..recipes import Recipe
 from ..workspace import record_step, recipe_paths
 from . import manifest
 from .paths import PARTIAL_DIR, check_listing
-from .plan import Listing, Plan, PlannedFile, check_disk_space, choose, local_state
+from .plan import Listing, Plan, PlannedFile, check_disk_space, choose, human, local_state
 from .progress import FetchProgress, FileBar
 from .sources import Source, hub_for, resolve_endpoint
 from .verify import RemoteFile, mismatch
@@ -211,6 +212,11 @@ def _execute(runs: list[PartRun], opts: FetchOptions, ui: Reporter,
              free: Callable[[Path], int] | None = None) -> list[PartRun]:
     if opts.dry_run:
         return runs
+    for r in runs:
+        p = r.plan
+        at = f"{p.listing.revision} -> {p.listing.commit[:12]}" if p.listing.commit else p.listing.revision
+        ui.status(f"{p.part}: {p.source.label} at {at}: {len(p.files)} file(s), {human(p.total_bytes)}, "
+                  f"{human(p.missing_bytes)} to download into {p.out}")
     check_disk_space([r.plan for r in runs], free)
     return [run_part(r, opts, ui) for r in runs]
 
@@ -238,6 +244,10 @@ def _local_error(err: OSError) -> PortError:
 
 def _known_secrets() -> list[str]:
     values = [os.environ.get(k, "") for k in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "MODELSCOPE_API_TOKEN")]
+    if "huggingface_hub" in sys.modules:  # also the token of `hf auth login`, when the client was loaded
+        values.append(sys.modules["huggingface_hub"].get_token() or "")
+    if "modelscope_hub" in sys.modules:   # and of `modelscope login`
+        values.append(sys.modules["modelscope_hub"].get_default_config().token or "")
     return [v for v in values if v]
 
 
