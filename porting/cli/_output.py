@@ -59,11 +59,31 @@ class Output:
             yield (lambda total: progress.update(task, total=total)), (lambda n: progress.advance(task, n))
 
 
+def quiet_libraries() -> None:
+    """flux-port draws its own progress; diffusers' and transformers' per-component bars would bury it.
+
+    Called by the verbs that load those libraries anyway, so that light verbs (recipes, fetch) start fast.
+    """
+    import os
+
+    if os.environ.get("FLUX_PORT_DEBUG"):
+        return
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    for lib in (diffusers_logging, transformers_logging):
+        lib.set_verbosity_error()
+        lib.disable_progress_bar()
+
+
 # set by each command once its options are parsed, so main() formats errors in the right mode
 current = Output()
 
 
-def use(json_mode: bool = False, quiet: bool = False) -> Output:
+def use(json_mode: bool = False, quiet: bool = False, heavy: bool = False) -> Output:
+    """Select the output mode; `heavy` verbs (they load diffusers/transformers) also silence those libraries."""
     global current
     current = Output(json_mode, quiet)
+    if heavy:
+        quiet_libraries()
     return current

@@ -45,21 +45,8 @@ def report_error(err: PortError) -> None:
         out.err.print(f"Hint: {err.hint}", markup=False)
 
 
-def _quiet_libraries() -> None:
-    """flux-port draws its own progress; the libraries' per-component bars and notices would bury it."""
-    if os.environ.get("FLUX_PORT_DEBUG"):
-        return
-    from diffusers.utils import logging as diffusers_logging
-    from transformers.utils import logging as transformers_logging
-
-    for lib in (diffusers_logging, transformers_logging):
-        lib.set_verbosity_error()
-        lib.disable_progress_bar()
-
-
 def main(argv: list[str] | None = None) -> None:
     """Entry point: runs a verb and turns flux-port errors into one clear message and an exit code."""
-    _quiet_libraries()
     try:
         app(args=argv, prog_name="port", standalone_mode=True)
     except PortError as err:

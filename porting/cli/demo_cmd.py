@@ -26,7 +26,7 @@ def demo(
     """Port a tiny random FLUX.2 [klein] fine-tune end to end, offline, and generate a PNG with it."""
     from validation.api import validate
 
-    out = _output.use(json_mode=json_)
+    out = _output.use(json_mode=json_, heavy=True)
     if workdir.exists():
         shutil.rmtree(workdir)
     workdir.mkdir(parents=True)

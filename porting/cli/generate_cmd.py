@@ -71,7 +71,7 @@ def generate(
     quiet: QuietOpt = False,
 ) -> None:
     """Generate an image from a published folder; prints load time, denoising time, s/it and peak memory."""
-    out = _output.use(json_mode=json_, quiet=quiet)
+    out = _output.use(json_mode=json_, quiet=quiet, heavy=True)
     result = run_generate(folder, prompt, device=device, steps=steps, seed=seed, size=size, output=output,
                           cpu_offload=cpu_offload.value if cpu_offload else None, images=image or [],
                           dtype=dtype.value if dtype else None, guidance_scale=guidance_scale,

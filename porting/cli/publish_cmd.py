@@ -92,7 +92,7 @@ def publish(
     quiet: QuietOpt = False,
 ) -> None:
     """Assemble a diffusers pipeline folder from a base repository and a converted, validated transformer."""
-    output = _output.use(json_mode=json_, quiet=quiet)
+    output = _output.use(json_mode=json_, quiet=quiet, heavy=True)
     if recipe is not None:
         if base is not None or transformer is not None:
             raise PortError("give either a RECIPE or --base/--transformer, not both.")

@@ -57,7 +57,7 @@ def validate(
     from validation.api import validate as run_validate
     from validation.report import terminal_table
 
-    output = _output.use(json_mode=json_, quiet=quiet)
+    output = _output.use(json_mode=json_, quiet=quiet, heavy=True)
     recipe = as_recipe(model, workspace)
     if recipe is not None:
         model, out = recipe.transformer, out or recipe.reports
