@@ -69,6 +69,7 @@ def main() -> None:
     ap.add_argument("--resolution", type=int, default=512)
     ap.add_argument("--text-len", type=int, default=512)
     ap.add_argument("--timesteps", default="1.0")
+    ap.add_argument("--intrinsic", choices=["native", "emulated"], default="native")
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--keep", action="store_true", help="keep the synthetic checkpoint")
     ap.add_argument("--child-golden", help=argparse.SUPPRESS)
@@ -102,11 +103,12 @@ def main() -> None:
         else:
             cmd = [sys.executable, "-m", "porting", "validate", str(src), "--device", "cpu", "--dtype", "bf16",
                    "--resolution", str(args.resolution), "--text-len", str(args.text_len),
-                   "--timesteps", args.timesteps, "--out", str(work / "reports"), "--json"]
+                   "--timesteps", args.timesteps, "--intrinsic", args.intrinsic, "--out", str(work / "reports"),
+                   "--json"]
             wall, rss, out, code = run_child(cmd)
             doc = json.loads(out) if out.strip().startswith("{") else {}
             ratio = doc.get("output", {}).get("ratio")
-            print(f"port validate --device cpu --dtype bf16: exit {code}, verdict {doc.get('verdict')}, wall {wall:.0f} s, "
+            print(f"port validate --device cpu --dtype bf16 --intrinsic {args.intrinsic}: exit {code}, verdict {doc.get('verdict')}, wall {wall:.0f} s, "
                   f"peak RSS {rss:.2f} GiB; output error ratio {ratio}; intrinsic bf16 rel-L2 "
                   f"{doc.get('output', {}).get('intrinsic', {}).get('rel_l2')}")
     finally:
