@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime as _dt
-import math
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -12,7 +11,7 @@ import torch
 from porting import __version__
 from porting.errors import PortError
 
-from .compare import Runs, lockstep
+from .compare import GROWTH_FLAG, Runs, lockstep
 from .devices import device_facts, resolve_device
 from .inputs import build_inputs
 from .metrics import compare, error_floor, error_ratio
@@ -20,6 +19,8 @@ from .report import Report, original_name
 from .staged import StagedFlux2
 from .weights import WeightSource, WeightTransform
 
+GROWTH_FLAG_TEXT = (f"flag a block when the device's accumulated error grows more than {GROWTH_FLAG}x faster through it "
+                    "than the reference's")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
 
 
@@ -131,6 +132,3 @@ def validate(model: str | Path, *, device: str = "cpu", dtype: str = "bf16", ref
         report.write(Path(out))
     return report
 
-
-GROWTH_FLAG_TEXT = "flag a block when the device's accumulated error grows > 1.5x faster through it than the reference's"
-__all__ = ["validate", "Report", "math"]
