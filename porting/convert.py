@@ -16,7 +16,7 @@ from .detect import Detection, detect, load_base_config
 from .errors import PlanError
 from .mapping import MappingTable, Naming
 from .plan import Plan, build_plan, torch_dtype_tag
-from .writer import Entry, WeightsHasher, atomic_folder, parse_size, write_shards
+from .writer import Entry, Segments, WeightsHasher, atomic_folder, parse_size, write_shards
 
 MANIFEST = "flux-port.json"  # written next to the weights; validate and publish read it
 
@@ -70,9 +70,22 @@ def strict_error(plan: Plan, src: str | Path) -> PlanError:
         details="\n".join(lines), report=plan.summary())
 
 
-def iter_tensors(ckpt: Checkpoint, plan: Plan) -> Iterator[torch.Tensor]:
-    """Read, transform and yield target tensors one step at a time (peak memory: one rule group)."""
+def iter_tensors(ckpt: Checkpoint, plan: Plan) -> Iterator[torch.Tensor | Segments]:
+    """Target tensors in plan order, one step at a time (peak memory: one rule group).
+
+    A step that only moves rows along dim 0 and keeps the dtype yields `Segments` (byte ranges of the source files)
+    for the writer to copy file to file; any other step reads its sources and applies the operation in memory.
+    """
     for ps in plan.steps:
+        infos = [ckpt.tensors[k] for k in ps.stored_sources]
+        ranges = None
+        if all(i.dtype == ps.out_dtype for i in infos):
+            ranges = ps.step.op.byte_ranges([i.shape for i in infos], ST_TO_TORCH[ps.out_dtype].itemsize)
+        if ranges is not None:
+            for parts in ranges:
+                yield Segments(tuple((infos[i].file, infos[i].start + off, n) for i, off, n in parts),
+                               ", ".join(ps.stored_sources))
+            continue
         inputs = [ckpt.read(k) for k in ps.stored_sources]
         outputs = ps.step.op.apply(inputs)
         target = ST_TO_TORCH[ps.out_dtype]

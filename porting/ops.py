@@ -20,6 +20,18 @@ class OpShapeError(ValueError):
     """Input shapes do not fit the operation (reported per key by the planner)."""
 
 
+# Byte ranges of the inputs that make up each output, in order: [(input index, byte offset, byte length), ...] per
+# output. Only ops that move whole rows along dim 0 of row-major tensors can say this; the others return None.
+ByteRanges = list[list[tuple[int, int, int]]]
+
+
+def _nbytes(shape: Shape, itemsize: int) -> int:
+    n = itemsize
+    for s in shape:
+        n *= s
+    return n
+
+
 @dataclass(frozen=True)
 class Rename:
     """One tensor in, the same tensor out under another name."""
@@ -35,6 +47,9 @@ class Rename:
 
     def apply(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         return [tensors[0]]
+
+    def byte_ranges(self, in_shapes: list[Shape], itemsize: int) -> ByteRanges | None:
+        return [[(0, 0, _nbytes(in_shapes[0], itemsize))]]
 
     def inverse(self) -> "Rename":
         return self
@@ -79,6 +94,17 @@ class Split:
     def apply(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         return list(torch.split(tensors[0], list(self._sizes(tuple(tensors[0].shape))), dim=self.dim))
 
+    def byte_ranges(self, in_shapes: list[Shape], itemsize: int) -> ByteRanges | None:
+        if self.dim != 0:
+            return None
+        shape = in_shapes[0]
+        row = _nbytes(shape[1:], itemsize)
+        out, start = [], 0
+        for size in self._sizes(shape):
+            out.append([(0, start * row, size * row)])
+            start += size
+        return out
+
     def inverse(self) -> "Concat":
         return Concat(self.dim, self.parts, self.sizes)
 
@@ -121,6 +147,12 @@ class Concat:
     def apply(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         return [torch.cat(tensors, dim=self.dim)]
 
+    def byte_ranges(self, in_shapes: list[Shape], itemsize: int) -> ByteRanges | None:
+        if self.dim != 0:
+            return None
+        self.shapes(in_shapes)  # the same checks as the plan
+        return [[(i, 0, _nbytes(s, itemsize)) for i, s in enumerate(in_shapes)]]
+
     def inverse(self) -> Split:
         return Split(self.dim, self.parts, self.sizes)
 
@@ -147,6 +179,13 @@ class SwapHalves:
         a, b = tensors[0].chunk(2, dim=self.dim)
         return [torch.cat([b, a], dim=self.dim)]
 
+    def byte_ranges(self, in_shapes: list[Shape], itemsize: int) -> ByteRanges | None:
+        if self.dim != 0:
+            return None
+        self.shapes(in_shapes)
+        half = _nbytes(in_shapes[0], itemsize) // 2
+        return [[(0, half, half), (0, 0, half)]]
+
     def inverse(self) -> "SwapHalves":
         return self
 
@@ -169,6 +208,9 @@ class Cast:
 
     def apply(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         return [tensors[0].to(self.dtype)]
+
+    def byte_ranges(self, in_shapes: list[Shape], itemsize: int) -> ByteRanges | None:
+        return None  # changes the bytes
 
     def inverse(self) -> "Cast":
         if self.source_dtype is None:

@@ -6,12 +6,15 @@ tensor bytes streamed after it, which the format allows because every shape and 
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import queue
 import shutil
 import struct
 import tempfile
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,10 +97,15 @@ class WeightsHasher:
 
     def __init__(self) -> None:
         self._lines: dict[str, str] = {}
+        self._lock = threading.Lock()
 
     def update(self, key: str, tensor: torch.Tensor, dtype: str) -> None:
-        digest = hashlib.sha256(_as_bytes(tensor)).hexdigest()
-        self._lines[key] = f"{key}|{dtype}|{list(tensor.shape)}|{digest}\n"
+        self.add(key, dtype, tuple(tensor.shape), hashlib.sha256(_as_bytes(tensor)).hexdigest())
+
+    def add(self, key: str, dtype: str, shape: tuple[int, ...], digest: str) -> None:
+        """Record a tensor whose bytes were hashed elsewhere (e.g. by `SegmentHasher`)."""
+        with self._lock:
+            self._lines[key] = f"{key}|{dtype}|{list(shape)}|{digest}\n"
 
     def hexdigest(self) -> str:
         h = hashlib.sha256()
@@ -111,30 +119,199 @@ def _as_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy())
 
 
-def write_shards(folder: Path, stem: str, entries: list[Entry], tensors: Iterable[torch.Tensor],
+@dataclass(frozen=True)
+class Segments:
+    """An output tensor whose bytes are byte ranges of source files, in order: `(file, offset, length)`.
+
+    Renames, row splits, row concatenations and half swaps along dim 0 without a dtype change only move whole rows
+    of a row-major tensor, so the writer can copy those bytes file to file (`os.copy_file_range`, the kernel-side
+    copy `cp` uses) instead of reading them into memory and writing them back.
+    """
+
+    parts: tuple[tuple[Path, int, int], ...]
+    source_key: str  # for error messages
+
+    @property
+    def nbytes(self) -> int:
+        return sum(n for _, _, n in self.parts)
+
+
+CHUNK = 8 * 2**20  # bytes per pread call (copy_file_range is asked for a whole tensor at once: large calls are faster)
+
+
+class _Copier:
+    """Copies `Segments` into an output file descriptor, kernel-side when the platform allows."""
+
+    def __init__(self) -> None:
+        self.kernel_copy = hasattr(os, "copy_file_range")
+        self._fds: dict[Path, int] = {}
+        self._buf = bytearray(0)
+
+    def fd(self, path: Path) -> int:
+        if path not in self._fds:
+            self._fds[path] = os.open(path, os.O_RDONLY)
+            if hasattr(os, "posix_fadvise"):  # larger read-ahead, as cp asks for
+                os.posix_fadvise(self._fds[path], 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        return self._fds[path]
+
+    def copy(self, seg: Segments, out_fd: int) -> None:
+        for path, offset, length in seg.parts:
+            src, done = self.fd(path), 0
+            while done < length:
+                n = self._copy_chunk(src, out_fd, length - done, offset + done)
+                if n == 0:
+                    raise InputError(f"{path}: unexpected end of file while reading tensor {seg.source_key!r}.")
+                done += n
+
+    def _copy_chunk(self, src: int, dst: int, count: int, offset: int) -> int:
+        if self.kernel_copy:
+            try:
+                return os.copy_file_range(src, dst, count, offset)
+            except OSError as e:  # another filesystem, an old kernel: fall back to plain reads and writes
+                if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EPERM):
+                    raise
+                self.kernel_copy = False
+        count = min(count, CHUNK)
+        if len(self._buf) < count:
+            self._buf = bytearray(count)
+        view = memoryview(self._buf)[:count]
+        n = os.preadv(src, [view], offset)
+        _write_all(dst, view[:n])
+        return n
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+def _write_all(fd: int, data: memoryview | bytes) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+class SegmentHasher:
+    """Hashes copied `Segments` on a second thread, re-reading them from the (still cached) source files.
+
+    hashlib and pread release the GIL, so hashing runs on another core while the main thread copies. The queue is
+    short, which keeps the hasher close behind the copy and its reads in the page cache.
+    """
+
+    def __init__(self, hasher: WeightsHasher) -> None:
+        self.hasher = hasher
+        self.jobs: queue.Queue = queue.Queue(maxsize=4)
+        self.error: BaseException | None = None
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="flux-port-hasher", daemon=True)
+        self.thread.start()
+
+    def submit(self, key: str, dtype: str, shape: tuple[int, ...], seg: Segments) -> None:
+        while True:
+            self._raise_error()
+            try:
+                self.jobs.put((key, dtype, shape, seg), timeout=0.5)
+                return
+            except queue.Full:
+                continue
+
+    def finish(self) -> None:
+        """Wait until every submitted segment is hashed; re-raise the hasher's error if it had one."""
+        self.jobs.put(None)
+        self.thread.join()
+        self._raise_error()
+
+    def stop(self) -> None:
+        self.stopped.set()
+        try:
+            self.jobs.put_nowait(None)
+        except queue.Full:
+            pass
+        self.thread.join()
+
+    def _raise_error(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def _run(self) -> None:
+        buf = bytearray(CHUNK)
+        fds: dict[Path, int] = {}
+        try:
+            while not self.stopped.is_set():
+                job = self.jobs.get()
+                if job is None:
+                    return
+                key, dtype, shape, seg = job
+                h = hashlib.sha256()
+                for path, offset, length in seg.parts:
+                    if path not in fds:
+                        fds[path] = os.open(path, os.O_RDONLY)
+                    fd = fds[path]
+                    done = 0
+                    while done < length and not self.stopped.is_set():
+                        view = memoryview(buf)[:min(CHUNK, length - done)]
+                        n = os.preadv(fd, [view], offset + done)
+                        if n == 0:
+                            raise InputError(f"{path}: unexpected end of file while reading tensor "
+                                             f"{seg.source_key!r}.")
+                        h.update(view[:n])
+                        done += n
+                self.hasher.add(key, dtype, shape, h.hexdigest())
+        except BaseException as e:  # reported to the main thread by submit() / finish()
+            self.error = e
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+
+def write_shards(folder: Path, stem: str, entries: list[Entry], tensors: Iterable[torch.Tensor | Segments],
                  max_shard_bytes: int, metadata: dict[str, str] | None = None,
                  on_bytes: Callable[[int], None] | None = None,
                  hasher: WeightsHasher | None = None) -> list[str]:
-    """Write `tensors` (yielded in the order of `entries`) as one file or shards plus the standard index."""
+    """Write `tensors` (yielded in the order of `entries`) as one file or shards plus the standard index.
+
+    An item is a tensor (written from memory) or `Segments` (copied file to file and hashed on a second thread).
+    """
     shards = plan_shards(entries, max_shard_bytes)
     names = shard_names(stem, len(shards))
     it = iter(tensors)
     weight_map: dict[str, str] = {}
-    for name, shard in zip(names, shards):
-        with open(folder / name, "wb") as f:
-            f.write(_header_bytes(shard, metadata))
-            for e in shard:
-                t = next(it)
-                if tuple(t.shape) != e.shape or ST_TO_TORCH[e.dtype] != t.dtype:
-                    raise InputError(f"internal: tensor {e.key!r} came out as {list(t.shape)} {t.dtype}, planned "
-                                     f"{list(e.shape)} {e.dtype}.")
-                data = _as_bytes(t)
-                f.write(data)
-                if hasher:
-                    hasher.update(e.key, t, e.dtype)
-                if on_bytes:
-                    on_bytes(e.nbytes)
-                weight_map[e.key] = name
+    copier = _Copier()
+    background: SegmentHasher | None = None
+    try:
+        for name, shard in zip(names, shards):
+            with open(folder / name, "wb", buffering=0) as f:
+                out_fd = f.fileno()
+                _write_all(out_fd, _header_bytes(shard, metadata))
+                for e in shard:
+                    item = next(it)
+                    if isinstance(item, Segments):
+                        if item.nbytes != e.nbytes:
+                            raise InputError(f"internal: tensor {e.key!r} came out as {item.nbytes} bytes, planned "
+                                             f"{e.nbytes}.")
+                        copier.copy(item, out_fd)
+                        if hasher:
+                            background = background or SegmentHasher(hasher)
+                            background.submit(e.key, e.dtype, e.shape, item)
+                    else:
+                        t = item
+                        if tuple(t.shape) != e.shape or ST_TO_TORCH[e.dtype] != t.dtype:
+                            raise InputError(f"internal: tensor {e.key!r} came out as {list(t.shape)} {t.dtype}, "
+                                             f"planned {list(e.shape)} {e.dtype}.")
+                        _write_all(out_fd, _as_bytes(t))
+                        if hasher:
+                            hasher.update(e.key, t, e.dtype)
+                    if on_bytes:
+                        on_bytes(e.nbytes)
+                    weight_map[e.key] = name
+        if background:
+            background.finish()
+            background = None
+    finally:
+        copier.close()
+        if background:
+            background.stop()
     if len(names) > 1:
         index = {"metadata": {"total_size": sum(e.nbytes for e in entries)}, "weight_map": weight_map}
         (folder / f"{stem}.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")

@@ -207,3 +207,26 @@ def test_builtin_table_is_one_source_for_both_directions(name):
     # exactly three kinds of non-rename transform in FLUX.2 (flux2-checkpoints.md 4.2): qkv splits and the final swap
     kinds = sorted({type(s.op).__name__ for s in forward})
     assert kinds == ["Rename", "Split", "SwapHalves"]
+
+
+# --- byte ranges: what the writer copies file to file must be what `apply` computes ---------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", list(OPS))
+def test_byte_ranges_give_the_bytes_apply_computes(name, dtype):
+    op, in_shapes = OPS[name]
+    inputs = [torch.randn(s, generator=torch.Generator().manual_seed(2)).to(dtype) for s in in_shapes]
+    ranges = op.byte_ranges([tuple(s) for s in in_shapes], inputs[0].element_size())
+    if getattr(op, "dim", 0) != 0:
+        assert ranges is None  # not a row move: the engine falls back to reading and applying
+        return
+    raw = [bytes(t.contiguous().view(torch.uint8).reshape(-1).numpy()) for t in inputs]
+    outputs = op.apply(inputs)
+    assert len(ranges) == len(outputs)
+    for parts, out in zip(ranges, outputs):
+        copied = b"".join(raw[i][offset:offset + length] for i, offset, length in parts)
+        assert copied == bytes(out.contiguous().view(torch.uint8).reshape(-1).numpy())
+
+
+def test_cast_has_no_byte_ranges():
+    assert Cast(torch.float32, torch.bfloat16).byte_ranges([(4, 4)], 2) is None
