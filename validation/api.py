@@ -58,7 +58,7 @@ def validate(model: str | Path, *, device: str = "cpu", dtype: str = "bf16", ref
     if prepare_device_model is not None:
         prepare_device_model(runs.device.model)
     total = len(runs.golden.stage_names())
-    rows, outputs = lockstep(runs, inputs.state, max_ratio,
+    rows, outputs = lockstep(runs, inputs.state,
                              (lambda s: on_stage(s, total)) if on_stage else None)
     table = source.detection.table
     for row in rows:

@@ -26,15 +26,7 @@ class Runs:
     device: StagedFlux2
 
 
-def _first_bad(rows: list[dict[str, Any]], max_ratio: float) -> dict[str, Any] | None:
-    for row in rows:
-        tf = row["teacher_forced"]
-        if tf["device"]["nonfinite"] or tf["ratio"] > max_ratio:
-            return row
-    return None
-
-
-def lockstep(runs: Runs, inputs: dict[str, Any], max_ratio: float,
+def lockstep(runs: Runs, inputs: dict[str, Any],
              on_stage: Callable[[str], None] | None = None) -> tuple[list[dict[str, Any]], dict[str, torch.Tensor]]:
     """Per-stage metrics and the three final outputs (golden, intrinsic, device)."""
     dtype = runs.device.dtype
