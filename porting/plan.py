@@ -181,6 +181,10 @@ def build_plan(ckpt: Checkpoint, detection: Detection, target: Naming, dtype: st
         out_dtype = dtype or infos[0].dtype
         plan.steps.append(PlannedStep(step, tuple(available[s] for s in step.sources),
                                       tuple(i.shape for i in infos), out_shapes, out_dtype))
+    # steps in the order their sources are stored, so a conversion reads each source file front to back
+    file_order = {f: i for i, f in enumerate(ckpt.files)}
+    plan.steps.sort(key=lambda ps: (file_order.get(ckpt.tensors[ps.stored_sources[0]].file, 0),
+                                    ckpt.tensors[ps.stored_sources[0]].start))
     leftovers = sorted(set(available) - set(consumed)) + sorted(k for k in ckpt.tensors if not k.startswith(prefix))
     plan.unexpected = [(k, _closest(k, [s for st in steps for s in st.sources])) for k in leftovers]
     plan.missing_sources = [(k, _closest(k, leftovers)) for k, _ in plan.missing_sources]

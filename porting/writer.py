@@ -26,6 +26,7 @@ from .checkpoint import ST_TO_TORCH
 from .errors import InputError, OutputExistsError
 
 ALIGN = 8  # header padded so tensor data starts 8-byte aligned, as safetensors itself does
+PAGE = 4096
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,13 @@ def shard_names(stem: str, n: int) -> list[str]:
     return [f"{stem}-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
 
 
-def _header_bytes(entries: list[Entry], metadata: dict[str, str] | None) -> bytes:
+def _header_bytes(entries: list[Entry], metadata: dict[str, str] | None, page_residue: int | None = None) -> bytes:
+    """The length field and JSON header, padded with spaces so the data starts 8-byte aligned.
+
+    With `page_residue`, the padding also puts the data start at that offset modulo the page size: when the first
+    tensor is copied from a source file where it starts at the same residue, source and destination pages line up,
+    which makes the kernel's file-to-file copy markedly faster.
+    """
     header: dict[str, object] = {}
     if metadata:
         header["__metadata__"] = metadata
@@ -84,7 +91,10 @@ def _header_bytes(entries: list[Entry], metadata: dict[str, str] | None) -> byte
         header[e.key] = {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [offset, offset + e.nbytes]}
         offset += e.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-(len(raw) + 8) % ALIGN)
+    pad = -(len(raw) + 8) % ALIGN
+    if page_residue is not None and page_residue % ALIGN == 0:
+        pad = (page_residue - (len(raw) + 8)) % PAGE
+    raw += b" " * pad
     return struct.pack("<Q", len(raw)) + raw
 
 
@@ -281,11 +291,14 @@ def write_shards(folder: Path, stem: str, entries: list[Entry], tensors: Iterabl
     background: SegmentHasher | None = None
     try:
         for name, shard in zip(names, shards):
+            first = next(it)
+            # copied tensors keep their offset modulo the page size when the shard's data start matches the source
+            residue = first.parts[0][1] % PAGE if isinstance(first, Segments) and first.parts else None
             with open(folder / name, "wb", buffering=0) as f:
                 out_fd = f.fileno()
-                _write_all(out_fd, _header_bytes(shard, metadata))
-                for e in shard:
-                    item = next(it)
+                _write_all(out_fd, _header_bytes(shard, metadata, residue))
+                for i, e in enumerate(shard):
+                    item = first if i == 0 else next(it)
                     if isinstance(item, Segments):
                         if item.nbytes != e.nbytes:
                             raise InputError(f"internal: tensor {e.key!r} came out as {item.nbytes} bytes, planned "

@@ -8,7 +8,7 @@ import os
 import torch
 
 from porting.checkpoint import hash_checkpoint, open_checkpoint
-from porting.convert import convert
+from porting.convert import convert, prepare
 from porting.writer import Segments, _Copier
 
 from .helpers import assert_same_tensors, load_folder
@@ -53,3 +53,22 @@ def test_read_returns_exact_tensors_and_row_ranges(tmp_path, tiny2_file):
         assert torch.equal(ckpt.read(key), tensor)
     key = "double_blocks.0.img_attn.qkv.weight"
     assert torch.equal(ckpt.read(key, rows=(64, 128)), ref[key][64:128])
+
+
+def test_copied_tensors_keep_their_page_offset(tmp_path, tiny2_file):
+    """Output follows the source's storage order and the header is padded so that every copied tensor sits at the
+    same offset modulo 4096 as in the source (the kernel copies page-aligned data much faster)."""
+    convert(tiny2_file, tmp_path / "out", strict=True)
+    src = open_checkpoint(tiny2_file).tensors
+    out = open_checkpoint(tmp_path / "out").tensors
+    renamed = {"img_in.weight": "x_embedder.weight", "single_blocks.1.linear1.weight":
+               "single_transformer_blocks.1.attn.to_qkv_mlp_proj.weight",
+               "final_layer.linear.weight": "proj_out.weight"}
+    for s, o in renamed.items():
+        assert src[s].start % 4096 == out[o].start % 4096
+    # the output's tensor order is the source's storage order (so the source is read front to back)
+    _, _, plan = prepare(tiny2_file)
+    source_of = {t: ps.stored_sources[0] for ps in plan.steps for t in ps.step.targets}
+    in_output_order = sorted(out, key=lambda k: out[k].start)
+    starts = [src[source_of[k]].start for k in in_output_order]
+    assert starts == sorted(starts)
