@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import mmap
 import os
 import queue
 import shutil
@@ -135,7 +136,7 @@ class Segments:
 
     Renames, row splits, row concatenations and half swaps along dim 0 without a dtype change only move whole rows
     of a row-major tensor, so the writer can copy those bytes file to file (`os.copy_file_range`, the kernel-side
-    copy `cp` uses) instead of reading them into memory and writing them back.
+    copy `cp` uses) instead of reading them into memory and writing them back; `SegmentHasher` hashes them.
     """
 
     parts: tuple[tuple[Path, int, int], ...]
@@ -202,11 +203,29 @@ def _write_all(fd: int, data: memoryview | bytes) -> None:
         view = view[n:]
 
 
-class SegmentHasher:
-    """Hashes copied `Segments` on a second thread, re-reading them from the (still cached) source files.
+HASH_WINDOW = 64 * 2**20  # bytes of the output file mapped at a time while hashing
 
-    hashlib and pread release the GIL, so hashing runs on another core while the main thread copies. The queue is
-    short, which keeps the hasher close behind the copy and its reads in the page cache.
+
+def _hash_file_range(fd: int, offset: int, length: int) -> str:
+    """sha256 of bytes [offset, offset + length) of a file, read through small memory maps (no copies)."""
+    h = hashlib.sha256()
+    pos, end = offset, offset + length
+    while pos < end:
+        base = pos - pos % mmap.ALLOCATIONGRANULARITY
+        n = min(HASH_WINDOW, end - pos)
+        with mmap.mmap(fd, pos - base + n, access=mmap.ACCESS_READ, offset=base) as m, memoryview(m) as view:
+            h.update(view[pos - base:pos - base + n])
+        pos += n
+    return h.hexdigest()
+
+
+class SegmentHasher:
+    """Hashes copied tensors on a second thread, from the output file the main thread has just written.
+
+    The bytes are still in the page cache and are hashed through memory maps, so hashing costs no copy and runs on
+    another core while the kernel copies the next tensor (hashlib releases the GIL). Only this process writes the
+    staging file, and only ranges already written are hashed, so the maps never outlive their data. The short queue
+    keeps the hasher close behind the copy.
     """
 
     def __init__(self, hasher: WeightsHasher) -> None:
@@ -217,17 +236,17 @@ class SegmentHasher:
         self.thread = threading.Thread(target=self._run, name="flux-port-hasher", daemon=True)
         self.thread.start()
 
-    def submit(self, key: str, dtype: str, shape: tuple[int, ...], seg: Segments) -> None:
+    def submit(self, key: str, dtype: str, shape: tuple[int, ...], path: Path, offset: int, length: int) -> None:
         while True:
             self._raise_error()
             try:
-                self.jobs.put((key, dtype, shape, seg), timeout=0.5)
+                self.jobs.put((key, dtype, shape, path, offset, length), timeout=0.5)
                 return
             except queue.Full:
                 continue
 
     def finish(self) -> None:
-        """Wait until every submitted segment is hashed; re-raise the hasher's error if it had one."""
+        """Wait until every submitted tensor is hashed; re-raise the hasher's error if it had one."""
         self.jobs.put(None)
         self.thread.join()
         self._raise_error()
@@ -245,29 +264,16 @@ class SegmentHasher:
             raise self.error
 
     def _run(self) -> None:
-        buf = bytearray(CHUNK)
         fds: dict[Path, int] = {}
         try:
             while not self.stopped.is_set():
                 job = self.jobs.get()
                 if job is None:
                     return
-                key, dtype, shape, seg = job
-                h = hashlib.sha256()
-                for path, offset, length in seg.parts:
-                    if path not in fds:
-                        fds[path] = os.open(path, os.O_RDONLY)
-                    fd = fds[path]
-                    done = 0
-                    while done < length and not self.stopped.is_set():
-                        view = memoryview(buf)[:min(CHUNK, length - done)]
-                        n = os.preadv(fd, [view], offset + done)
-                        if n == 0:
-                            raise InputError(f"{path}: unexpected end of file while reading tensor "
-                                             f"{seg.source_key!r}.")
-                        h.update(view[:n])
-                        done += n
-                self.hasher.add(key, dtype, shape, h.hexdigest())
+                key, dtype, shape, path, offset, length = job
+                if path not in fds:
+                    fds[path] = os.open(path, os.O_RDONLY)
+                self.hasher.add(key, dtype, shape, _hash_file_range(fds[path], offset, length))
         except BaseException as e:  # reported to the main thread by submit() / finish()
             self.error = e
         finally:
@@ -303,10 +309,11 @@ def write_shards(folder: Path, stem: str, entries: list[Entry], tensors: Iterabl
                         if item.nbytes != e.nbytes:
                             raise InputError(f"internal: tensor {e.key!r} came out as {item.nbytes} bytes, planned "
                                              f"{e.nbytes}.")
+                        position = os.lseek(out_fd, 0, os.SEEK_CUR)
                         copier.copy(item, out_fd)
                         if hasher:
                             background = background or SegmentHasher(hasher)
-                            background.submit(e.key, e.dtype, e.shape, item)
+                            background.submit(e.key, e.dtype, e.shape, folder / name, position, e.nbytes)
                     else:
                         t = item
                         if tuple(t.shape) != e.shape or ST_TO_TORCH[e.dtype] != t.dtype:
