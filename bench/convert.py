@@ -110,8 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--source", type=Path, default=None, help="use this existing source file instead")
     args = parser.parse_args(argv)
 
-    from porting.plan import table_sizes  # noqa: F401  (imports torch; after argparse so --help is quick)
-    from porting.tiny import REAL_FLUX2, model_shapes, write_random_checkpoint
+    from porting.tiny import REAL_FLUX2, model_shapes, write_random_checkpoint  # after argparse: --help stays quick
 
     config = REAL_FLUX2[args.model]
     shapes = model_shapes(config, "original")
@@ -209,7 +208,9 @@ def _spot_check(src: Path, out: Path) -> None:
 def _report(results: dict[str, dict[str, float]], size: int) -> None:
     print()
     for name, r in results.items():
-        extra = f"  (conversion itself {r['inner']:.2f} s, rest is interpreter start and imports)" if "inner" in r else ""
+        extra = ""
+        if "inner" in r:
+            extra = f"  (conversion itself {r['inner']:.2f} s, rest is interpreter start and imports)"
         print(f"{name + ':':<11} wall {r['wall']:8.2f} s   then sync {r['sync']:6.2f} s   "
               f"throughput {size / r['wall'] / 1e6:6.0f} MB/s   peak RSS {r['rss']:6.2f} GiB{extra}")
     if "cp" in results:

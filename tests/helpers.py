@@ -103,7 +103,7 @@ def assert_same_tensors(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Ten
     assert set(a) == set(b), f"only left: {sorted(set(a) - set(b))[:5]}, only right: {sorted(set(b) - set(a))[:5]}"
     for k in a:
         x, y = a[k], b[k]
-        assert x.dtype == y.dtype and x.shape == y.shape, f"{k}: {x.dtype} {list(x.shape)} vs {y.dtype} {list(y.shape)}"
+        assert (x.dtype, x.shape) == (y.dtype, y.shape), f"{k}: {x.dtype} {list(x.shape)} vs {y.dtype} {list(y.shape)}"
         assert torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8)), f"{k}: bytes differ"
 
 

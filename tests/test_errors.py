@@ -215,7 +215,8 @@ def test_strict_failure_as_json(tmp_path, capsys, tiny2_state):
     assert run.code == 1
     doc = json.loads(run.out)  # exactly one JSON document on stdout
     assert doc["exit_code"] == 1 and "strict plan failed" in doc["error"]
-    assert doc["report"]["problems"] == [{"kind": "unexpected source", "key": "double_blocks.0.img_attn.qkv.scale_weight",
+    assert doc["report"]["problems"] == [{"kind": "unexpected source",
+                                          "key": "double_blocks.0.img_attn.qkv.scale_weight",
                                           "closest": "double_blocks.0.img_attn.qkv.weight"}]
     assert leftovers(tmp_path / "out") == []
 
