@@ -14,7 +14,7 @@ import torch
 from porting.convert import convert
 from porting.errors import InputError
 
-from .helpers import TINY2, leftovers, reference_model, run_port, save_state, write_raw_safetensors
+from .helpers import leftovers, run_port, save_state, write_raw_safetensors
 
 
 @pytest.fixture
@@ -289,6 +289,3 @@ def test_json_mode_prints_one_json_document(tmp_path, capsys, src, argv):
     if "--out" in argv and run.code == 0:
         assert doc["files"] == ["diffusion_pytorch_model.safetensors"] and len(doc["weights_sha256"]) == 64
 
-
-def test_reference_model_fixture_is_the_tiny_geometry(tiny2_state):
-    assert tiny2_state.keys() == reference_model(TINY2).state_dict().keys()
