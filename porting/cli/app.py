@@ -38,11 +38,11 @@ def report_error(err: PortError) -> None:
         if isinstance(err, PlanError) and err.report:
             doc["report"] = err.report
         out.document(doc)
-    out.err.print(f"Error: {err.message}", markup=False)
+    out.err.print(f"Error: {err.message}", markup=False, soft_wrap=True)
     if err.details:
-        out.err.print(err.details, markup=False)
+        out.err.print(err.details, markup=False, soft_wrap=True)
     if err.hint:
-        out.err.print(f"Hint: {err.hint}", markup=False)
+        out.err.print(f"Hint: {err.hint}", markup=False, soft_wrap=True)
 
 
 def main(argv: list[str] | None = None) -> None:
