@@ -32,11 +32,9 @@ def _nbytes(shape: Shape, itemsize: int) -> int:
     return n
 
 
-@dataclass(frozen=True)
-class Rename:
-    """One tensor in, the same tensor out under another name."""
+class _ShapePreserving:
+    """One tensor in, one tensor of the same shape out."""
 
-    name = "rename"
     n_in = 1
 
     def n_out(self) -> int:
@@ -44,6 +42,13 @@ class Rename:
 
     def shapes(self, in_shapes: list[Shape]) -> list[Shape]:
         return [in_shapes[0]]
+
+
+@dataclass(frozen=True)
+class Rename(_ShapePreserving):
+    """One tensor in, the same tensor out under another name."""
+
+    name = "rename"
 
     def apply(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         return [tensors[0]]
@@ -191,20 +196,13 @@ class SwapHalves:
 
 
 @dataclass(frozen=True)
-class Cast:
+class Cast(_ShapePreserving):
     """Change dtype. The inverse casts back; exact only when the forward cast widened (bf16 -> fp32)."""
 
     dtype: torch.dtype
     source_dtype: torch.dtype | None = None
 
     name = "cast"
-    n_in = 1
-
-    def n_out(self) -> int:
-        return 1
-
-    def shapes(self, in_shapes: list[Shape]) -> list[Shape]:
-        return [in_shapes[0]]
 
     def apply(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         return [tensors[0].to(self.dtype)]

@@ -241,19 +241,29 @@ class _Handler(BaseHTTPRequestHandler):
             return False
         return True
 
+    def _hf_repo_at(self, entry: Logged, repo_id: str, revision: str) -> tuple[Any, str] | None:
+        """The repo and the commit `revision` resolves to, or None after answering 404/401/403."""
+        repo = self.owner.hf.get(repo_id)
+        if repo is None:
+            self._hf_error(entry, 404, "RepoNotFound", "Repository not found")
+            return None
+        if not self._auth_hf(entry, repo):
+            return None
+        commit = repo.commit(revision)
+        if commit is None:
+            self._hf_error(entry, 404, "RevisionNotFound", f"Invalid rev id: {revision}")
+            return None
+        return repo, commit
+
     def _hub(self, entry: Logged) -> None:
         url = urlsplit(self.path)
         path = unquote(url.path)
         m = re.fullmatch(r"/api/models/([^/]+/[^/]+)/(revision|tree)/([^/]+)", path)
         if m:
-            repo = self.owner.hf.get(m.group(1))
-            if repo is None:
-                return self._hf_error(entry, 404, "RepoNotFound", "Repository not found")
-            if not self._auth_hf(entry, repo):
+            found = self._hf_repo_at(entry, m.group(1), m.group(3))
+            if found is None:
                 return None
-            commit = repo.commit(m.group(3))
-            if commit is None:
-                return self._hf_error(entry, 404, "RevisionNotFound", f"Invalid rev id: {m.group(3)}")
+            repo, commit = found
             if m.group(2) == "revision":
                 return self._json(entry, 200, {"id": repo.repo_id, "sha": commit,
                                                "siblings": [{"rfilename": p} for p in repo.files]})
@@ -266,14 +276,10 @@ class _Handler(BaseHTTPRequestHandler):
             return self._json(entry, 200, tree + repo.extra_listing)
         m = re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path)
         if m:
-            repo = self.owner.hf.get(m.group(1))
-            if repo is None:
-                return self._hf_error(entry, 404, "RepoNotFound", "Repository not found")
-            if not self._auth_hf(entry, repo):
+            found = self._hf_repo_at(entry, m.group(1), m.group(2))
+            if found is None:
                 return None
-            commit = repo.commit(m.group(2))
-            if commit is None:
-                return self._hf_error(entry, 404, "RevisionNotFound", f"Invalid rev id: {m.group(2)}")
+            repo, commit = found
             fpath = m.group(3)
             if fpath not in repo.files:
                 return self._hf_error(entry, 404, "EntryNotFound", f"{fpath} does not exist", commit)
