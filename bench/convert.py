@@ -5,7 +5,7 @@
     python bench/convert.py --model klein-4b --diffusers   # also diffusers' from_single_file + save_pretrained
 
 A synthetic checkpoint with the real shapes (original BFL naming, bf16) is generated with
-`porting.tiny.write_random_checkpoint(fill="tiled")`; its generation is not what is measured. Then, each as a
+`porting.demo.tiny.write_random_checkpoint(fill="tiled")`; its generation is not what is measured. Then, each as a
 child process timed with wall-clock and its own peak RSS (`os.wait4` rusage):
 
   (a) `cp SRC DST` on the same disk;
@@ -110,7 +110,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--source", type=Path, default=None, help="use this existing source file instead")
     args = parser.parse_args(argv)
 
-    from porting.tiny import REAL_FLUX2, model_shapes, write_random_checkpoint  # after argparse: --help stays quick
+    from porting.demo.tiny import (  # after argparse: --help stays quick
+        REAL_FLUX2,
+        model_shapes,
+        write_random_checkpoint,
+    )
 
     config = REAL_FLUX2[args.model]
     shapes = model_shapes(config, "original")

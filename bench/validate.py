@@ -4,7 +4,8 @@
     python bench/validate.py --model klein-4b                  # full validate: golden + cpu bf16 (reference and device)
     python bench/validate.py --model klein-4b --resolution 128 --text-len 64   # smaller inputs when bf16 is slow
 
-A synthetic checkpoint (original naming, bf16) is written with `porting.tiny.write_random_checkpoint(fill="tiled")`;
+A synthetic checkpoint (original naming, bf16) is written with
+`porting.demo.tiny.write_random_checkpoint(fill="tiled")`;
 its generation is not measured. The measured run is a child process; its wall time and its own peak RSS
 (`os.wait4` rusage) are printed. Target (issue 3): the klein-9B float32 golden at 512x512 completes on the
 2-core / 24 GiB machine with peak RSS <= 8 GiB. Not part of CI.
@@ -79,7 +80,7 @@ def main() -> None:
         golden_child(args.child_golden, args.resolution, args.text_len, timesteps)
         return
 
-    from porting.tiny import REAL_FLUX2, write_random_checkpoint
+    from porting.demo.tiny import REAL_FLUX2, write_random_checkpoint
 
     work = Path(tempfile.mkdtemp(prefix="bench-validate-", dir=args.workdir))
     try:
@@ -108,7 +109,8 @@ def main() -> None:
             wall, rss, out, code = run_child(cmd)
             doc = json.loads(out) if out.strip().startswith("{") else {}
             ratio = doc.get("output", {}).get("ratio")
-            print(f"port validate --device cpu --dtype bf16 --intrinsic {args.intrinsic}: exit {code}, verdict {doc.get('verdict')}, wall {wall:.0f} s, "
+            print(f"port validate --device cpu --dtype bf16 --intrinsic {args.intrinsic}: exit {code}, "
+                  f"verdict {doc.get('verdict')}, wall {wall:.0f} s, "
                   f"peak RSS {rss:.2f} GiB; output error ratio {ratio}; intrinsic bf16 rel-L2 "
                   f"{doc.get('output', {}).get('intrinsic', {}).get('rel_l2')}")
     finally:

@@ -11,10 +11,18 @@ import torch
 from diffusers import Flux2Transformer2DModel
 from safetensors.torch import save_file
 
-from porting.convert import convert
+from porting.engine.convert import convert
 
-from .helpers import (TINY1_SCHNELL, TINY2, assert_same_tensors, leftovers, load_folder, reference_model, run_port,
-                      save_state)
+from .helpers import (
+    TINY1_SCHNELL,
+    TINY2,
+    assert_same_tensors,
+    leftovers,
+    load_folder,
+    reference_model,
+    run_port,
+    save_state,
+)
 
 TINY2_CONFIG = {
     "patch_size": 1, "in_channels": 16, "out_channels": None, "num_layers": 2, "num_single_layers": 2,

@@ -3,14 +3,24 @@
 from __future__ import annotations
 
 import torch
-from diffusers.loaders.single_file_utils import (convert_flux2_transformer_checkpoint_to_diffusers,
-                                                 convert_flux_transformer_checkpoint_to_diffusers)
+from diffusers.loaders.single_file_utils import (
+    convert_flux2_transformer_checkpoint_to_diffusers,
+    convert_flux_transformer_checkpoint_to_diffusers,
+)
 from safetensors.torch import load_file
 
-from porting.convert import convert
+from porting.engine.convert import convert
 
-from .helpers import (TINY2, TINY2_GUIDANCE, Flux1Params, assert_same_tensors, load_folder, meta_shapes,
-                      reference_model, save_state)
+from .helpers import (
+    TINY2,
+    TINY2_GUIDANCE,
+    Flux1Params,
+    assert_same_tensors,
+    load_folder,
+    meta_shapes,
+    reference_model,
+    save_state,
+)
 
 
 def test_flux2_matches_diffusers_converter_bit_for_bit(tmp_path):

@@ -14,11 +14,22 @@ import pytest
 import torch
 from diffusers import Flux2Transformer2DModel, FluxTransformer2DModel
 
-from porting.convert import convert
-from porting.mapping import load_table_file
+from porting.engine.convert import convert
+from porting.engine.mapping import load_table_file
 
-from .helpers import (REAL1, REAL2, TINY1_DEV, TINY1_SCHNELL, TINY2, TINY2_GUIDANCE, compare_outputs, meta_shapes,
-                      reference_model, run_port, save_state)
+from .helpers import (
+    REAL1,
+    REAL2,
+    TINY1_DEV,
+    TINY1_SCHNELL,
+    TINY2,
+    TINY2_GUIDANCE,
+    compare_outputs,
+    meta_shapes,
+    reference_model,
+    run_port,
+    save_state,
+)
 from .reference import flux1_bfl, flux2_bfl
 
 TOL = 1e-5

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from porting.convert import convert
+from porting.engine.convert import convert
 from porting.errors import InputError
 
 from .helpers import leftovers, run_port, save_state, write_raw_safetensors

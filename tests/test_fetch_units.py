@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 
 from porting.errors import AuthError, CheckFailed, DiskSpaceError, InputError, MappingTableError, NetworkError
-from porting.fetch import manifest
-from porting.fetch.globs import matches, select
-from porting.fetch.paths import check_listing, unsafe_reason
-from porting.fetch.plan import Listing, Plan, PlannedFile, check_disk_space, choose
-from porting.fetch.sources import Source, normalize_endpoint, parse_source
-from porting.fetch.verify import RemoteFile, mismatch
-from porting.recipes import load_recipes, parse_recipes
-from porting.workspace import ENV_HOME, recipe_paths, record_step, workspace_root
+from porting.hub.fetch import manifest
+from porting.hub.fetch.globs import matches, select
+from porting.hub.fetch.paths import check_listing, unsafe_reason
+from porting.hub.fetch.plan import Listing, Plan, PlannedFile, check_disk_space, choose
+from porting.hub.fetch.sources import Source, normalize_endpoint, parse_source
+from porting.hub.fetch.verify import RemoteFile, mismatch
+from porting.hub.recipes import load_recipes, parse_recipes
+from porting.hub.workspace import ENV_HOME, recipe_paths, record_step, workspace_root
 
 # -- glob dialect ------------------------------------------------------------------------------------------------
 GLOB_CASES = [
@@ -246,7 +246,7 @@ def test_manifest_record_is_trusted_only_for_the_same_file_and_content(tmp_path)
 
 # -- client error tables -----------------------------------------------------------------------------------------
 def _hf(endpoint: str = "https://hf-mirror.com", withheld: bool = True):
-    from porting.fetch.hf_backend import HfBackend
+    from porting.hub.fetch.hf_backend import HfBackend
 
     backend = HfBackend.__new__(HfBackend)  # the table only needs these fields; no client set-up
     backend.source, backend.timeout, backend.token_withheld = Source("hf", "a/b", endpoint), 5.0, withheld
@@ -274,7 +274,8 @@ def test_hf_error_table():
 
 def test_ms_error_table():
     from modelscope_hub import errors as ms
-    from porting.fetch.ms_backend import MsBackend
+
+    from porting.hub.fetch.ms_backend import MsBackend
 
     backend = MsBackend.__new__(MsBackend)
     backend.source, backend.timeout, backend.token_withheld = Source("modelscope", "a/b",
@@ -292,7 +293,7 @@ def test_ms_error_table():
 
 
 def test_local_disk_errors_map_to_exit_codes():
-    from porting.fetch.engine import _local_error
+    from porting.hub.fetch.engine import _local_error
 
     full = _local_error(OSError(errno.ENOSPC, "No space left on device", "/data/x.part"))
     assert isinstance(full, DiskSpaceError) and "/data/x.part" in full.message

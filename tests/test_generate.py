@@ -16,8 +16,8 @@ from tinyport import build_tiny_port, in_memory_image  # noqa: E402
 
 from porting.cli.app import main  # noqa: E402
 from porting.errors import DeviceError, InputError, PortError  # noqa: E402
-from porting.generate import default_steps, generate, parse_size  # noqa: E402
-from porting.publish import publish  # noqa: E402
+from porting.pipeline.generate import default_steps, generate, parse_size  # noqa: E402
+from porting.pipeline.publish import publish  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from porting.engine.mapping import builtin_tables, load_table_file
+from porting.engine.ops import Cast, Concat, OpShapeError, Rename, Split, SwapHalves
+from porting.engine.plan import table_sizes
 from porting.errors import MappingTableError
-from porting.mapping import builtin_tables, load_table_file
-from porting.ops import Cast, Concat, OpShapeError, Rename, Split, SwapHalves
-from porting.plan import table_sizes
 
 # --- hand-built expectations ---------------------------------------------------------------------------------------
 

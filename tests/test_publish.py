@@ -18,10 +18,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tinyport import build_tiny_port, in_memory_image, write_report  # noqa: E402
 
 from porting.cli.app import main  # noqa: E402
-from porting.convert import convert  # noqa: E402
+from porting.demo.tiny import TINY_FLUX2, write_random_checkpoint  # noqa: E402
+from porting.engine.convert import convert  # noqa: E402
 from porting.errors import CheckFailed  # noqa: E402
-from porting.publish import publish  # noqa: E402
-from porting.tiny import TINY_FLUX2, write_random_checkpoint  # noqa: E402
+from porting.pipeline.publish import publish  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -266,7 +266,7 @@ def test_cli_publish_json_document(port: dict, tmp_path: Path, capsys: pytest.Ca
 def test_publish_recipe_from_workspace(port: dict, tmp_path: Path, capsys: pytest.CaptureFixture,
                                        monkeypatch: pytest.MonkeyPatch) -> None:
     # `port publish RECIPE` reads the workspace that fetch/convert/validate filled, and records itself in port.json
-    workspace = pytest.importorskip("porting.workspace")
+    workspace = pytest.importorskip("porting.hub.workspace")
     name = "flux2-klein-4b"  # a shipped recipe: the card names its base repository
     recipe = tmp_path / "ws" / name
     shutil.copytree(port["base"], recipe / "base")
@@ -279,7 +279,7 @@ def test_publish_recipe_from_workspace(port: dict, tmp_path: Path, capsys: pytes
     record = workspace.read_port_json(workspace.recipe_paths(name))
     assert record["publish"]["validation"]["status"] == "pass"
     try:
-        from porting.recipes import get_recipe
+        from porting.hub.recipes import get_recipe
         repo = get_recipe(name).base.repo
     except Exception:  # recipes not shipped in this build: the base folder's name stands in
         repo = "base"
@@ -310,7 +310,7 @@ def test_report_found_where_validate_writes_it(port: dict, tmp_path: Path) -> No
 
 
 def test_card_carries_the_source_hash_port_fetch_recorded(tmp_path: Path) -> None:
-    from porting.tinypipe import build_demo_base
+    from porting.demo.tinypipe import build_demo_base
 
     src = write_random_checkpoint(tmp_path / "finetune" / "ft.safetensors", TINY_FLUX2, seed=4)
     digest = hashlib.sha256(src.read_bytes()).hexdigest()

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from porting.convert import convert
+from porting.engine.convert import convert
 
 from .helpers import REAL1, REAL2, meta_shapes, run_port, write_header_only
 

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 
 from porting.cli.app import main
-from porting.tiny import TINY_FLUX2, write_random_checkpoint
-from porting.tinypipe import build_demo_base
+from porting.demo.tiny import TINY_FLUX2, write_random_checkpoint
+from porting.demo.tinypipe import build_demo_base
 
 
 def _run(argv):

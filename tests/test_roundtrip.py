@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from porting.convert import convert
+from porting.engine.convert import convert
 
 from .helpers import TINY1_DEV, TINY2, TINY2_GUIDANCE, assert_same_tensors, load_folder, reference_model, save_state
 

@@ -7,9 +7,9 @@ import os
 
 import torch
 
-from porting.checkpoint import hash_checkpoint, open_checkpoint
-from porting.convert import convert, prepare
-from porting.writer import Segments, _Copier
+from porting.engine.convert import convert, prepare
+from porting.tensors.checkpoint import hash_checkpoint, open_checkpoint
+from porting.tensors.writer import Segments, _Copier
 
 from .helpers import assert_same_tensors, load_folder
 

@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from porting.cli.app import main
-from porting.convert import convert
-from porting.tiny import TINY_FLUX2, write_random_checkpoint
+from porting.demo.tiny import TINY_FLUX2, write_random_checkpoint
+from porting.engine.convert import convert
+from porting.errors import DeviceError
 from validation.api import validate
 from validation.devices import DeviceSpec, parse_device
 from validation.inputs import build_inputs
 from validation.staged import StagedFlux2
 from validation.weights import WeightSource
-from porting.errors import DeviceError
 
 SMALL = dict(resolution=128, text_len=32)  # 64 image + 32 text tokens, 3 timesteps
 
@@ -164,7 +164,8 @@ def test_bad_device_strings(text):
 
 def test_npu_without_torch_npu_exits_2_with_the_install_hint(converted):
     proc = subprocess.run([sys.executable, "-m", "porting", "validate", str(converted), "--device", "npu:0"],
-                          capture_output=True, text=True, env={"PATH": "/usr/bin:/bin", "ASCEND_RT_VISIBLE_DEVICES": "1"})
+                          capture_output=True, text=True,
+                          env={"PATH": "/usr/bin:/bin", "ASCEND_RT_VISIBLE_DEVICES": "1"})
     assert proc.returncode == 2
     assert 'pip install "flux-port[npu]"' in proc.stderr
     assert "ASCEND_RT_VISIBLE_DEVICES='1'" in proc.stderr

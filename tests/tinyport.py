@@ -13,9 +13,9 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from porting.convert import convert  # noqa: E402
-from porting.tiny import TINY_FLUX2, write_random_checkpoint  # noqa: E402
-from porting.tinypipe import build_demo_base, tiny_components  # noqa: E402
+from porting.demo.tiny import TINY_FLUX2, write_random_checkpoint  # noqa: E402
+from porting.demo.tinypipe import build_demo_base, tiny_components  # noqa: E402
+from porting.engine.convert import convert  # noqa: E402
 
 OTHER_WEIGHTS = "0" * 64
 

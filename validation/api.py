@@ -19,8 +19,8 @@ from .report import Report, original_name
 from .staged import StagedFlux2
 from .weights import WeightSource, WeightTransform
 
-GROWTH_FLAG_TEXT = (f"flag a block when the device's accumulated error grows more than {GROWTH_FLAG}x faster through it "
-                    "than the reference's")
+GROWTH_FLAG_TEXT = (f"flag a block when the device's accumulated error grows more than {GROWTH_FLAG}x faster "
+                    "through it than the reference's")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
 
 

@@ -50,8 +50,9 @@ def _visible(kind: str) -> str:
 def _check_index(spec: DeviceSpec, count: int) -> None:
     index = spec.index or 0
     if index >= count:
-        raise DeviceError(f"Device {spec} is not available: {count} {spec.type} device(s) visible ({_visible(spec.type)}).",
-                          hint=f"Pick an index below {count} or change {VISIBLE_ENV.get(spec.type, 'the visible devices')}.")
+        visible_env = VISIBLE_ENV.get(spec.type, "the visible devices")
+        raise DeviceError(f"Device {spec} is not available: {count} {spec.type} device(s) visible "
+                          f"({_visible(spec.type)}).", hint=f"Pick an index below {count} or change {visible_env}.")
 
 
 def resolve_device(text: str) -> torch.device:

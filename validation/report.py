@@ -10,7 +10,7 @@ from typing import Any
 
 from rich.table import Table
 
-from porting.mapping import MappingTable
+from porting.engine.mapping import MappingTable
 
 REPORT_JSON = "report.json"
 REPORT_MD = "report.md"
@@ -73,7 +73,8 @@ def to_markdown(d: dict[str, Any]) -> str:
     lines = [f"# Validation report: **{d['verdict'].upper()}**", "",
              f"- model: `{d['model']['path']}` ({d['model']['variant']}, {d['model']['naming']} naming)",
              f"- weights sha256: `{d['weights_sha256']}`",
-             f"- device under test: `{d['device']}` in {d['dtype']}; golden: `{d['reference']}` in {d['golden_dtype']}; "
+             f"- device under test: `{d['device']}` in {d['dtype']}; "
+             f"golden: `{d['reference']}` in {d['golden_dtype']}; "
              f"intrinsic reference: `{d['reference']}` in {d['dtype']}",
              f"- inputs: {d['inputs']['resolution']}x{d['inputs']['resolution']} ({d['inputs']['image_tokens']} image "
              f"tokens), {d['inputs']['text_tokens']} text tokens, timesteps {d['inputs']['timesteps']}, seeds "

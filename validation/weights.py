@@ -11,10 +11,10 @@ from typing import Any, Callable
 
 import torch
 
-from porting.checkpoint import Checkpoint, hash_checkpoint, open_checkpoint
-from porting.detect import Detection, detect, load_base_config
+from porting.engine.detect import Detection, detect, load_base_config
+from porting.engine.plan import Plan, build_plan
 from porting.errors import InputError
-from porting.plan import Plan, build_plan
+from porting.tensors.checkpoint import Checkpoint, hash_checkpoint, open_checkpoint
 
 WeightTransform = Callable[[str, torch.Tensor], torch.Tensor]
 
@@ -59,7 +59,7 @@ class WeightSource:
         """Identity of the weights as `port convert` records it (diffusers naming)."""
         if self.detection.naming == "diffusers":
             return hash_checkpoint(self.ckpt, self.detection.prefix)
-        from porting.writer import WeightsHasher
+        from porting.tensors.writer import WeightsHasher
 
         hasher = WeightsHasher()
         for key, _, dtype in self.plan.outputs():

@@ -8,8 +8,7 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 from rich.console import Console
-from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
-                           TransferSpeedColumn)
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
 

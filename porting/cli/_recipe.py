@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import InputError
-from ..workspace import RecipePaths, recipe_paths
+from porting.errors import InputError
+from porting.hub.workspace import RecipePaths, recipe_paths
 
 
 def as_recipe(arg: Path, workspace: Path | None) -> RecipePaths | None:

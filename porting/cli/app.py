@@ -7,15 +7,16 @@ import sys
 
 import typer
 
-from ..errors import EXIT_USAGE, PlanError, PortError
+from porting.errors import PlanError, PortError
+
 from . import _output
 from .convert_cmd import CONVERT_EXAMPLES, convert
 from .demo_cmd import demo
-from .inspect_cmd import INSPECT_EXAMPLES, inspect
 from .fetch_cmd import FETCH_EXAMPLES, RECIPES_EXAMPLES, fetch, recipes
-from .validate_cmd import VALIDATE_EXAMPLES, validate
-from .publish_cmd import PUBLISH_EXAMPLES, publish
 from .generate_cmd import GENERATE_EXAMPLES, generate
+from .inspect_cmd import INSPECT_EXAMPLES, inspect
+from .publish_cmd import PUBLISH_EXAMPLES, publish
+from .validate_cmd import VALIDATE_EXAMPLES, validate
 
 app = typer.Typer(
     name="port", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,

@@ -8,8 +8,10 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from ..convert import ConvertResult, convert as run_convert
-from ..errors import PortError
+from porting.engine.convert import ConvertResult
+from porting.engine.convert import convert as run_convert
+from porting.errors import PortError
+
 from . import _output
 from ._options import Direction, DtypeChoice, ForceOpt, JsonOpt, OptionalOutDirOpt, QuietOpt, WorkspaceOpt
 from ._recipe import as_recipe, base_config, finetune_file
@@ -29,7 +31,8 @@ def summary_table(result: ConvertResult) -> Table:
     table = Table(title="conversion plan", show_header=False)
     table.add_row("table", f"{s['table']} ({s['from']} -> {s['to']})")
     table.add_row("variant", s["variant"])
-    table.add_row("tensors", f"{s['source_tensors']} -> {s['target_tensors']} (target model: {s['target_model_tensors']})")
+    table.add_row("tensors",
+                  f"{s['source_tensors']} -> {s['target_tensors']} (target model: {s['target_model_tensors']})")
     table.add_row("parameters", f"{s['parameters']:,}")
     table.add_row("output size", f"{s['output_bytes'] / 1e9:.3f} GB")
     table.add_row("plan", "every key and shape accounted for" if s["ok"] else f"{len(s['problems'])} problem(s)")
@@ -70,7 +73,7 @@ def convert(
         result = run_convert(src, out, to=to.value, dtype=dtype.value, config=config, max_shard_size=max_shard_size,
                              strict=strict, dry_run=dry_run, force=force, on_start=on_start, on_bytes=on_bytes)
     if recipe is not None and result.out:
-        from ..workspace import record_step
+        from porting.hub.workspace import record_step
         record_step(recipe, "convert", result.to_dict())
     output.document(result.to_dict())
     output.table(summary_table(result))

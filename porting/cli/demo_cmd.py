@@ -1,4 +1,4 @@
-"""`port demo`: the whole path on a built-in tiny model, offline: build, inspect, convert, validate, publish, generate."""
+"""`port demo`: the whole path on a tiny model, offline (build, inspect, convert, validate, publish, generate)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ from typing import Annotated
 
 import typer
 
-from ..convert import convert as run_convert
-from ..generate import generate
-from ..publish import publish
-from ..tiny import TINY_FLUX2, write_random_checkpoint
-from ..tinypipe import build_demo_base
+from porting.demo.tiny import TINY_FLUX2, write_random_checkpoint
+from porting.demo.tinypipe import build_demo_base
+from porting.engine.convert import convert as run_convert
+from porting.pipeline.generate import generate
+from porting.pipeline.publish import publish
+
 from . import _output
 from .inspect_cmd import describe
 
@@ -20,7 +21,8 @@ PROMPT = "a red fox in the snow"
 
 
 def demo(
-    workdir: Annotated[Path, typer.Option("--workdir", help="Where the demo writes its files (replaced).")] = Path("demo-out"),
+    workdir: Annotated[Path, typer.Option(
+        "--workdir", help="Where the demo writes its files (replaced).")] = Path("demo-out"),
     json_: Annotated[bool, typer.Option("--json", help="Print one JSON document.")] = False,
 ) -> None:
     """Port a tiny random FLUX.2 [klein] fine-tune end to end, offline, and generate a PNG with it."""
@@ -39,14 +41,15 @@ def demo(
     info = describe(src)
     steps["inspect"] = info
     out.result(f"[2/6] tiny fine-tune in original (BFL) naming: {src}\n"
-               f"      inspect: {info['family']} {info['variant']}, naming {info['naming']}, {info['tensors']} tensors, "
+               f"      inspect: {info['family']} {info['variant']}, naming {info['naming']}, "
+               f"{info['tensors']} tensors, "
                f"{info['parameters']:,} parameters, {', '.join(info['dtypes'])}")
 
     converted = run_convert(src, workdir / "transformer", strict=True, config=base)
     steps["convert"] = converted.to_dict()
     s = converted.plan.summary()
-    out.result(f"[3/6] convert --strict --config base: {s['source_tensors']} -> {s['target_tensors']} tensors, every key "
-               f"and shape accounted for -> {converted.out}")
+    out.result(f"[3/6] convert --strict --config base: {s['source_tensors']} -> {s['target_tensors']} tensors, "
+               f"every key and shape accounted for -> {converted.out}")
 
     report = validate(converted.out, device="cpu", out=workdir / "reports", resolution=64, text_len=32,
                       base=base, prompt=PROMPT)
@@ -54,8 +57,8 @@ def demo(
     steps["validate"] = {k: d[k] for k in ("verdict", "output", "summary", "blame", "weights_sha256")}
     worst = max(b["teacher_forced"]["ratio"] for b in d["blocks"])
     out.result(f"[4/6] validate on cpu in bf16 vs float32 golden: {d['verdict'].upper()}; output error "
-               f"{d['output']['device']['rel_l2']:.3%} = {d['output']['ratio']:.2f}x bf16's own error; worst block ratio "
-               f"{worst:.2f} (limit {d['rule']['max_ratio']}) -> {workdir / 'reports' / 'report.md'}")
+               f"{d['output']['device']['rel_l2']:.3%} = {d['output']['ratio']:.2f}x bf16's own error; "
+               f"worst block ratio {worst:.2f} (limit {d['rule']['max_ratio']}) -> {workdir / 'reports' / 'report.md'}")
 
     published = publish(base, converted.out, workdir / "published", report=workdir / "reports")
     steps["publish"] = published.to_dict()

@@ -1,4 +1,4 @@
-"""`port fetch SOURCE|RECIPE` and `port recipes`: download bases and checkpoints from the Hub, a mirror or ModelScope."""
+"""`port fetch SOURCE|RECIPE` and `port recipes`: bases and checkpoints from the Hub, a mirror or ModelScope."""
 
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from ..errors import InputError
-from ..fetch.engine import FetchOptions, FetchResult, Interrupted, Reporter, fetch_recipe, fetch_source
-from ..fetch.plan import human
-from ..fetch.sources import Source, parse_source
-from ..recipes import get_recipe, load_recipes
+from porting.errors import InputError
+from porting.hub.fetch.engine import FetchOptions, FetchResult, Interrupted, Reporter, fetch_recipe, fetch_source
+from porting.hub.fetch.plan import human
+from porting.hub.fetch.sources import Source, parse_source
+from porting.hub.recipes import get_recipe, load_recipes
+
 from . import _output
 from ._options import JsonOpt, QuietOpt, WorkspaceOpt
 

@@ -9,7 +9,9 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from ..generate import GenerateResult, generate as run_generate
+from porting.pipeline.generate import GenerateResult
+from porting.pipeline.generate import generate as run_generate
+
 from . import _output
 from ._options import JsonOpt, QuietOpt
 

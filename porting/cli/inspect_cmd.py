@@ -8,8 +8,9 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from ..checkpoint import open_checkpoint
-from ..detect import detect
+from porting.engine.detect import detect
+from porting.tensors.checkpoint import open_checkpoint
+
 from . import _output
 from ._options import JsonOpt
 
@@ -31,7 +32,8 @@ def describe(path: Path) -> dict[str, Any]:
     }
 
 
-def inspect(path: Annotated[Path, typer.Argument(help="A .safetensors file, a sharded folder or a diffusers model folder.")],
+def inspect(path: Annotated[Path, typer.Argument(
+                help="A .safetensors file, a sharded folder or a diffusers model folder.")],
             json_: JsonOpt = False) -> None:
     """Show naming, family, variant, dtypes, counts and the inferred diffusers config (reads headers only)."""
     out = _output.use(json_mode=json_)

@@ -9,8 +9,10 @@ from typing import Annotated, Any, Optional
 import typer
 from rich.table import Table
 
-from ..errors import InputError, PortError
-from ..publish import PublishResult, publish as run_publish
+from porting.errors import InputError, PortError
+from porting.pipeline.publish import PublishResult
+from porting.pipeline.publish import publish as run_publish
+
 from . import _output
 from ._options import ForceOpt, JsonOpt, OptionalOutDirOpt, QuietOpt
 
@@ -51,7 +53,7 @@ def summary_table(result: PublishResult) -> Table:
 
 def _recipe_paths(recipe: str, workspace: Path | None) -> Any:
     try:
-        from ..workspace import recipe_paths
+        from porting.hub.workspace import recipe_paths
     except ImportError as e:
         raise PortError(f"port publish {recipe}: recipe workspaces are not available in this build.",
                         hint="Use explicit paths: port publish --base DIR --transformer DIR --report DIR "
@@ -62,7 +64,7 @@ def _recipe_paths(recipe: str, workspace: Path | None) -> Any:
 def _known_recipe(name: str) -> Any | None:
     """The shipped recipe of that name (its variant and base repo id), or None for a workspace-only recipe."""
     try:
-        from ..recipes import get_recipe
+        from porting.hub.recipes import get_recipe
         return get_recipe(name)
     except (ImportError, InputError):
         return None
@@ -114,7 +116,7 @@ def publish(
                              variant=variant.value if variant else None, base_model=base_model, force=force,
                              on_status=output.status, on_start=on_start, on_bytes=on_bytes)
     if recipe is not None:
-        from ..workspace import record_step
+        from porting.hub.workspace import record_step
         record_step(paths, "publish", result.to_dict())
     output.document(result.to_dict())
     output.table(summary_table(result))

@@ -8,7 +8,8 @@ from typing import Annotated, Optional
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from ..errors import CheckFailed, PortError
+from porting.errors import CheckFailed, PortError
+
 from . import _output
 from ._options import JsonOpt, QuietOpt, WorkspaceOpt
 from ._recipe import as_recipe
@@ -32,7 +33,8 @@ def _floats(text: str, option: str) -> list[float]:
 def validate(
     model: Annotated[Path, typer.Argument(help="Converted diffusers transformer folder, an original-naming file, or a "
                                           "recipe name in the workspace.")],
-    device: Annotated[str, typer.Option("--device", help="Device under test: cpu, cuda[:N], npu[:N], mps, xpu[:N].")] = "cpu",
+    device: Annotated[str, typer.Option(
+        "--device", help="Device under test: cpu, cuda[:N], npu[:N], mps, xpu[:N].")] = "cpu",
     reference: Annotated[str, typer.Option("--reference", help="Where the golden and intrinsic runs happen.")] = "cpu",
     dtype: Annotated[str, typer.Option("--dtype", help="dtype on the device: bf16, fp16 or fp32.")] = "bf16",
     golden_dtype: Annotated[str, typer.Option("--golden-dtype", help="fp32, or fp64 to judge fp32 runs.")] = "fp32",
@@ -45,10 +47,12 @@ def validate(
     base: Annotated[Optional[Path], typer.Option("--base", help="Base model folder whose text encoder encodes "
                                                  "--prompt.")] = None,
     prompt: Annotated[Optional[str], typer.Option("--prompt", help="Prompt for real text features.")] = None,
-    max_ratio: Annotated[float, typer.Option("--max-ratio", help="Largest accepted device/intrinsic error ratio.")] = 2.0,
+    max_ratio: Annotated[float, typer.Option(
+        "--max-ratio", help="Largest accepted device/intrinsic error ratio.")] = 2.0,
     config: Annotated[Optional[Path], typer.Option("--config", help="Base config the weights must fit.")] = None,
-    intrinsic: Annotated[str, typer.Option("--intrinsic", help="native: run --dtype on the reference device; emulated: "
-                                           "float32 arithmetic with --dtype rounding (fast on CPUs without bf16).")] = "native",
+    intrinsic: Annotated[str, typer.Option(
+        "--intrinsic", help="native: run --dtype on the reference device; emulated: "
+                            "float32 arithmetic with --dtype rounding (fast on CPUs without bf16).")] = "native",
     workspace: WorkspaceOpt = None,
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -94,7 +98,7 @@ def validate(
             progress.stop()
     data = report.to_dict()
     if recipe is not None:
-        from ..workspace import record_step
+        from porting.hub.workspace import record_step
         record_step(recipe, "validate", {"report": str(out / "report.json"), "verdict": data["verdict"],
                                          "weights_sha256": data["weights_sha256"], "device": data["device"]})
     output.document(data)
@@ -103,4 +107,5 @@ def validate(
     if report.verdict != "pass":
         raise CheckFailed("Validation failed: " + "; ".join(data["reasons"]) + ".",
                           hint=f"See {out / 'report.md'}; the first bad block is where to look.")
-    output.hint(f"publish it next: port publish --transformer {model} --report {out / 'report.json'} --base BASE_DIR --out DIR")
+    output.hint(f"publish it next: port publish --transformer {model} --report {out / 'report.json'} "
+                "--base BASE_DIR --out DIR")

@@ -13,7 +13,7 @@ from typing import Any
 def run(argv: list[str], patches: dict[str, Any]) -> int:
     if "free_bytes" in patches:
         # stands in for the free space of the disk, so the precheck can be exercised without filling one
-        import porting.fetch.plan as plan
+        import porting.hub.fetch.plan as plan
 
         plan.disk_free = lambda path: int(patches["free_bytes"])
     from porting.cli.app import main

@@ -45,8 +45,9 @@ def _child(req: dict) -> None:
 
 
 def main() -> None:
-    import porting.cli.app  # noqa: F401  (torch and the CLI, imported once)
     from hubserver import runner  # noqa: F401  (imported before any child changes its working folder)
+
+    import porting.cli.app  # noqa: F401  (torch and the CLI, imported once)
 
     for name in ("diffusers", "transformers", "requests"):  # what main() and the clients import anyway
         try:

@@ -8,10 +8,10 @@ from typing import Any, Mapping
 
 import torch
 
-from .checkpoint import ST_TO_TORCH
-from .mapping import Naming, builtin_tables
-from .plan import expected_shapes
-from .writer import Entry, write_shards
+from porting.engine.mapping import Naming, builtin_tables
+from porting.engine.plan import expected_shapes
+from porting.tensors.checkpoint import ST_TO_TORCH
+from porting.tensors.writer import Entry, write_shards
 
 TINY_FLUX2: dict[str, Any] = {
     "_class_name": "Flux2Transformer2DModel", "patch_size": 1, "in_channels": 16, "out_channels": None,

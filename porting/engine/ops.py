@@ -11,7 +11,7 @@ from typing import Any, Mapping
 
 import torch
 
-from .errors import MappingTableError
+from porting.errors import MappingTableError
 
 Shape = tuple[int, ...]
 
@@ -144,7 +144,8 @@ class Concat:
             raise OpShapeError(f"parts have unequal sizes {list(got)} along dim {self.dim}; a concat of unequal parts "
                                "needs `sizes` in the table so its inverse can split them back")
         if self.sizes is not None and got != self.sizes:
-            raise OpShapeError(f"parts have sizes {list(got)} along dim {self.dim}, the table expects {list(self.sizes)}")
+            raise OpShapeError(f"parts have sizes {list(got)} along dim {self.dim}, "
+                               f"the table expects {list(self.sizes)}")
         out = list(first)
         out[self.dim] = sum(got)
         return [tuple(out)]

@@ -13,9 +13,10 @@ from typing import Any, Callable, Protocol
 
 from rich.console import Console
 
-from ..errors import CheckFailed, DiskSpaceError, InputError, NetworkError, PortError
-from ..recipes import Recipe
-from ..workspace import record_step, recipe_paths
+from porting.errors import CheckFailed, DiskSpaceError, InputError, NetworkError, PortError
+from porting.hub.recipes import Recipe
+from porting.hub.workspace import recipe_paths, record_step
+
 from . import manifest
 from .paths import PARTIAL_DIR, check_listing
 from .plan import Listing, Plan, PlannedFile, check_disk_space, choose, human, local_state

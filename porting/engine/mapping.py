@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import itertools
 import re
-import tomllib
 from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 from typing import Any, Iterator, Literal, Mapping
 
-from .errors import MappingTableError
+import tomllib
+
+from porting.errors import MappingTableError
+
 from .ops import Op, op_from_spec
 
 Naming = Literal["original", "diffusers"]

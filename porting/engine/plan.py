@@ -15,9 +15,10 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
-from .checkpoint import ST_TO_TORCH, TORCH_TO_ST, Checkpoint
+from porting.errors import MappingTableError
+from porting.tensors.checkpoint import ST_TO_TORCH, TORCH_TO_ST, Checkpoint
+
 from .detect import Detection
-from .errors import MappingTableError
 from .mapping import MappingTable, Naming, Step
 from .ops import OpShapeError, Shape
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import InputError
+from porting.errors import InputError
 
 ENV_HOME = "FLUX_PORT_HOME"
 DEFAULT_ROOT = Path("ports")

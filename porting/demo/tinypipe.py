@@ -8,7 +8,7 @@ Every component is the real class at toy size (flux2-checkpoints.md section 9):
   `Flux2KleinPipeline.from_pretrained(folder)(prompt)`; `joint_attention_dim = 3 x 16 = 48`;
 - VAE: `AutoencoderKLFlux2` with two blocks of 8 channels and 4 latent channels: `in_channels = 4 x 4 = 16`;
 - scheduler: `FlowMatchEulerDiscreteScheduler` with the FLUX shift settings;
-- transformer: `porting.tiny.TINY_FLUX2` (random base weights), which the sizes above fit.
+- transformer: `porting.demo.tiny.TINY_FLUX2` (random base weights), which the sizes above fit.
 """
 
 from __future__ import annotations
@@ -50,12 +50,12 @@ TINY_SCHEDULER: dict[str, Any] = {
     "base_image_seq_len": 256, "max_image_seq_len": 4096,
 }
 
-# The transformer the tiny base declares; a tiny fine-tune from `porting.tiny.write_random_checkpoint(...,
+# The transformer the tiny base declares; a tiny fine-tune from `porting.demo.tiny.write_random_checkpoint(...,
 # TINY_FLUX2)` fits it. Checked here so a change to TINY_FLUX2 fails loudly instead of producing a broken base.
 TINY_BASE_TRANSFORMER: dict[str, Any] = dict(TINY_FLUX2)
 if (TINY_BASE_TRANSFORMER["joint_attention_dim"] != 3 * TINY_TEXT_ENCODER["hidden_size"]
         or TINY_BASE_TRANSFORMER["in_channels"] != 4 * TINY_VAE["latent_channels"]):
-    raise RuntimeError("porting.tiny.TINY_FLUX2 no longer fits the tiny base: joint_attention_dim must be 3 x "
+    raise RuntimeError("porting.demo.tiny.TINY_FLUX2 no longer fits the tiny base: joint_attention_dim must be 3 x "
                        f"{TINY_TEXT_ENCODER['hidden_size']} and in_channels 4 x {TINY_VAE['latent_channels']}.")
 
 

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from ..errors import AuthError, CheckFailed, DiskSpaceError, InputError, NetworkError, PortError
+from porting.errors import AuthError, CheckFailed, DiskSpaceError, InputError, NetworkError, PortError
+
 from .paths import PARTIAL_DIR
 from .plan import Listing
 from .progress import FileBar

@@ -12,8 +12,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .. import __version__
-from ..workspace import write_json_atomic
+from porting import __version__
+from porting.hub.workspace import write_json_atomic
+
 from .paths import MANIFEST_NAME
 from .verify import RemoteFile
 

@@ -23,8 +23,9 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
+from porting.errors import InputError, OutputExistsError
+
 from .checkpoint import ST_TO_TORCH
-from .errors import InputError, OutputExistsError
 
 ALIGN = 8  # header padded so tensor data starts 8-byte aligned, as safetensors itself does
 PAGE = 4096

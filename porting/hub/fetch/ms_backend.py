@@ -16,7 +16,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..errors import AuthError, CheckFailed, DiskSpaceError, InputError, NetworkError, PortError
+from porting.errors import AuthError, CheckFailed, DiskSpaceError, InputError, NetworkError, PortError
+
 from .plan import Listing
 from .progress import FileBar
 from .sources import Source
@@ -75,8 +76,8 @@ class MsBackend:
             raise self.translate(exc, revision=listing.revision, path=remote.path) from exc
 
     def translate(self, exc: BaseException, revision: str, path: str | None = None) -> PortError:
-        from modelscope_hub import errors as ms
         import requests
+        from modelscope_hub import errors as ms
 
         src, repo, host = self.source, self.source.repo, self.source.host
         cause = _root(exc)

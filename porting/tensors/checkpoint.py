@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import InputError, UnsupportedFormatError
+from porting.errors import InputError, UnsupportedFormatError
 
 # safetensors dtype tag -> torch dtype
 ST_TO_TORCH: dict[str, torch.dtype] = {
@@ -236,7 +236,8 @@ def _open_index(index_path: Path) -> Checkpoint:
     if listed != set(tensors):
         missing = sorted(listed - set(tensors))[:5]
         extra = sorted(set(tensors) - listed)[:5]
-        raise InputError(f"{index_path}: index and shards disagree (in index only: {missing}; in shards only: {extra}).")
+        raise InputError(f"{index_path}: index and shards disagree "
+                         f"(in index only: {missing}; in shards only: {extra}).")
     return Checkpoint(index_path.parent, tensors, files)
 
 

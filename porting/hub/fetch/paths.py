@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import Iterable
 
-from ..errors import CheckFailed
+from porting.errors import CheckFailed
 
 MANIFEST_NAME = "fetch-manifest.json"
 PARTIAL_DIR = ".fetch-partial"   # resumable partial files, inside the output folder (same volume: atomic rename)

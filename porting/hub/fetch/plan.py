@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..errors import DiskSpaceError, InputError
+from porting.errors import DiskSpaceError, InputError
+
 from . import manifest
 from .globs import select
 from .sources import Source

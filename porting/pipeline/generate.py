@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .errors import DeviceError, InputError, PortError
+from porting.errors import DeviceError, InputError, PortError
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 OFFLOAD_MODES = ("model", "sequential")

@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from .checkpoint import Checkpoint
-from .errors import ConfigMismatchError, InputError, UnknownArchitectureError
+from porting.errors import ConfigMismatchError, InputError, UnknownArchitectureError
+from porting.tensors.checkpoint import Checkpoint
+
 from .mapping import NAMINGS, MappingTable, Naming, builtin_tables
 
 # Prefixes added by training and UI tools (ComfyUI saves `model.diffusion_model.`).

@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal
 
-from . import __version__
-from .checkpoint import hash_checkpoint, open_checkpoint
-from .convert import MANIFEST as CONVERT_MANIFEST
-from .detect import config_mismatches
-from .errors import CheckFailed, DiskSpaceError, InputError, PortError
-from .writer import atomic_folder
+from porting import __version__
+from porting.engine.convert import MANIFEST as CONVERT_MANIFEST
+from porting.engine.detect import config_mismatches
+from porting.errors import CheckFailed, DiskSpaceError, InputError, PortError
+from porting.tensors.checkpoint import hash_checkpoint, open_checkpoint
+from porting.tensors.writer import atomic_folder
 
 LinkMode = Literal["hardlink", "symlink", "copy"]
 LINK_MODES: tuple[str, ...] = ("hardlink", "symlink", "copy")

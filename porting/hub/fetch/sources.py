@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from ..errors import InputError, MappingTableError
+from porting.errors import InputError, MappingTableError
 
 HUBS = ("hf", "modelscope")
 FROM_CHOICES = ("hf", "mirror", "modelscope")

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import difflib
-import tomllib
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
 from typing import Any
 
-from .errors import InputError, MappingTableError
+import tomllib
+
+from porting.errors import InputError, MappingTableError
+
 from .fetch.globs import compile_glob
 from .fetch.sources import HUBS, check_repo_id
 
@@ -100,7 +102,7 @@ def parse_recipes(doc: dict[str, Any]) -> dict[str, Recipe]:
 @lru_cache(maxsize=1)
 def load_recipes() -> dict[str, Recipe]:
     """The recipes shipped with flux-port (porting/recipes.toml)."""
-    text = resources.files("porting").joinpath("recipes.toml").read_text(encoding="utf-8")
+    text = resources.files("porting.hub").joinpath("recipes.toml").read_text(encoding="utf-8")
     return parse_recipes(tomllib.loads(text))
 
 

@@ -18,7 +18,7 @@ import re
 from functools import lru_cache
 from typing import Iterable
 
-from ..errors import InputError
+from porting.errors import InputError
 
 
 @lru_cache(maxsize=256)

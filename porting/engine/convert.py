@@ -10,13 +10,14 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
-from . import __version__
-from .checkpoint import ST_TO_TORCH, Checkpoint, open_checkpoint
+from porting import __version__
+from porting.errors import PlanError
+from porting.tensors.checkpoint import ST_TO_TORCH, Checkpoint, open_checkpoint
+from porting.tensors.writer import Entry, Segments, WeightsHasher, atomic_folder, parse_size, write_shards
+
 from .detect import Detection, detect, load_base_config
-from .errors import PlanError
 from .mapping import MappingTable, Naming
 from .plan import Plan, build_plan, torch_dtype_tag
-from .writer import Entry, Segments, WeightsHasher, atomic_folder, parse_size, write_shards
 
 MANIFEST = "flux-port.json"  # written next to the weights; validate and publish read it
 
