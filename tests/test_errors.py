@@ -163,10 +163,17 @@ def test_existing_output_needs_force(tmp_path, capsys, src):
     assert f"Error: {out}: output folder already exists." in run.msg and "Pass --force" in run.msg
     assert sorted(p.name for p in out.iterdir()) == ["precious.txt"]
     assert leftovers(out) == ["out"]  # untouched, and no staging folder next to it
+    # --force replaces only a folder flux-port wrote: this one holds the user's file, so it is refused too
     run = run_port(capsys, "convert", src, "--out", out, "--force", "-q")
+    assert run.code == 2 and "was not written by flux-port" in run.msg and "nothing was changed" in run.msg
+    assert (out / "precious.txt").read_text() == "keep me" and leftovers(out) == ["out"]
+    mine = tmp_path / "mine"
+    assert run_port(capsys, "convert", src, "--out", mine, "-q").code == 0
+    first = (mine / "diffusion_pytorch_model.safetensors").stat().st_ino
+    run = run_port(capsys, "convert", src, "--out", mine, "--force", "-q")
     assert run.code == 0, run.err
-    assert not (out / "precious.txt").exists() and (out / "diffusion_pytorch_model.safetensors").is_file()
-    assert leftovers(out) == ["out"]  # the replaced folder was cleaned up too
+    assert (mine / "diffusion_pytorch_model.safetensors").stat().st_ino != first  # replaced by the new run
+    assert leftovers(mine) == ["mine"]  # the replaced folder was cleaned up too
 
 
 def test_convert_without_out_or_dry_run_is_a_usage_error(capsys, src):

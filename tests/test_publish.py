@@ -21,6 +21,7 @@ from porting.cli.app import main  # noqa: E402
 from porting.demo.tiny import TINY_FLUX2, write_random_checkpoint  # noqa: E402
 from porting.engine.convert import convert  # noqa: E402
 from porting.errors import CheckFailed  # noqa: E402
+from porting.outputs import RECORD  # noqa: E402
 from porting.pipeline.publish import publish  # noqa: E402
 
 
@@ -228,15 +229,22 @@ def test_existing_output_needs_force(port: dict, tmp_path: Path) -> None:
     with pytest.raises(Exception, match="already exists"):
         publish(port["base"], port["transformer"], out, report=port["pass"])
     assert (out / "keep.txt").read_text() == "mine"
-    publish(port["base"], port["transformer"], out, report=port["pass"], force=True)
-    assert not (out / "keep.txt").exists() and (out / "model_index.json").is_file()
+    with pytest.raises(Exception, match="was not written by flux-port"):  # --force never deletes the user's files
+        publish(port["base"], port["transformer"], out, report=port["pass"], force=True)
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
+    mine = tmp_path / "mine"
+    publish(port["base"], port["transformer"], mine, report=port["pass"])
+    (mine / "README.md").write_text("edited")  # a file the tool wrote, edited: still the tool's to replace
+    publish(port["base"], port["transformer"], mine, report=port["pass"], force=True)
+    assert (mine / "model_index.json").is_file() and (mine / "README.md").read_text() != "edited"
 
 
 # --- what the folder says about itself -----------------------------------------------------------------------------
 
 def test_manifest_lists_sha256_of_every_file(published: Path) -> None:
     manifest = json.loads((published / "manifest.json").read_text())
-    on_disk = {p.relative_to(published).as_posix() for p in published.rglob("*") if p.is_file()} - {"manifest.json"}
+    on_disk = {p.relative_to(published).as_posix() for p in published.rglob("*") if p.is_file()}
+    on_disk -= {"manifest.json", RECORD}  # the manifest itself, and the ownership record (porting/outputs.py)
     assert set(manifest["files"]) == on_disk
     for rel, info in manifest["files"].items():
         assert info["sha256"] == hashlib.sha256((published / rel).read_bytes()).hexdigest(), rel

@@ -9,10 +9,11 @@ from typing import Any, Callable, Sequence
 import torch
 
 from porting import __version__
+from porting.devices import device_facts, resolve_device
 from porting.errors import PortError
+from porting.outputs import check_output
 
 from .compare import GROWTH_FLAG, Runs, lockstep
-from .devices import device_facts, resolve_device
 from .inputs import build_inputs
 from .metrics import compare, error_floor, error_ratio
 from .report import Report, original_name
@@ -48,6 +49,8 @@ def validate(model: str | Path, *, device: str = "cpu", dtype: str = "bf16", ref
         raise PortError(f"--golden-dtype {golden_dtype} must be more precise than --dtype {dtype}.")
     if intrinsic not in ("native", "emulated"):
         raise PortError(f"--intrinsic {intrinsic!r}: use native or emulated.")
+    if out is not None:
+        check_output(Path(out), verb="validate", replace="owned", inputs={"model": model})
     dev, ref = resolve_device(device), resolve_device(reference)
     source = WeightSource(model, config)
     inputs = build_inputs(source.config, resolution, text_len, timesteps, seeds, base, prompt)
@@ -129,6 +132,6 @@ def validate(model: str | Path, *, device: str = "cpu", dtype: str = "bf16", ref
     }
     report = Report(data)
     if out is not None:
-        report.write(Path(out))
+        report.write(Path(out), inputs={"model": model})
     return report
 

@@ -6,11 +6,12 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from rich.table import Table
 
 from porting.engine.mapping import MappingTable
+from porting.outputs import atomic_folder
 
 REPORT_JSON = "report.json"
 REPORT_MD = "report.md"
@@ -42,12 +43,12 @@ class Report:
     def to_dict(self) -> dict[str, Any]:
         return self.data
 
-    def write(self, folder: Path) -> list[Path]:
-        folder.mkdir(parents=True, exist_ok=True)
-        paths = [folder / REPORT_JSON, folder / REPORT_MD]
-        paths[0].write_text(json.dumps(_finite(self.data), indent=2) + "\n")
-        paths[1].write_text(to_markdown(self.data))
-        return paths
+    def write(self, folder: Path, inputs: Mapping[str, Path | str | None] | None = None) -> list[Path]:
+        """Write report.json and report.md as a new folder, replacing only a reports folder flux-port wrote."""
+        with atomic_folder(folder, verb="validate", replace="owned", inputs=inputs) as staging:
+            (staging / REPORT_JSON).write_text(json.dumps(_finite(self.data), indent=2) + "\n")
+            (staging / REPORT_MD).write_text(to_markdown(self.data))
+        return [folder / REPORT_JSON, folder / REPORT_MD]
 
 
 def _finite(obj: Any) -> Any:

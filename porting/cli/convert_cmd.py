@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 from rich.table import Table
 
-from porting.engine.convert import ConvertResult
-from porting.engine.convert import convert as run_convert
 from porting.errors import PortError
 
 from . import _output
 from ._options import Direction, DtypeChoice, ForceOpt, JsonOpt, OptionalOutDirOpt, QuietOpt, WorkspaceOpt
 from ._recipe import as_recipe, base_config, finetune_file
+
+if TYPE_CHECKING:
+    from porting.engine.convert import ConvertResult
 
 CONVERT_EXAMPLES = """\b
 Examples:
@@ -69,9 +70,12 @@ def convert(
         config = config or base_config(recipe)
     if out is None and not dry_run:
         raise PortError("port convert needs --out DIR (or --dry-run to only print the plan).")
+    from porting.engine.convert import convert as run_convert
+
     with output.bytes_progress("converting") as (on_start, on_bytes):
         result = run_convert(src, out, to=to.value, dtype=dtype.value, config=config, max_shard_size=max_shard_size,
-                             strict=strict, dry_run=dry_run, force=force, on_start=on_start, on_bytes=on_bytes)
+                             strict=strict, dry_run=dry_run, force=force, on_start=on_start, on_bytes=on_bytes,
+                             on_notice=output.warning)
     if recipe is not None and result.out:
         from porting.hub.workspace import record_step
         record_step(recipe, "convert", result.to_dict())

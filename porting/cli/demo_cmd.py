@@ -8,11 +8,7 @@ from typing import Annotated
 
 import typer
 
-from porting.demo.tiny import TINY_FLUX2, write_random_checkpoint
-from porting.demo.tinypipe import build_demo_base
-from porting.engine.convert import convert as run_convert
-from porting.pipeline.generate import generate
-from porting.pipeline.publish import publish
+from porting.outputs import check_replaceable, check_writable_parent, write_record
 
 from . import _output
 from .inspect_cmd import describe
@@ -20,18 +16,40 @@ from .inspect_cmd import describe
 PROMPT = "a red fox in the snow"
 
 
+DEMO_ENTRIES = ("base", "finetune", "transformer", "reports", "published", "demo.png")
+
+
+def prepare_workdir(workdir: Path) -> None:
+    """Empty a work folder an earlier demo wrote, or start a new one; never touch a folder holding anything else."""
+    check_writable_parent(workdir)
+    if workdir.exists() or workdir.is_symlink():
+        check_replaceable(workdir, what="demo work folder")
+        for entry in DEMO_ENTRIES:
+            path = workdir / entry
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            elif path.exists() or path.is_symlink():
+                path.unlink()
+    workdir.mkdir(parents=True, exist_ok=True)
+    write_record(workdir, "demo", DEMO_ENTRIES)
+
+
 def demo(
     workdir: Annotated[Path, typer.Option(
-        "--workdir", help="Where the demo writes its files (replaced).")] = Path("demo-out"),
+        "--workdir", help="Where the demo writes its files: a new folder, or one an earlier demo wrote.")
+    ] = Path("demo-out"),
     json_: Annotated[bool, typer.Option("--json", help="Print one JSON document.")] = False,
 ) -> None:
     """Port a tiny random FLUX.2 [klein] fine-tune end to end, offline, and generate a PNG with it."""
+    from porting.demo.tiny import TINY_FLUX2, write_random_checkpoint
+    from porting.demo.tinypipe import build_demo_base
+    from porting.engine.convert import convert as run_convert
+    from porting.pipeline.generate import generate
+    from porting.pipeline.publish import publish
     from validation.api import validate
 
     out = _output.use(json_mode=json_, heavy=True)
-    if workdir.exists():
-        shutil.rmtree(workdir)
-    workdir.mkdir(parents=True)
+    prepare_workdir(workdir)
     steps: dict[str, object] = {}
 
     base = build_demo_base(workdir / "base")

@@ -12,8 +12,9 @@ import torch
 
 from porting import __version__
 from porting.errors import PlanError
+from porting.outputs import atomic_folder, check_output
 from porting.tensors.checkpoint import ST_TO_TORCH, Checkpoint, open_checkpoint
-from porting.tensors.writer import Entry, Segments, WeightsHasher, atomic_folder, parse_size, write_shards
+from porting.tensors.writer import Entry, Segments, WeightsHasher, parse_size, write_shards
 
 from .detect import Detection, detect, load_base_config
 from .mapping import MappingTable, Naming
@@ -100,7 +101,8 @@ def convert(src: str | Path, out: str | Path | None, to: Naming = "diffusers", d
             dry_run: bool = False, force: bool = False,
             on_start: Callable[[int], None] | None = None,
             on_bytes: Callable[[int], None] | None = None,
-            tables: Mapping[str, MappingTable] | None = None) -> ConvertResult:
+            tables: Mapping[str, MappingTable] | None = None,
+            on_notice: Callable[[str], None] | None = None) -> ConvertResult:
     """Convert a checkpoint; with `strict`, refuse any plan that does not account for every key and shape."""
     started = time.perf_counter()
     ckpt, detection, plan = prepare(src, to, dtype, config, tables)
@@ -110,12 +112,14 @@ def convert(src: str | Path, out: str | Path | None, to: Naming = "diffusers", d
         return ConvertResult(plan, None, seconds=time.perf_counter() - started)
     out = Path(out)
     limit = parse_size(max_shard_size)
+    check_output(out, force=force, verb="convert", inputs={"source": src, "--config": config})
     entries = [Entry(k, s, d) for k, s, d in plan.outputs()]
     stem = "diffusion_pytorch_model" if to == "diffusers" else "model"
     hasher = WeightsHasher()
     if on_start:
         on_start(plan.output_bytes)
-    with atomic_folder(out, force=force) as staging:
+    with atomic_folder(out, force=force, verb="convert", inputs={"source": src, "--config": config},
+                       on_notice=on_notice) as staging:
         files = write_shards(staging, stem, entries, iter_tensors(ckpt, plan), limit,
                              metadata={"format": "pt"}, on_bytes=on_bytes, hasher=hasher)
         if to == "diffusers":

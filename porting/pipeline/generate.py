@@ -20,7 +20,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from porting.errors import DeviceError, InputError, PortError
+from porting.devices import resolve_device
+from porting.errors import InputError, PortError
+from porting.outputs import UnsafeOutputError, check_writable_parent
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 OFFLOAD_MODES = ("model", "sequential")
@@ -49,23 +51,6 @@ class GenerateResult:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def resolve_device(text: str) -> torch.device:
-    """Device string to torch.device, importing torch_npu lazily (validation.devices does the full check)."""
-    try:
-        from validation.devices import resolve_device as full
-    except ImportError:  # validation/ not installed: the minimal check
-        if text.startswith("npu"):
-            try:
-                import torch_npu  # noqa: F401
-            except ImportError as e:
-                raise DeviceError(f"--device {text} needs torch_npu, which is not installed.",
-                                  hint='pip install "flux-port[npu]" (matching your torch and CANN).') from e
-        if text.startswith("cuda") and not torch.cuda.is_available():
-            raise DeviceError(f"--device {text}: no CUDA device available.", hint="Use --device cpu.")
-        return torch.device(text)
-    return full(text)
 
 
 def parse_size(text: str | int) -> tuple[int, int]:
@@ -143,6 +128,46 @@ def load_pipeline(folder: Path, device: torch.device, dtype: torch.dtype, cpu_of
     return pipe
 
 
+PNG_SOFTWARE = "flux-port"  # the PNG text chunk that marks an image as written by flux-port
+
+
+def written_by_flux_port(path: Path) -> bool:
+    from PIL import Image
+
+    try:
+        with Image.open(path) as image:
+            return image.format == "PNG" and image.info.get("Software") == PNG_SOFTWARE
+    except (OSError, ValueError):
+        return False
+
+
+def check_image_replaceable(output: Path) -> None:
+    """An existing --output is replaced only when it is a PNG flux-port wrote (never a user's file or a link)."""
+    check_writable_parent(output)
+    if output.is_symlink() or (output.exists() and not output.is_file()):
+        raise UnsafeOutputError(f"--output {output}: exists and is not a plain file; flux-port will not replace it.",
+                                hint="Choose another --output.")
+    if output.exists() and not written_by_flux_port(output):
+        raise UnsafeOutputError(f"--output {output}: the file exists and was not written by flux-port; "
+                                "nothing was changed.", hint="Choose another --output, or move that file away.")
+
+
+def save_png(image: Any, output: Path) -> None:
+    """Write the PNG next to `output`, tagged as flux-port's, and rename it into place."""
+    from PIL.PngImagePlugin import PngInfo
+
+    info = PngInfo()
+    info.add_text("Software", PNG_SOFTWARE)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    partial = output.with_name(f".{output.name}.partial")
+    try:
+        image.save(partial, format="PNG", pnginfo=info)
+        os.replace(partial, output)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+
+
 def generate(folder: str | Path, prompt: str, *, device: str = "cpu", steps: int | None = None, seed: int = 0,
              size: str | int = 1024, output: str | Path = "image.png", cpu_offload: str | None = None,
              images: Sequence[str | Path] = (), dtype: str | None = None, guidance_scale: float | None = None,
@@ -163,11 +188,12 @@ def generate(folder: str | Path, prompt: str, *, device: str = "cpu", steps: int
         raise PortError(f"--dtype {dtype_name!r}: choose one of {', '.join(DTYPES)}.")
     width, height = parse_size(size)
     references = load_references([Path(p) for p in images])
-    steps = steps or default_steps(index)
+    steps = default_steps(index) if steps is None else steps
     if steps < 1:
         raise PortError(f"--steps {steps}: needs at least 1.")
     if output.suffix.lower() != ".png":
         raise PortError(f"--output {output}: flux-port writes PNG; name the file *.png.")
+    check_image_replaceable(output)
 
     acc = _accelerator(dev)
     if acc is not None:
@@ -215,10 +241,7 @@ def generate(folder: str | Path, prompt: str, *, device: str = "cpu", steps: int
     total_s = time.perf_counter() - call_start
     denoise_s = marks.get("denoise_end", call_start) - marks.get("denoise_start", call_start)
 
-    output.parent.mkdir(parents=True, exist_ok=True)
-    partial = output.with_name(f".{output.name}.partial")
-    image.save(partial, format="PNG")
-    os.replace(partial, output)
+    save_png(image, output)
 
     if acc is not None:
         peak, kind = int(acc.max_memory_allocated(dev)), "device allocator"

@@ -22,8 +22,8 @@ from porting import __version__
 from porting.engine.convert import MANIFEST as CONVERT_MANIFEST
 from porting.engine.detect import config_mismatches
 from porting.errors import CheckFailed, DiskSpaceError, InputError, PortError
+from porting.outputs import atomic_folder, check_output
 from porting.tensors.checkpoint import hash_checkpoint, open_checkpoint
-from porting.tensors.writer import atomic_folder
 
 LinkMode = Literal["hardlink", "symlink", "copy"]
 LINK_MODES: tuple[str, ...] = ("hardlink", "symlink", "copy")
@@ -262,9 +262,43 @@ def link_file(src: Path, dst: Path, mode: str, hardlink: Callable[[Path, Path], 
     return "copy"
 
 
-def _files_under(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.rglob("*") if p.is_file() and not any(part.startswith(".")
-                                                                          for part in p.relative_to(folder).parts))
+def link_root(base: Path) -> Path:
+    """The folder links in `base` may point into: the base itself, or for a Hugging Face cache snapshot
+    (`models--org--name/snapshots/REV`) the cache entry whose `blobs/` its links point to."""
+    resolved = Path(os.path.realpath(base))
+    if resolved.parent.name == "snapshots" and (resolved.parent.parent / "blobs").is_dir():
+        return resolved.parent.parent
+    return resolved
+
+
+def files_within(folder: Path, root: Path) -> list[Path]:
+    """The visible files under `folder`; a symbolic link is followed only when it stays inside `root`.
+
+    A link out of the folder would publish (or link to) a file the user never meant to ship, so it is refused.
+    """
+    root = Path(os.path.realpath(root))
+    files = []
+    for dirpath, dirnames, filenames in os.walk(folder, followlinks=False):
+        here = Path(dirpath)
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for name in [d for d in dirnames if (here / d).is_symlink()] + sorted(filenames):
+            path = here / name
+            if name.startswith("."):
+                continue
+            if path.is_symlink():
+                target = Path(os.path.realpath(path))
+                if not (target == root or root in target.parents):
+                    raise InputError(f"{path}: a symbolic link to {target}, outside {root}; flux-port never "
+                                     "publishes files from outside the folders it publishes from.",
+                                     hint="Replace the link by the file itself, or remove it.")
+                if target.is_dir():
+                    raise InputError(f"{path}: a symbolic link to a folder; publish takes files only.",
+                                     hint="Replace the link by the folder's files.")
+                if not target.exists():
+                    raise InputError(f"{path}: a dangling symbolic link.", hint="Remove it or restore its target.")
+            if path.is_file():
+                files.append(path)
+    return sorted(files)
 
 
 def sha256_file(path: Path, on_bytes: Callable[[int], None] | None = None) -> str:
@@ -421,10 +455,8 @@ def publish(base: str | Path, transformer: str | Path, out: str | Path, *, repor
         raise PortError(f"--link {link!r}: choose one of {', '.join(LINK_MODES)}.")
     if variant is not None and variant not in VARIANTS:
         raise PortError(f"--variant {variant!r}: choose one of {', '.join(VARIANTS)}.")
-    if out.exists() and not force:
-        raise PortError(f"{out}: output folder already exists.", hint="Pass --force to replace it.")
-    if out.resolve() in (base.resolve(), transformer.resolve()):
-        raise PortError(f"{out}: --out must be a new folder, not the base or the transformer folder.")
+    inputs = {"base": base, "transformer": transformer, "report": report}
+    check_output(out, force=force, verb="publish", inputs=inputs)
     base_index = read_base(base)
     if not transformer.is_dir():
         raise InputError(f"{transformer}: converted transformer folder not found.",
@@ -447,8 +479,10 @@ def publish(base: str | Path, transformer: str | Path, out: str | Path, *, repor
                        "(e.g. black-forest-labs/FLUX.2-klein-4B) to link it")
 
     sources: list[tuple[Path, Path]] = [(f, Path(name) / f.relative_to(base / name))
-                                        for name in base_components(base_index) for f in _files_under(base / name)]
-    sources += [(f, Path("transformer") / f.relative_to(transformer)) for f in _files_under(transformer)]
+                                        for name in base_components(base_index)
+                                        for f in files_within(base / name, link_root(base))]
+    sources += [(f, Path("transformer") / f.relative_to(transformer))
+                for f in files_within(transformer, transformer)]
     total = sum(src.stat().st_size for src, _ in sources)
     if link == "copy":
         free = shutil.disk_usage(out.resolve().parent if out.parent.exists() else Path.cwd()).free
@@ -458,10 +492,7 @@ def publish(base: str | Path, transformer: str | Path, out: str | Path, *, repor
     if on_start:
         on_start(2 * total)  # placing, then hashing
     files: dict[str, dict[str, Any]] = {}
-    with atomic_folder(out, force=force) as staging:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(staging, 0o777 & ~umask)  # a staging folder is private (mkdtemp); the published one is not
+    with atomic_folder(out, force=force, verb="publish", inputs=inputs, on_notice=notices.append) as staging:
         say(f"placing {len(sources)} files ({link})")
         for src, rel in sources:
             how = link_file(src, staging / rel, link, hardlink)

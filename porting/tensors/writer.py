@@ -12,18 +12,16 @@ import json
 import mmap
 import os
 import queue
-import shutil
 import struct
-import tempfile
 import threading
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable
 
 import torch
 
-from porting.errors import InputError, OutputExistsError
+from porting.errors import InputError
+from porting.outputs import atomic_folder  # noqa: F401  (re-exported: where writers look for it)
 
 from .checkpoint import ST_TO_TORCH
 
@@ -337,29 +335,3 @@ def write_shards(folder: Path, stem: str, entries: list[Entry], tensors: Iterabl
         index = {"metadata": {"total_size": sum(e.nbytes for e in entries)}, "weight_map": weight_map}
         (folder / f"{stem}.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     return names
-
-
-@contextmanager
-def atomic_folder(out: Path, force: bool = False) -> Iterator[Path]:
-    """Yield a staging folder next to `out`; move it into place only if the block finishes without error."""
-    out = Path(out)
-    if out.exists() and not force:
-        raise OutputExistsError(f"{out}: output folder already exists.",
-                                hint="Pass --force to replace it, or choose another --out.")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    umask = os.umask(0o022)
-    os.umask(umask)
-    os.chmod(staging, 0o777 & ~umask)  # mkdtemp makes it private; the finished folder is an ordinary one
-    try:
-        yield staging
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    if out.exists():
-        trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-        os.replace(out, trash / "old")
-        os.replace(staging, out)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        os.replace(staging, out)

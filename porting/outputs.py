@@ -1,0 +1,270 @@
+"""Output folders the tool can prove it wrote, and the rules for replacing them.
+
+Every folder flux-port writes carries an ownership record (`.flux-port-output.json`) listing the paths it wrote.
+A folder is replaced only when that record is there and nothing else is: a user's notes, another model or the
+source itself are never deleted. Outputs are built in a staging folder next to the destination, which holds an
+exclusive lock while the run is alive; a later run removes (and reports) the staging folders of dead runs and
+refuses to write while another live run is writing the same destination.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import stat
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Literal, Mapping
+
+from porting.errors import OutputExistsError, PortError
+
+RECORD = ".flux-port-output.json"
+RECORD_VERSION = 1
+
+Replace = Literal["never", "force", "owned"]
+"""never: refuse an existing folder; force: replace it when --force was given and the tool owns it;
+owned: replace it whenever the tool owns it (derived outputs such as validation reports)."""
+
+
+class UnsafeOutputError(PortError):
+    """The output would delete, replace or overlap files the tool did not write."""
+
+
+def _record_doc(verb: str, paths: Iterable[str]) -> str:
+    doc = {"format_version": RECORD_VERSION, "tool": "flux-port", "verb": verb, "paths": sorted(set(paths))}
+    return json.dumps(doc, indent=2) + "\n"
+
+
+def write_record(folder: Path, verb: str, paths: Iterable[str] | None = None) -> None:
+    """Record `paths` (relative; a folder owns everything under it) as written by flux-port.
+
+    Without `paths`, everything now in `folder` is recorded.
+    """
+    if paths is None:
+        paths = [p.relative_to(folder).as_posix() for p in _walk(folder) if p.name != RECORD or p.parent != folder]
+    (folder / RECORD).write_text(_record_doc(verb, paths))
+
+
+def _walk(folder: Path) -> Iterator[Path]:
+    """Every entry under `folder`, links not followed."""
+    for root, dirs, files in os.walk(folder, followlinks=False):
+        for name in dirs + files:
+            yield Path(root) / name
+
+
+def read_record(folder: Path) -> set[str] | None:
+    try:
+        doc = json.loads((folder / RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(doc, dict) or doc.get("tool") != "flux-port" or not isinstance(doc.get("paths"), list):
+        return None
+    return {str(p) for p in doc["paths"]}
+
+
+def foreign_entries(folder: Path) -> list[str] | None:
+    """Entries under `folder` that its ownership record does not cover; None when there is no record."""
+    owned = read_record(folder)
+    if owned is None:
+        return None
+    ancestors = {"/".join(Path(p).parts[:i]) for p in owned for i in range(1, len(Path(p).parts))}
+    foreign = []
+    for entry in _walk(folder):
+        rel = entry.relative_to(folder).as_posix()
+        if rel == RECORD:
+            continue
+        parts = Path(rel).parts
+        covered = any("/".join(parts[:i]) in owned for i in range(1, len(parts) + 1)) or _is_leftover_of(rel, owned)
+        if not covered and not (rel in ancestors and entry.is_dir() and not entry.is_symlink()):
+            foreign.append(rel)
+    return sorted(foreign)
+
+
+def _is_leftover_of(rel: str, owned: set[str]) -> bool:
+    """Under a staging or trash folder (or a partial file) of a top-level output flux-port owns:
+    `.NAME.partial-*`, `.NAME.old-*`, `.NAME.partial`."""
+    head = rel.split("/", 1)[0]
+    return any(head.startswith((f".{name}.partial", f".{name}.old-")) for name in owned if "/" not in name)
+
+
+def check_replaceable(out: Path, what: str = "output folder") -> None:
+    """Raise unless `out` is a real folder (not a link) that holds only what flux-port recorded writing there."""
+    st = os.lstat(out)
+    if stat.S_ISLNK(st.st_mode):
+        raise UnsafeOutputError(f"{out}: the {what} is a symbolic link; flux-port replaces only folders it wrote.",
+                                hint="Choose another --out, or remove the link yourself.")
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafeOutputError(f"{out}: the {what} exists and is not a folder; flux-port will not replace it.",
+                                hint="Choose another --out (a new folder).")
+    if not any(out.iterdir()):
+        return
+    foreign = foreign_entries(out)
+    if foreign is None:
+        raise UnsafeOutputError(
+            f"{out}: the {what} exists and was not written by flux-port (no {RECORD} in it); nothing was changed.",
+            hint="Choose a new --out folder, or empty or remove this one yourself if you are sure.")
+    if foreign:
+        shown = ", ".join(repr(f) for f in foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise UnsafeOutputError(
+            f"{out}: the {what} holds files flux-port did not write ({shown}); nothing was changed.",
+            hint="Move those files elsewhere or choose another --out.")
+
+
+def _is_within(path: Path, folder: Path) -> bool:
+    return path == folder or folder in path.parents
+
+
+def check_disjoint(out: Path, inputs: Mapping[str, Path | str | None]) -> None:
+    """Refuse an output that is, contains or lies inside one of the inputs (compared after resolving links)."""
+    target = Path(os.path.realpath(out))
+    for label, value in inputs.items():
+        if value is None:
+            continue
+        source = Path(os.path.realpath(value))
+        if target == source:
+            relation = "is"
+        elif _is_within(source, target):
+            relation = "contains"
+        elif _is_within(target, source) and source.is_dir():
+            relation = "lies inside"
+        else:
+            continue
+        raise UnsafeOutputError(f"{out}: the output {relation} the {label} {value}; flux-port never writes over "
+                                "or around its inputs. Nothing was changed.",
+                                hint="Choose an --out folder outside the inputs.")
+
+
+def _lock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+
+
+def _staging_prefix(out: Path) -> str:
+    return f".{out.name}.partial-"
+
+
+def _trash_prefix(out: Path) -> str:
+    return f".{out.name}.old-"
+
+
+def clear_leftovers(out: Path, own: Path | None = None) -> list[Path]:
+    """Remove staging and trash folders of earlier runs writing `out` that are no longer alive; return them.
+
+    Raises when another live run (its staging folder still locked) is writing the same destination.
+    """
+    removed = []
+    parent = out.parent
+    if not parent.is_dir():
+        return removed
+    for entry in sorted(parent.iterdir()):
+        name = entry.name
+        if entry == own or not (name.startswith(_staging_prefix(out)) or name.startswith(_trash_prefix(out))):
+            continue
+        if entry.is_symlink() or not entry.is_dir():
+            continue
+        fd = os.open(entry, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            if not _lock(fd):
+                raise UnsafeOutputError(f"{out}: another flux-port run is writing this output now ({entry.name}).",
+                                        hint="Wait for it to finish, or choose another --out.")
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+        finally:
+            os.close(fd)
+    return removed
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def make_public(path: Path) -> None:
+    """Give a folder made by mkdtemp (private) the permissions of an ordinary folder."""
+    os.chmod(path, 0o777 & ~_umask())
+
+
+def check_writable_parent(out: Path) -> None:
+    """Find an unwritable destination before any work: a parent that is a file, a dangling link, no permission."""
+    if out.is_symlink() and not out.exists():
+        raise UnsafeOutputError(f"{out}: the output is a dangling symbolic link.",
+                                hint="Remove the link or choose another --out.")
+    parent = out.parent
+    probe = parent
+    while not probe.exists():
+        if probe.is_symlink():
+            raise UnsafeOutputError(f"{out}: {probe} is a dangling symbolic link.", hint="Choose another --out.")
+        probe = probe.parent
+    if not probe.is_dir():
+        raise UnsafeOutputError(f"{out}: cannot create it, {probe} is a file, not a folder.",
+                                hint="Choose another --out.")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise UnsafeOutputError(f"{out}: cannot write there, {probe} is not writable.",
+                                hint="Choose a writable --out folder.")
+
+
+def check_output(out: Path, force: bool = False, *, verb: str = "convert", replace: Replace | None = None,
+                 inputs: Mapping[str, Path | str | None] | None = None) -> None:
+    """The checks `atomic_folder` makes before writing, for verbs that want to fail before their long work."""
+    out = Path(out)
+    check_writable_parent(out)
+    if inputs:
+        check_disjoint(out, inputs)
+    _check_existing(out, replace or ("force" if force else "never"))
+
+
+def _check_existing(out: Path, replace: Replace) -> None:
+    if not (out.exists() or out.is_symlink()):
+        return
+    if replace == "never":
+        raise OutputExistsError(f"{out}: output folder already exists.",
+                                hint="Pass --force to replace it (only a folder flux-port wrote), "
+                                     "or choose another --out.")
+    check_replaceable(out)
+
+
+@contextmanager
+def atomic_folder(out: Path, force: bool = False, *, verb: str = "convert", replace: Replace | None = None,
+                  inputs: Mapping[str, Path | str | None] | None = None,
+                  on_notice: Callable[[str], None] | None = None) -> Iterator[Path]:
+    """Yield a staging folder next to `out`; move it into place only if the block finishes without error.
+
+    An existing `out` is replaced only as `replace` allows (default: "force" when `force`, else "never") and only
+    when flux-port owns it. The staging folder holds a lock for the run's lifetime; leftovers of dead runs are
+    removed and reported through `on_notice`.
+    """
+    out = Path(out)
+    replace = replace or ("force" if force else "never")
+    check_output(out, verb=verb, replace=replace, inputs=inputs)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=_staging_prefix(out), dir=out.parent))
+    lock_fd = os.open(staging, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        _lock(lock_fd)
+        try:
+            for old in clear_leftovers(out, own=staging):
+                if on_notice:
+                    on_notice(f"removed {old.name}, left in {old.parent} by an earlier interrupted run")
+            make_public(staging)
+            yield staging
+            write_record(staging, verb)
+            _check_existing(out, replace)  # it may have appeared, or changed, while this run was writing
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        if out.exists() or out.is_symlink():
+            trash = Path(tempfile.mkdtemp(prefix=_trash_prefix(out), dir=out.parent))
+            os.replace(out, trash / "old")
+            os.replace(staging, out)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.replace(staging, out)
+    finally:
+        os.close(lock_fd)

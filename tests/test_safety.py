@@ -1,0 +1,273 @@
+"""Data safety: the tool deletes or replaces only what it can prove it wrote, never writes over or around its
+inputs, and never publishes through a link out of the folders it publishes from.
+
+Every case hashes the files around the output before and after, and asserts exit code, message and no traceback.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from porting.cli.demo_cmd import DEMO_ENTRIES, prepare_workdir
+from porting.errors import InputError
+from porting.outputs import RECORD, UnsafeOutputError, atomic_folder, foreign_entries
+from porting.pipeline.publish import publish
+
+from .helpers import leftovers, run_port
+from .tinyport import build_tiny_port
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    """sha256 of every file (and the target of every link) under `root`, links not followed."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        for name in filenames + [d for d in dirnames if (Path(dirpath) / d).is_symlink()]:
+            p = Path(dirpath) / name
+            rel = p.relative_to(root).as_posix()
+            out[rel] = ("link:" + os.readlink(p)) if p.is_symlink() else hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+def assert_clean_refusal(run, code: int, *phrases: str) -> None:
+    assert run.code == code, run.err
+    assert "Traceback" not in run.err and run.out == ""
+    for phrase in phrases:
+        assert phrase in run.msg, run.msg
+
+
+@pytest.fixture(scope="module")
+def port(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return build_tiny_port(tmp_path_factory.getbasetemp() / "tiny-port")
+
+
+@pytest.fixture
+def user_folder(tmp_path: Path, tiny2_file: Path) -> Path:
+    """A user's folder: the only copy of a fine-tune, their notes, and another model."""
+    folder = tmp_path / "models"
+    folder.mkdir()
+    shutil.copy(tiny2_file, folder / "my-finetune.safetensors")
+    (folder / "notes.txt").write_text("lr 1e-4, 3000 steps\n")
+    (folder / "other-model").mkdir()
+    (folder / "other-model" / "weights.bin").write_bytes(os.urandom(64))
+    return folder
+
+
+# --- convert ---------------------------------------------------------------------------------------------------------
+
+def test_convert_force_into_the_folder_holding_the_source_is_refused(capsys, user_folder: Path) -> None:
+    before = snapshot(user_folder)
+    run = run_port(capsys, "convert", user_folder / "my-finetune.safetensors", "--out", user_folder, "--force")
+    assert_clean_refusal(run, 2, "the output contains the source", "Nothing was changed")
+    assert snapshot(user_folder) == before and leftovers(user_folder) == ["models"]
+
+
+def test_convert_force_onto_the_source_file_is_refused(capsys, user_folder: Path) -> None:
+    src = user_folder / "my-finetune.safetensors"
+    before = snapshot(user_folder)
+    run = run_port(capsys, "convert", src, "--out", src, "--force")
+    assert_clean_refusal(run, 2, "the output is the source")
+    assert snapshot(user_folder) == before and src.is_file()
+
+
+def test_convert_force_over_a_folder_of_user_files_is_refused(capsys, user_folder: Path, tiny2_file: Path) -> None:
+    before = snapshot(user_folder)
+    run = run_port(capsys, "convert", tiny2_file, "--out", user_folder, "--force")
+    assert_clean_refusal(run, 2, "was not written by flux-port", "nothing was changed")
+    assert snapshot(user_folder) == before
+
+
+def test_convert_force_replaces_its_own_output_but_not_one_with_a_user_file_added(capsys, tmp_path: Path,
+                                                                                 tiny2_file: Path) -> None:
+    out = tmp_path / "transformer"
+    assert run_port(capsys, "convert", tiny2_file, "--out", out, "-q").code == 0
+    assert foreign_entries(out) == []
+    assert run_port(capsys, "convert", tiny2_file, "--out", out, "--force", "-q").code == 0
+    (out / "my-notes.md").write_text("keep")
+    before = snapshot(out)
+    run = run_port(capsys, "convert", tiny2_file, "--out", out, "--force")
+    assert_clean_refusal(run, 2, "holds files flux-port did not write ('my-notes.md')")
+    assert snapshot(out) == before
+
+
+def test_convert_output_inside_an_input_folder_is_refused(capsys, tmp_path: Path, tiny2_file: Path) -> None:
+    diffusers_folder = tmp_path / "transformer"
+    assert run_port(capsys, "convert", tiny2_file, "--out", diffusers_folder, "-q").code == 0
+    before = snapshot(tmp_path)
+    run = run_port(capsys, "convert", diffusers_folder, "--to", "original", "--out", diffusers_folder / "orig")
+    assert_clean_refusal(run, 2, "the output lies inside the source")
+    assert snapshot(tmp_path) == before
+
+
+def test_output_through_a_link_to_the_source_folder_is_refused(capsys, user_folder: Path, tmp_path: Path) -> None:
+    link = tmp_path / "alias"
+    link.symlink_to(user_folder)
+    before = snapshot(user_folder)
+    run = run_port(capsys, "convert", user_folder / "my-finetune.safetensors", "--out", link, "--force")
+    assert_clean_refusal(run, 2, "the output contains the source")
+    assert snapshot(user_folder) == before and link.is_symlink()
+
+
+# --- publish ---------------------------------------------------------------------------------------------------------
+
+def test_publish_force_into_the_folder_holding_its_inputs_is_refused(port: dict) -> None:
+    root = port["root"]
+    before = snapshot(root)
+    with pytest.raises(UnsafeOutputError, match="the output contains the base"):
+        publish(port["base"], port["transformer"], root, report=port["pass"], force=True)
+    assert snapshot(root) == before
+
+
+def test_publish_cli_refusal_names_the_input(capsys, port: dict) -> None:
+    before = snapshot(port["root"])
+    run = run_port(capsys, "publish", "--base", port["base"], "--transformer", port["transformer"],
+                   "--report", port["pass"], "--out", port["base"], "--force")
+    assert_clean_refusal(run, 2, "the output is the base")
+    assert snapshot(port["root"]) == before
+
+
+@pytest.mark.parametrize("link", ["copy", "hardlink", "symlink"])
+def test_publish_never_follows_a_link_out_of_the_base(port: dict, tmp_path: Path, link: str) -> None:
+    base = tmp_path / "base"
+    shutil.copytree(port["base"], base, symlinks=True)
+    secret = tmp_path / "secret.txt"
+    secret.write_text("ssh key")
+    (base / "vae" / "notes.txt").symlink_to(secret)
+    out = tmp_path / "pub"
+    with pytest.raises(InputError, match=r"notes.txt: a symbolic link to .*secret.txt, outside"):
+        publish(base, port["transformer"], out, report=port["pass"], link=link)
+    assert not out.exists() and leftovers(out) == []
+
+
+def test_publish_follows_links_inside_a_hub_cache_snapshot(port: dict, tmp_path: Path) -> None:
+    """A base given as a Hugging Face cache snapshot links into its own blobs/: that is inside, not out."""
+    cache = tmp_path / "models--org--base"
+    snapshot_dir = cache / "snapshots" / "0123abc"
+    (cache / "blobs").mkdir(parents=True)
+    for src in sorted(Path(port["base"]).rglob("*")):
+        rel = src.relative_to(port["base"])
+        dst = snapshot_dir / rel
+        if src.is_dir():
+            dst.mkdir(parents=True, exist_ok=True)
+            continue
+        blob = cache / "blobs" / hashlib.sha256(rel.as_posix().encode()).hexdigest()
+        shutil.copy(src, blob)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.symlink_to(os.path.relpath(blob, dst.parent))
+    out = tmp_path / "pub"
+    publish(snapshot_dir, port["transformer"], out, report=port["pass"], link="copy")
+    assert (out / "vae" / "config.json").is_file() and not (out / "vae" / "config.json").is_symlink()
+
+
+# --- demo ------------------------------------------------------------------------------------------------------------
+
+def test_demo_refuses_a_workdir_holding_other_files(capsys, user_folder: Path) -> None:
+    before = snapshot(user_folder)
+    run = run_port(capsys, "demo", "--workdir", user_folder)
+    assert_clean_refusal(run, 2, "demo work folder exists and was not written by flux-port")
+    assert snapshot(user_folder) == before
+
+
+def test_demo_refuses_the_current_folder(capsys, user_folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(user_folder)
+    before = snapshot(user_folder)
+    run = run_port(capsys, "demo", "--workdir", ".")
+    assert_clean_refusal(run, 2, "not written by flux-port")
+    assert snapshot(user_folder) == before
+
+
+def test_demo_workdir_is_reused_only_while_it_holds_only_demo_files(tmp_path: Path) -> None:
+    work = tmp_path / "demo-out"
+    prepare_workdir(work)
+    for name in DEMO_ENTRIES[:-1]:
+        (work / name).mkdir()
+        (work / name / "x.bin").write_bytes(b"1")
+    (work / ".transformer.partial-abc").mkdir()  # a staging folder a killed run left behind
+    prepare_workdir(work)  # an earlier demo's folder: emptied
+    assert sorted(p.name for p in work.iterdir()) == sorted([RECORD, ".transformer.partial-abc"])
+    (work / "thesis.tex").write_text("years of work")
+    with pytest.raises(UnsafeOutputError, match="thesis.tex"):
+        prepare_workdir(work)
+    assert (work / "thesis.tex").read_text() == "years of work"
+
+
+# --- validate --------------------------------------------------------------------------------------------------------
+
+def test_validate_refuses_a_report_folder_of_user_files_before_running(capsys, user_folder: Path,
+                                                                        tiny2_file: Path) -> None:
+    before = snapshot(user_folder)
+    run = run_port(capsys, "validate", tiny2_file, "--out", user_folder, "--resolution", "32", "--text-len", "8")
+    assert_clean_refusal(run, 2, "was not written by flux-port")
+    assert snapshot(user_folder) == before
+
+
+# --- leftovers and concurrent runs -----------------------------------------------------------------------------------
+
+def test_a_dead_runs_staging_folder_is_removed_and_reported(capsys, tmp_path: Path, tiny2_file: Path) -> None:
+    out = tmp_path / "transformer"
+    stale = tmp_path / ".transformer.partial-dead1234"
+    stale.mkdir()
+    (stale / "diffusion_pytorch_model.safetensors").write_bytes(b"half written")
+    run = run_port(capsys, "convert", tiny2_file, "--out", out)
+    assert run.code == 0, run.err
+    assert "removed .transformer.partial-dead1234, left in" in run.msg and "by an earlier interrupted run" in run.msg
+    assert leftovers(out) == ["transformer"]
+
+
+def test_a_live_run_on_the_same_output_is_refused(tmp_path: Path) -> None:
+    out = tmp_path / "transformer"
+    with atomic_folder(out, verb="convert") as staging:
+        (staging / "a.txt").write_text("first run")
+        with pytest.raises(UnsafeOutputError, match="another flux-port run is writing this output now"):
+            with atomic_folder(out, verb="convert"):
+                pass
+    assert (out / "a.txt").read_text() == "first run"
+    assert leftovers(out) == ["transformer"]
+
+
+def test_a_locked_staging_folder_of_another_process_is_left_alone(tmp_path: Path) -> None:
+    out = tmp_path / "transformer"
+    other = tmp_path / ".transformer.partial-live"
+    other.mkdir()
+    fd = os.open(other, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        with pytest.raises(UnsafeOutputError, match="another flux-port run"):
+            with atomic_folder(out, verb="convert"):
+                pass
+        assert other.is_dir() and not out.exists()
+    finally:
+        os.close(fd)
+
+
+# --- generate --------------------------------------------------------------------------------------------------------
+
+def test_generate_never_overwrites_an_image_it_did_not_write(capsys, port: dict, tmp_path: Path) -> None:
+    from PIL import Image
+
+    from porting.pipeline.generate import check_image_replaceable, save_png
+
+    published = tmp_path / "pub"
+    publish(port["base"], port["transformer"], published, report=port["pass"])
+    photo = tmp_path / "holiday.png"
+    Image.new("RGB", (8, 8), (200, 10, 10)).save(photo)
+    before = photo.read_bytes()
+    run = run_port(capsys, "generate", published, "--prompt", "x", "--size", "32", "--steps", "1", "--output", photo)
+    assert_clean_refusal(run, 2, "the file exists and was not written by flux-port")
+    assert photo.read_bytes() == before
+    ours = tmp_path / "ours.png"
+    save_png(Image.new("RGB", (8, 8)), ours)
+    check_image_replaceable(ours)  # an image flux-port wrote may be replaced
+
+
+def test_generate_steps_zero_is_refused_not_run_with_the_default(capsys, port: dict, tmp_path: Path) -> None:
+    published = tmp_path / "pub"
+    publish(port["base"], port["transformer"], published, report=port["pass"])
+    run = run_port(capsys, "generate", published, "--prompt", "x", "--steps", "0", "--output", tmp_path / "a.png")
+    assert_clean_refusal(run, 2, "--steps 0: needs at least 1")
+    assert not (tmp_path / "a.png").exists()
