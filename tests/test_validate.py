@@ -12,10 +12,10 @@ import torch
 
 from porting.cli.app import main
 from porting.demo.tiny import TINY_FLUX2, write_random_checkpoint
+from porting.devices import DeviceSpec, parse_device
 from porting.engine.convert import convert
 from porting.errors import DeviceError
 from validation.api import validate
-from validation.devices import DeviceSpec, parse_device
 from validation.inputs import build_inputs
 from validation.staged import StagedFlux2
 from validation.weights import WeightSource

@@ -4,20 +4,20 @@ from __future__ import annotations
 
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 from rich.markup import escape
 from rich.table import Table
 
 from porting.errors import InputError
-from porting.hub.fetch.engine import FetchOptions, FetchResult, Interrupted, Reporter, fetch_recipe, fetch_source
-from porting.hub.fetch.plan import human
-from porting.hub.fetch.sources import Source, parse_source
-from porting.hub.recipes import get_recipe, load_recipes
 
 from . import _output
 from ._options import JsonOpt, QuietOpt, WorkspaceOpt
+
+if TYPE_CHECKING:
+    from porting.hub.fetch.engine import FetchOptions, FetchResult, Reporter
+    from porting.hub.fetch.sources import Source
 
 FETCH_EXAMPLES = """\b
 Examples:
@@ -43,6 +43,8 @@ class FromChoice(str, Enum):
 
 
 def _summary(result: FetchResult) -> Table:
+    from porting.hub.fetch.plan import human
+
     title = f"recipe {result.recipe.name} ({result.recipe.pipeline})" if result.recipe else "fetch"
     table = Table(title=title + (" - dry run" if result.dry_run else ""))
     for col in ("part", "source", "revision", "folder", "files", "size",
@@ -59,6 +61,8 @@ def _summary(result: FetchResult) -> Table:
 
 
 def _file_table(result: FetchResult) -> Table:
+    from porting.hub.fetch.plan import human
+
     table = Table(title="files")
     for col in ("part", "path", "size", "state", "check"):
         table.add_column(col)
@@ -72,6 +76,9 @@ def _file_table(result: FetchResult) -> Table:
 def _run(src: Source | None, source: str, via: str | None, endpoint: str | None,
          finetune_from: FromChoice | None, workspace: Path | None, out: Path | None, opts: FetchOptions,
          ui: Reporter) -> FetchResult:
+    from porting.hub.fetch.engine import fetch_recipe, fetch_source
+    from porting.hub.recipes import get_recipe
+
     if src is None:
         recipe = get_recipe(source)
         given = [flag for flag, value in (("--revision", opts.revision), ("--include", opts.include),
@@ -127,6 +134,9 @@ def fetch(
     quiet: QuietOpt = False,
 ) -> None:
     """Download a base model or fine-tune files into plain folders, verified, resumable, with a manifest."""
+    from porting.hub.fetch.engine import FetchOptions, Interrupted, Reporter
+    from porting.hub.fetch.sources import parse_source
+
     output = _output.use(json_mode=json_, quiet=quiet)
     opts = FetchOptions(revision=revision, include=include or [], exclude=exclude or [], files=file or [],
                         dry_run=dry_run, send_token=send_token, timeout=timeout, retries=retries)
@@ -154,6 +164,8 @@ def fetch(
 
 def recipes(json_: JsonOpt = False) -> None:
     """List the known ports: base repo, checkpoint to port, variant and pipeline class."""
+    from porting.hub.recipes import load_recipes
+
     output = _output.use(json_mode=json_)
     known = load_recipes()
     output.document({"recipes": [r.to_dict() for r in known.values()]})

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 from rich.table import Table
 
-from porting.pipeline.generate import GenerateResult
-from porting.pipeline.generate import generate as run_generate
-
 from . import _output
 from ._options import JsonOpt, QuietOpt
+
+if TYPE_CHECKING:
+    from porting.pipeline.generate import GenerateResult
 
 GENERATE_EXAMPLES = """\b
 Examples:
@@ -74,6 +74,8 @@ def generate(
 ) -> None:
     """Generate an image from a published folder; prints load time, denoising time, s/it and peak memory."""
     out = _output.use(json_mode=json_, quiet=quiet, heavy=True)
+    from porting.pipeline.generate import generate as run_generate
+
     result = run_generate(folder, prompt, device=device, steps=steps, seed=seed, size=size, output=output,
                           cpu_offload=cpu_offload.value if cpu_offload else None, images=image or [],
                           dtype=dtype.value if dtype else None, guidance_scale=guidance_scale,

@@ -8,9 +8,6 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from porting.engine.detect import detect
-from porting.tensors.checkpoint import open_checkpoint
-
 from . import _output
 from ._options import JsonOpt
 
@@ -22,6 +19,9 @@ Examples:
 
 
 def describe(path: Path) -> dict[str, Any]:
+    from porting.engine.detect import detect
+    from porting.tensors.checkpoint import open_checkpoint
+
     ckpt = open_checkpoint(path)
     d = detect(ckpt)
     return {

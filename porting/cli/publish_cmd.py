@@ -4,17 +4,18 @@ from __future__ import annotations
 
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 from rich.table import Table
 
 from porting.errors import InputError, PortError
-from porting.pipeline.publish import PublishResult
-from porting.pipeline.publish import publish as run_publish
 
 from . import _output
 from ._options import ForceOpt, JsonOpt, OptionalOutDirOpt, QuietOpt
+
+if TYPE_CHECKING:
+    from porting.pipeline.publish import PublishResult
 
 PUBLISH_EXAMPLES = """\b
 Examples:
@@ -52,21 +53,18 @@ def summary_table(result: PublishResult) -> Table:
 
 
 def _recipe_paths(recipe: str, workspace: Path | None) -> Any:
-    try:
-        from porting.hub.workspace import recipe_paths
-    except ImportError as e:
-        raise PortError(f"port publish {recipe}: recipe workspaces are not available in this build.",
-                        hint="Use explicit paths: port publish --base DIR --transformer DIR --report DIR "
-                             "--out DIR.") from e
+    from porting.hub.workspace import recipe_paths
+
     return recipe_paths(recipe, workspace)
 
 
 def _known_recipe(name: str) -> Any | None:
     """The shipped recipe of that name (its variant and base repo id), or None for a workspace-only recipe."""
+    from porting.hub.recipes import get_recipe
+
     try:
-        from porting.hub.recipes import get_recipe
         return get_recipe(name)
-    except (ImportError, InputError):
+    except InputError:
         return None
 
 
@@ -112,6 +110,8 @@ def publish(
         raise PortError(f"port publish needs {', '.join(missing)} (or a RECIPE).",
                         hint="port publish --base BASE_DIR --transformer CONVERTED_DIR --report REPORT --out DIR")
     with output.bytes_progress("publishing") as (on_start, on_bytes):
+        from porting.pipeline.publish import publish as run_publish
+
         result = run_publish(base, transformer, out, report=report, link=link.value, skip_validation=skip_validation,
                              variant=variant.value if variant else None, base_model=base_model, force=force,
                              on_status=output.status, on_start=on_start, on_bytes=on_bytes)
