@@ -9,6 +9,8 @@ EXIT_USAGE = 2
 EXIT_AUTH = 3
 EXIT_NETWORK = 4
 EXIT_DISK = 5
+EXIT_INTERNAL = 70
+EXIT_INTERRUPTED = 130
 
 
 class PortError(Exception):
@@ -21,6 +23,21 @@ class PortError(Exception):
         self.message = message
         self.hint = hint
         self.details = details
+
+
+class UsageError(PortError):
+    """An option or argument the verb cannot use (a malformed size, an empty list, a value out of range)."""
+
+
+class InternalError(PortError):
+    """An invariant of flux-port itself broke: a bug to report, not a fault in the user's input."""
+
+    exit_code = EXIT_INTERNAL  # sysexits EX_SOFTWARE
+
+    def __init__(self, message: str, hint: str | None = None, details: str | None = None):
+        super().__init__(f"internal error: {message}",
+                         hint or "This is a bug in flux-port, not in your files; please report it with the command "
+                                 "you ran (FLUX_PORT_DEBUG=1 shows the traceback).", details)
 
 
 class InputError(PortError):

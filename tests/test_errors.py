@@ -211,8 +211,9 @@ def test_strict_refuses_a_missing_block_tensor(tmp_path, capsys, tiny2_state):
 def test_strict_refuses_a_misshaped_tensor(tmp_path, capsys, tiny2_state):
     state = {**tiny2_state, "single_blocks.1.linear2.weight": torch.zeros(64, 100)}
     run, _ = _strict_fails(tmp_path, capsys, state)
-    assert ("shape mismatch single_transformer_blocks.1.attn.to_out.weight produced [64, 100], "
-            "model expects [64, 256]") in run.msg
+    # the user's own key is named next to the target key, so they can grep their file for it
+    assert ("shape mismatch single_transformer_blocks.1.attn.to_out.weight (from single_blocks.1.linear2.weight in "
+            "the file) produced [64, 100], model expects [64, 256]") in run.msg
 
 
 def test_strict_failure_as_json(tmp_path, capsys, tiny2_state):

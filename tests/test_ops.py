@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from porting.engine.mapping import builtin_tables, load_table_file
+from porting.engine.mapping import load_table_file
 from porting.engine.ops import Cast, Concat, OpShapeError, Rename, Split, SwapHalves
-from porting.engine.plan import table_sizes
 from porting.errors import MappingTableError
+from porting.families import builtin_tables, get_family
 
 # --- hand-built expectations ---------------------------------------------------------------------------------------
 
@@ -194,7 +194,7 @@ def test_builtin_table_is_one_source_for_both_directions(name):
     table = builtin_tables()[name]
     config = {"num_layers": 3, "num_single_layers": 2, "num_attention_heads": 2, "attention_head_dim": 8,
               "guidance_embeds": True, **({"mlp_ratio": 3.0} if name == "flux2" else {})}
-    sizes = table_sizes(config)
+    sizes = get_family(name).sizes(config)
     forward = table.expand(sizes, "original")
     backward = table.expand(sizes, "diffusers")
     assert len(forward) == len(backward)

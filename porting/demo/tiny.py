@@ -8,34 +8,18 @@ from typing import Any, Mapping
 
 import torch
 
-from porting.engine.mapping import Naming, builtin_tables
-from porting.engine.plan import expected_shapes
+from porting.engine.mapping import Naming
+from porting.families import get_family
+from porting.families.flux2 import FAMILY as FLUX2
 from porting.tensors.checkpoint import ST_TO_TORCH
 from porting.tensors.writer import Entry, write_shards
 
-TINY_FLUX2: dict[str, Any] = {
-    "_class_name": "Flux2Transformer2DModel", "patch_size": 1, "in_channels": 16, "out_channels": None,
-    "num_layers": 2, "num_single_layers": 2, "attention_head_dim": 16, "num_attention_heads": 2,
-    "joint_attention_dim": 48, "timestep_guidance_channels": 256, "mlp_ratio": 3.0,
-    "axes_dims_rope": [4, 4, 4, 4], "rope_theta": 2000, "eps": 1e-6, "guidance_embeds": False,
-}
-
-# Real sizes (flux2-checkpoints.md section 2.2); used header-only by plans and by the benchmarks.
-REAL_FLUX2: dict[str, dict[str, Any]] = {
-    "klein-4b": {**TINY_FLUX2, "in_channels": 128, "num_layers": 5, "num_single_layers": 20,
-                 "attention_head_dim": 128, "num_attention_heads": 24, "joint_attention_dim": 7680,
-                 "axes_dims_rope": [32, 32, 32, 32]},
-    "klein-9b": {**TINY_FLUX2, "in_channels": 128, "num_layers": 8, "num_single_layers": 24,
-                 "attention_head_dim": 128, "num_attention_heads": 32, "joint_attention_dim": 12288,
-                 "axes_dims_rope": [32, 32, 32, 32]},
-    "flux2-dev": {**TINY_FLUX2, "in_channels": 128, "num_layers": 8, "num_single_layers": 48,
-                  "attention_head_dim": 128, "num_attention_heads": 48, "joint_attention_dim": 15360,
-                  "axes_dims_rope": [32, 32, 32, 32], "guidance_embeds": True},
-}
+TINY_FLUX2: Mapping[str, Any] = FLUX2.tiny_config
+REAL_FLUX2: Mapping[str, Mapping[str, Any]] = FLUX2.real_configs
 
 
 def model_shapes(config: Mapping[str, Any], naming: Naming = "original", table: str = "flux2") -> dict[str, tuple]:
-    return expected_shapes(builtin_tables()[table], config, naming)
+    return get_family(table).expected_shapes(config, naming)
 
 
 def random_tensor(key: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:

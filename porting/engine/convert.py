@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import time
 from dataclasses import dataclass, field
@@ -55,12 +56,14 @@ def strict_error(plan: Plan, src: str | Path) -> PlanError:
     lines = []
     for r in rows[:40]:
         extra = ""
+        if r.get("source"):
+            extra = f" (from {r['source']} in the file)"
         if r["kind"] == "shape mismatch":
-            extra = f" produced {r['produced']}, model expects {r['expected']}"
+            extra += f" produced {r['produced']}, model expects {r['expected']}"
         elif r.get("message"):
-            extra = f" {r['message']}"
+            extra += f" {r['message']}"
         elif r.get("closest"):
-            extra = f" (closest known: {r['closest']})"
+            extra += f" (closest known: {r['closest']})"
         lines.append(f"  {r['kind']:<20} {r['key']}{extra}")
     if len(rows) > 40:
         lines.append(f"  ... and {len(rows) - 40} more (use --json for all)")
@@ -124,8 +127,7 @@ def convert(src: str | Path, out: str | Path | None, to: Naming = "diffusers", d
                              metadata={"format": "pt"}, on_bytes=on_bytes, hasher=hasher)
         if to == "diffusers":
             cfg = {**detection.config, "_class_name": detection.table.diffusers_class}
-            import diffusers
-            cfg["_diffusers_version"] = diffusers.__version__
+            cfg["_diffusers_version"] = importlib.metadata.version("diffusers")  # the version, without the import
             (staging / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
         manifest = {
             "tool": "flux-port", "version": __version__, "source": str(Path(src).resolve()),

@@ -9,18 +9,13 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from porting.errors import ConfigMismatchError, InputError, UnknownArchitectureError
+from porting.families import Family, builtin_tables, families, family_for
 from porting.tensors.checkpoint import Checkpoint
 
-from .mapping import NAMINGS, MappingTable, Naming, builtin_tables
+from .mapping import NAMINGS, MappingTable, Naming
 
 # Prefixes added by training and UI tools (ComfyUI saves `model.diffusion_model.`).
 KNOWN_PREFIXES = ("", "model.diffusion_model.", "diffusion_model.", "model.", "net.")
-
-# Fields that define the architecture: a fine-tune must agree with its base on all of them.
-STRUCTURAL_FIELDS = ("num_layers", "num_single_layers", "num_attention_heads", "attention_head_dim",
-                     "joint_attention_dim", "in_channels", "guidance_embeds", "mlp_ratio",
-                     "pooled_projection_dim", "timestep_guidance_channels")
-
 
 @dataclass
 class Detection:
@@ -32,17 +27,36 @@ class Detection:
     inferred: dict[str, Any] = field(default_factory=dict)  # raw facts read from shapes
 
     @property
+    def family(self) -> Family:
+        return family_for(self.table)
+
+    @property
     def naming_label(self) -> str:
         return f"{self.naming} (prefix {self.prefix!r})" if self.prefix else self.naming
 
 
-def _find_naming(keys: set[str], tables: Mapping[str, MappingTable]) -> tuple[MappingTable, Naming, str] | None:
-    for table in tables.values():
+def _find_naming(ckpt: Checkpoint, tables: Mapping[str, MappingTable]) -> tuple[MappingTable, Naming, str] | None:
+    """The one table, naming and prefix whose markers are all present; two tables claiming a file is refused."""
+    keys = set(ckpt.tensors)
+    found: list[tuple[MappingTable, Naming, str]] = []
+    for name in sorted(tables):
+        table = tables[name]
         for naming in NAMINGS:
-            for prefix in KNOWN_PREFIXES:
-                if all(prefix + m in keys for m in table.detect[naming]):
-                    return table, naming, prefix
-    return None
+            prefix = next((p for p in KNOWN_PREFIXES if all(p + m in keys for m in table.detect[naming])), None)
+            if prefix is not None:
+                found.append((table, naming, prefix))
+                break
+    if len(found) > 1:
+        claims = ", ".join(f"{t.name} ({n} naming)" for t, n, _ in found)
+        raise UnknownArchitectureError(f"{ckpt.path}: more than one mapping table claims this checkpoint: {claims}.",
+                                       hint="The tables' detection markers overlap; this is a bug in the tables. "
+                                            "Pass the table to use explicitly, or report it.")
+    return found[0] if found else None
+
+
+def known_families() -> str:
+    return " and ".join(f"{f.title} ({', '.join(f.table.variants[i]['name'] for i in range(len(f.table.variants)))})"
+                        for f in families())
 
 
 def _unknown_architecture(ckpt: Checkpoint, tables: Mapping[str, MappingTable]) -> UnknownArchitectureError:
@@ -55,8 +69,8 @@ def _unknown_architecture(ckpt: Checkpoint, tables: Mapping[str, MappingTable]) 
     sample = ", ".join(repr(k) for k in keys[:8])
     return UnknownArchitectureError(
         f"{ckpt.path}: keys match no known architecture ({len(keys)} tensors, e.g. {sample}).",
-        hint="flux-port knows FLUX.2 (klein, dev) and FLUX.1 (dev, schnell) transformers in original or diffusers "
-             "naming. Is this a LoRA, a VAE, a text encoder or a full pipeline file?",
+        hint=f"flux-port knows {known_families()} transformers in original or diffusers naming. Is this a LoRA, "
+             "a VAE, a text encoder or a full pipeline file?",
         details="Markers not found:\n" + "\n".join(lines))
 
 
@@ -64,41 +78,6 @@ def _block_count(ckpt_keys: list[str], table: MappingTable, naming: Naming, plac
     pattern = table.block_patterns(naming)[placeholder]
     indices = {int(m.group(1)) for k in ckpt_keys if (m := pattern.match(k))}
     return max(indices) + 1 if indices else 0
-
-
-def _derive_config(table: MappingTable, facts: Mapping[str, Any]) -> dict[str, Any]:
-    """Diffusers config from the facts read off shapes. Per-family constants live here, sizes come from shapes."""
-    head_dim = int(facts["attention_head_dim"])
-    inner = int(facts["inner_dim"])
-    in_channels = int(facts["in_channels"])
-    out_features = int(facts["out_features"])
-    config: dict[str, Any] = {
-        "_class_name": table.diffusers_class,
-        "patch_size": 1,
-        "in_channels": in_channels,
-        "out_channels": None if out_features == in_channels else out_features,
-        "num_layers": int(facts["num_layers"]),
-        "num_single_layers": int(facts["num_single_layers"]),
-        "attention_head_dim": head_dim,
-        "num_attention_heads": inner // head_dim,
-        "joint_attention_dim": int(facts["joint_attention_dim"]),
-        "guidance_embeds": bool(facts.get("guidance_embeds", False)),
-    }
-    if table.name == "flux2":
-        config.update({
-            "timestep_guidance_channels": int(facts["timestep_guidance_channels"]),
-            "mlp_ratio": facts["mlp_hidden"] / inner,
-            "axes_dims_rope": [head_dim // 4] * 4,
-            "rope_theta": 2000,
-            "eps": 1e-6,
-        })
-    elif table.name == "flux1":
-        config["pooled_projection_dim"] = int(facts["pooled_projection_dim"])
-        # released FLUX.1 uses 3-axis RoPE (16, 56, 56) for head_dim 128; other head dims keep the same proportions
-        first = head_dim // 8
-        rest = (head_dim - first) // 2
-        config["axes_dims_rope"] = [16, 56, 56] if head_dim == 128 else [first, rest, head_dim - first - rest]
-    return config
 
 
 def infer_facts(ckpt: Checkpoint, table: MappingTable, naming: Naming, prefix: str) -> dict[str, Any]:
@@ -138,24 +117,17 @@ def load_base_config(path: str | Path) -> dict[str, Any]:
                      hint="Point --config at a diffusers base model folder or its transformer/config.json.")
 
 
-def config_mismatches(base: Mapping[str, Any], inferred: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
-    out = []
-    for name in STRUCTURAL_FIELDS:
-        if name in base and name in inferred and base[name] != inferred[name]:
-            out.append((name, base[name], inferred[name]))
-    return out
-
-
 def detect(ckpt: Checkpoint, base_config: Mapping[str, Any] | None = None,
            tables: Mapping[str, MappingTable] | None = None) -> Detection:
     """Identify the checkpoint and build its diffusers config from shapes (no tensor data is read)."""
     tables = tables or builtin_tables()
-    found = _find_naming(set(ckpt.tensors), tables)
+    found = _find_naming(ckpt, tables)
     if found is None:
         raise _unknown_architecture(ckpt, tables)
     table, naming, prefix = found
     facts = infer_facts(ckpt, table, naming, prefix)
-    config = _derive_config(table, facts)
+    family = family_for(table)
+    config = family.derive_config(facts)
     if ckpt.config and naming == "diffusers" and ckpt.config.get("_class_name") == table.diffusers_class:
         base_config = base_config or ckpt.config  # a diffusers folder brings its own config
     if base_config is not None:
@@ -163,7 +135,7 @@ def detect(ckpt: Checkpoint, base_config: Mapping[str, Any] | None = None,
         if base_class and base_class != table.diffusers_class:
             raise ConfigMismatchError(f"The base config is for {base_class}, the checkpoint is a "
                                       f"{table.diffusers_class} ({table.name}).")
-        bad = config_mismatches(base_config, config)
+        bad = family.config_mismatches(base_config, config)
         if bad:
             rows = "\n".join(f"  {n}: base {b!r}, checkpoint {c!r}" for n, b, c in bad)
             raise ConfigMismatchError(

@@ -9,8 +9,6 @@ from __future__ import annotations
 import itertools
 import re
 from dataclasses import dataclass, field
-from functools import lru_cache
-from importlib import resources
 from pathlib import Path
 from typing import Any, Iterator, Literal, Mapping
 
@@ -156,16 +154,3 @@ def load_table_file(path: str | Path) -> MappingTable:
     except (OSError, tomllib.TOMLDecodeError) as e:
         raise MappingTableError(f"{path}: cannot read mapping table ({e}).") from e
     return parse_table(data, path)
-
-
-@lru_cache(maxsize=None)
-def builtin_tables() -> dict[str, MappingTable]:
-    """The tables shipped in the `mappings` package, by name."""
-    tables: dict[str, MappingTable] = {}
-    for entry in resources.files("mappings").iterdir():
-        if entry.name.endswith(".toml"):
-            table = parse_table(tomllib.loads(entry.read_text()), Path(str(entry)))
-            if table.name in tables:
-                raise MappingTableError(f"two mapping tables are named {table.name!r}.")
-            tables[table.name] = table
-    return tables

@@ -7,9 +7,10 @@ shapes without data, which is what the strict plan checks before any tensor is r
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 from porting.errors import MappingTableError
 
@@ -97,6 +98,8 @@ class Split:
         return out
 
     def apply(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        import torch
+
         return list(torch.split(tensors[0], list(self._sizes(tuple(tensors[0].shape))), dim=self.dim))
 
     def byte_ranges(self, in_shapes: list[Shape], itemsize: int) -> ByteRanges | None:
@@ -151,6 +154,8 @@ class Concat:
         return [tuple(out)]
 
     def apply(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        import torch
+
         return [torch.cat(tensors, dim=self.dim)]
 
     def byte_ranges(self, in_shapes: list[Shape], itemsize: int) -> ByteRanges | None:
@@ -182,6 +187,8 @@ class SwapHalves:
         return [shape]
 
     def apply(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        import torch
+
         a, b = tensors[0].chunk(2, dim=self.dim)
         return [torch.cat([b, a], dim=self.dim)]
 

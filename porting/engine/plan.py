@@ -1,25 +1,22 @@
 """The conversion plan: which source tensors become which target tensors, with shapes, before any data is read.
 
-The strict check compares the plan against the target model instantiated on the meta device from the config, so a
-plan is only accepted when every source tensor is consumed exactly once and every target tensor is produced
-exactly once with the shape the model expects.
+The strict check compares the plan against every tensor the target model has for the config (the family's
+diffusers shape data, held against diffusers' meta-device model by the tests), so a plan is only accepted when every
+source tensor is consumed exactly once and every target tensor is produced exactly once with the shape the model
+expects.
 """
 
 from __future__ import annotations
 
 import difflib
-import logging
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping
-
-import torch
+from typing import Any, Iterator
 
 from porting.errors import MappingTableError
 from porting.tensors.checkpoint import ST_TO_TORCH, TORCH_TO_ST, Checkpoint
 
 from .detect import Detection
-from .mapping import MappingTable, Naming, Step
+from .mapping import Naming, Step
 from .ops import OpShapeError, Shape
 
 
@@ -45,6 +42,7 @@ class Plan:
     extra_targets: list[str] = field(default_factory=list)
     mismatched: list[tuple[str, Shape, Shape]] = field(default_factory=list)
     shape_errors: list[tuple[str, str]] = field(default_factory=list)
+    produced_from: dict[str, tuple[str, ...]] = field(default_factory=dict)  # target -> source keys as stored
 
     @property
     def ok(self) -> bool:
@@ -70,15 +68,20 @@ class Plan:
     def output_count(self) -> int:
         return sum(len(ps.step.targets) for ps in self.steps)
 
+    def _source_of(self, target: str) -> str | None:
+        """The user's key(s), in the checkpoint's own naming, that a target key is made from."""
+        sources = self.produced_from.get(target)
+        return ", ".join(sources) if sources else None
+
     def problems(self) -> list[dict[str, Any]]:
         rows: list[dict[str, Any]] = []
         rows += [{"kind": "missing source", "key": k, "closest": c} for k, c in self.missing_sources]
         rows += [{"kind": "unexpected source", "key": k, "closest": c} for k, c in self.unexpected]
         rows += [{"kind": "not produced", "key": k, "closest": None} for k in self.missing_targets]
-        rows += [{"kind": "not in target model", "key": k,
+        rows += [{"kind": "not in target model", "key": k, "source": self._source_of(k),
                   "closest": _closest(k, self.target_shapes)} for k in self.extra_targets]
-        rows += [{"kind": "shape mismatch", "key": k, "closest": None, "produced": list(p), "expected": list(e)}
-                 for k, p, e in self.mismatched]
+        rows += [{"kind": "shape mismatch", "key": k, "source": self._source_of(k), "closest": None,
+                  "produced": list(p), "expected": list(e)} for k, p, e in self.mismatched]
         rows += [{"kind": "shape error", "key": k, "closest": None, "message": m} for k, m in self.shape_errors]
         return rows
 
@@ -105,60 +108,15 @@ def _closest(key: str, candidates) -> str | None:
     return found[0] if found else None
 
 
-@contextmanager
-def _quiet_diffusers() -> Iterator[None]:
-    log = logging.getLogger("diffusers")
-    level = log.level
-    log.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        log.setLevel(level)
-
-
-def meta_state_shapes(class_name: str, config: Mapping[str, Any]) -> dict[str, Shape]:
-    """Shapes of every tensor of the diffusers model, instantiated on the meta device (no memory)."""
-    import diffusers
-
-    cls = getattr(diffusers, class_name)
-    clean = {k: v for k, v in config.items() if not k.startswith("_")}
-    with _quiet_diffusers(), torch.device("meta"):
-        model = cls.from_config(clean)
-    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
-
-
-def expected_shapes(table: MappingTable, config: Mapping[str, Any], target: Naming) -> dict[str, Shape]:
-    """Shapes the target naming must have, derived from the meta diffusers model (and the table for `original`)."""
-    diffusers_shapes = meta_state_shapes(table.diffusers_class, config)
-    if target == "diffusers":
-        return diffusers_shapes
-    original: dict[str, Shape] = {}
-    for step in table.expand(table_sizes(config), "diffusers"):
-        if not all(s in diffusers_shapes for s in step.sources):
-            continue
-        try:
-            shapes = step.op.shapes([diffusers_shapes[s] for s in step.sources])
-        except OpShapeError:
-            continue
-        original.update(zip(step.targets, shapes))
-    return original
-
-
-def table_sizes(c: Mapping[str, Any]) -> dict[str, Any]:
-    """Values that table sizes and block counts may refer to."""
-    inner = int(c["num_attention_heads"]) * int(c["attention_head_dim"])
-    mlp_ratio = c.get("mlp_ratio", 4.0)  # FluxTransformer2DModel has a fixed 4.0
-    return {**c, "inner_dim": inner, "mlp_hidden": int(inner * mlp_ratio)}
-
-
 def build_plan(ckpt: Checkpoint, detection: Detection, target: Naming, dtype: str | None = None) -> Plan:
     """Plan the conversion of `ckpt` into `target` naming; `dtype` is a safetensors tag or None to keep."""
     source = detection.naming
-    sizes = table_sizes(detection.config)
+    family = detection.family
+    sizes = family.sizes(detection.config)
     table = detection.table
     steps = table.identity(sizes, source) if source == target else table.expand(sizes, source)
     prefix = detection.prefix
-    target_shapes = expected_shapes(detection.table, detection.config, target)
+    target_shapes = family.expected_shapes(detection.config, target)
     plan = Plan(detection, source, target, [], target_shapes)
     consumed: dict[str, int] = {}
     available = {k[len(prefix):]: k for k in ckpt.tensors if k.startswith(prefix)}
@@ -190,8 +148,10 @@ def build_plan(ckpt: Checkpoint, detection: Detection, target: Naming, dtype: st
     plan.unexpected = [(k, _closest(k, [s for st in steps for s in st.sources])) for k in leftovers]
     plan.missing_sources = [(k, _closest(k, leftovers)) for k, _ in plan.missing_sources]
     produced = {}
-    for key, shape, _ in plan.outputs():
-        produced[key] = shape
+    for ps in plan.steps:
+        for key, shape in zip(ps.step.targets, ps.out_shapes):
+            produced[key] = shape
+            plan.produced_from[key] = ps.stored_sources
     plan.missing_targets = sorted(set(target_shapes) - set(produced))
     plan.extra_targets = sorted(set(produced) - set(target_shapes))
     plan.mismatched = [(k, s, target_shapes[k]) for k, s in produced.items()
@@ -208,5 +168,5 @@ def torch_dtype_tag(name: str) -> str | None:
     return table[name]
 
 
-__all__ = ["Plan", "PlannedStep", "build_plan", "meta_state_shapes", "expected_shapes", "torch_dtype_tag",
+__all__ = ["Plan", "PlannedStep", "build_plan", "torch_dtype_tag",
            "TORCH_TO_ST"]

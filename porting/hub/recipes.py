@@ -11,13 +11,13 @@ from typing import Any
 import tomllib
 
 from porting.errors import InputError, MappingTableError
+from porting.families import pipeline_variants
 
 from .fetch.globs import compile_glob
 from .fetch.sources import HUBS, check_repo_id
 
 FORMAT_VERSION = 1
-# publish picks the pipeline class from the variant; a recipe must not contradict it
-PIPELINES = {"klein": "Flux2KleinPipeline", "klein-kv": "Flux2KleinKVPipeline"}
+RECIPE_VARIANTS = ("klein", "klein-kv")  # what fetch + convert + publish are proven on end to end
 
 
 @dataclass(frozen=True)
@@ -82,14 +82,17 @@ def parse_recipes(doc: dict[str, Any]) -> dict[str, Recipe]:
         raise MappingTableError(f"recipes.toml has format_version {doc.get('format_version')!r}; "
                                 f"this flux-port reads {FORMAT_VERSION}.")
     out: dict[str, Recipe] = {}
+    # publish picks the pipeline class from the variant; a recipe must not contradict it
+    pipelines = {variant: spec.pipeline for variant, (_, spec) in pipeline_variants().items()
+                 if variant in RECIPE_VARIANTS}
     for name, raw in doc.get("recipes", {}).items():
         variant = raw.get("variant")
-        if variant not in PIPELINES:
-            raise MappingTableError(f"recipes.toml [{name}]: variant must be one of {', '.join(PIPELINES)}; "
+        if variant not in pipelines:
+            raise MappingTableError(f"recipes.toml [{name}]: variant must be one of {', '.join(pipelines)}; "
                                     f"got {variant!r}.")
-        pipeline = raw.get("pipeline", PIPELINES[variant])
-        if pipeline != PIPELINES[variant]:
-            raise MappingTableError(f"recipes.toml [{name}]: variant {variant} uses {PIPELINES[variant]}, "
+        pipeline = raw.get("pipeline", pipelines[variant])
+        if pipeline != pipelines[variant]:
+            raise MappingTableError(f"recipes.toml [{name}]: variant {variant} uses {pipelines[variant]}, "
                                     f"not {pipeline}.")
         if "base" not in raw:
             raise MappingTableError(f"recipes.toml [{name}] needs a [recipes.{name}.base] table.")

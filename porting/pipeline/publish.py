@@ -19,9 +19,10 @@ from pathlib import Path
 from typing import Any, Callable, Literal
 
 from porting import __version__
+from porting._files import read_json_object
 from porting.engine.convert import MANIFEST as CONVERT_MANIFEST
-from porting.engine.detect import config_mismatches
 from porting.errors import CheckFailed, DiskSpaceError, InputError, PortError
+from porting.families import Family, PipelineVariant, pipeline_variants
 from porting.outputs import atomic_folder, check_output
 from porting.tensors.checkpoint import hash_checkpoint, open_checkpoint
 
@@ -29,30 +30,14 @@ LinkMode = Literal["hardlink", "symlink", "copy"]
 LINK_MODES: tuple[str, ...] = ("hardlink", "symlink", "copy")
 MANIFEST = "manifest.json"
 REPORT_FILES = ("report.json", "report.md")
-TRANSFORMER_CLASS = "Flux2Transformer2DModel"
 
 
-@dataclass(frozen=True)
-class VariantSpec:
-    """What a published folder of one FLUX.2 variant declares and needs."""
-
-    pipeline: str
-    text_encoder: str  # class the pipeline expects in text_encoder/
-    guidance_embeds: bool
-    out_layers: tuple[int, ...]  # the pipeline's default text_encoder_out_layers
-    registers_is_distilled: bool  # whether the pipeline's config (model_index.json) records is_distilled
-    title: str
-
-
-# flux2-checkpoints.md section 8: pipeline classes, their text encoders and default hidden-state layers.
-VARIANTS: dict[str, VariantSpec] = {
-    "klein": VariantSpec("Flux2KleinPipeline", "Qwen3ForCausalLM", False, (9, 18, 27), True, "FLUX.2 [klein]"),
-    "klein-kv": VariantSpec("Flux2KleinKVPipeline", "Qwen3ForCausalLM", False, (9, 18, 27), False,
-                            "FLUX.2 [klein] KV"),
-    "dev": VariantSpec("Flux2Pipeline", "Mistral3ForConditionalGeneration", True, (10, 20, 30), False,
-                       "FLUX.2 [dev]"),
-}
-PIPELINE_TO_VARIANT = {spec.pipeline: name for name, spec in VARIANTS.items()}
+def variant_spec(variant: str) -> tuple[Family, PipelineVariant]:
+    """The family and pipeline facts of a publishable variant (klein, klein-kv, dev, ...)."""
+    known = pipeline_variants()
+    if variant not in known:
+        raise PortError(f"--variant {variant!r}: choose one of {', '.join(known)}.")
+    return known[variant]
 
 
 @dataclass
@@ -100,16 +85,7 @@ class PublishResult:
 # ---------------------------------------------------------------------------------------------------------------
 # reading the inputs
 
-def _read_json(path: Path, what: str) -> dict[str, Any]:
-    if not path.is_file():
-        raise InputError(f"{path}: missing ({what}).")
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise InputError(f"{path}: not valid JSON ({e}).") from e
-    if not isinstance(data, dict):
-        raise InputError(f"{path}: expected a JSON object.")
-    return data
+_read_json = read_json_object
 
 
 def read_base(base: Path) -> dict[str, Any]:
@@ -132,10 +108,15 @@ def base_components(index: dict[str, Any]) -> list[str]:
 
 
 def infer_variant(base_index: dict[str, Any], transformer_cfg: dict[str, Any]) -> str:
-    found = PIPELINE_TO_VARIANT.get(str(base_index.get("_class_name")))
+    by_pipeline = {spec.pipeline: name for name, (_, spec) in pipeline_variants().items()}
+    found = by_pipeline.get(str(base_index.get("_class_name")))
     if found:
         return found
-    return "dev" if transformer_cfg.get("guidance_embeds") else "klein"
+    for name, (family, _) in pipeline_variants().items():
+        if transformer_cfg.get("_class_name") == family.diffusers_class:
+            return family.default_variant(transformer_cfg)
+    raise InputError(f"the transformer's class {transformer_cfg.get('_class_name')!r} has no pipeline flux-port "
+                     "publishes.", hint="Pass --variant, or publish a transformer of a family with pipelines.")
 
 
 def transformer_identity(transformer: Path) -> tuple[str, dict[str, Any], dict[str, Any]]:
@@ -154,47 +135,29 @@ def transformer_identity(transformer: Path) -> tuple[str, dict[str, Any], dict[s
     return weights, cfg, convert_manifest
 
 
-def text_encoder_facts(cfg: dict[str, Any]) -> tuple[int, int]:
-    """(hidden size, hidden layers) of a Qwen3 config or of the text part of a Mistral3 config."""
-    inner = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
-    return int(inner["hidden_size"]), int(inner["num_hidden_layers"])
-
-
 def check_consistency(base: Path, base_index: dict[str, Any], cfg: dict[str, Any], variant: str) -> list[str]:
     """Refuse a transformer that does not fit the base; returns notices for checks that could not run."""
-    spec, notices, problems = VARIANTS[variant], [], []
-    if cfg.get("_class_name") != TRANSFORMER_CLASS:
+    family, spec = variant_spec(variant)
+    notices: list[str] = []
+    problems: list[str] = []
+    if cfg.get("_class_name") != family.diffusers_class:
         problems.append(f"transformer/config.json _class_name is {cfg.get('_class_name')!r}, the {spec.title} "
-                        f"pipeline needs {TRANSFORMER_CLASS!r}")
+                        f"pipeline needs {family.diffusers_class!r}")
     if bool(cfg.get("guidance_embeds")) != spec.guidance_embeds:
         problems.append(f"transformer guidance_embeds is {bool(cfg.get('guidance_embeds'))}, {spec.title} has "
                         f"{spec.guidance_embeds}")
     base_cfg_path = base / "transformer" / "config.json"
     if base_cfg_path.is_file():
-        for name, want, got in config_mismatches(_read_json(base_cfg_path, "base transformer config"), cfg):
+        for name, want, got in family.config_mismatches(_read_json(base_cfg_path, "base transformer config"), cfg):
             problems.append(f"{name}: base {base_cfg_path} has {want}, the fine-tune has {got}")
     else:
-        notices.append(f"{base_cfg_path} not found: the fine-tune's architecture was only checked against the text "
-                       "encoder and the VAE")
+        notices.append(f"{base_cfg_path} not found: the fine-tune's architecture was only checked against the "
+                       "other components")
     te_entry = base_index.get("text_encoder") or [None, None]
     if te_entry[1] != spec.text_encoder:
         problems.append(f"base model_index.json text_encoder is {te_entry[1]!r}, {spec.pipeline} needs "
                         f"{spec.text_encoder!r}")
-    te_cfg = _read_json(base / "text_encoder" / "config.json", "text encoder config")
-    hidden, layers = text_encoder_facts(te_cfg)
-    jad = cfg.get("joint_attention_dim")
-    if jad != 3 * hidden:
-        problems.append(f"text encoder hidden_size {hidden} x 3 = {3 * hidden} ({base / 'text_encoder'}), but the "
-                        f"transformer's joint_attention_dim is {jad}")
-    if layers < max(spec.out_layers):
-        problems.append(f"text encoder has {layers} hidden layers; {spec.pipeline} reads layers "
-                        f"{list(spec.out_layers)} by default")
-    vae_cfg = _read_json(base / "vae" / "config.json", "VAE config")
-    patch = vae_cfg.get("patch_size") or [2, 2]
-    latent, patch_area = int(vae_cfg.get("latent_channels", 32)), int(patch[0]) * int(patch[1])
-    if cfg.get("in_channels") != latent * patch_area:
-        problems.append(f"VAE latent_channels {latent} x {patch_area} (2x2 patches) = {latent * patch_area} "
-                        f"({base / 'vae'}), but the transformer's in_channels is {cfg.get('in_channels')}")
+    problems += family.pipeline_fit(base, cfg, spec)
     if problems:
         raise CheckFailed(
             f"the transformer does not fit the base {base} ({len(problems)} problem(s)); nothing was written.",
@@ -314,13 +277,13 @@ def sha256_file(path: Path, on_bytes: Callable[[int], None] | None = None) -> st
 def build_model_index(base_index: dict[str, Any], variant: str) -> dict[str, Any]:
     import diffusers
 
-    spec = VARIANTS[variant]
+    family, spec = variant_spec(variant)
     index: dict[str, Any] = {"_class_name": spec.pipeline, "_diffusers_version": diffusers.__version__}
     if spec.registers_is_distilled and "is_distilled" in base_index:
         index["is_distilled"] = bool(base_index["is_distilled"])
     for name in base_components(base_index):
         index[name] = list(base_index[name])
-    index["transformer"] = ["diffusers", TRANSFORMER_CLASS]
+    index["transformer"] = ["diffusers", family.diffusers_class]
     return dict(sorted(index.items(), key=lambda kv: (not kv[0].startswith("_"), kv[0])))
 
 
@@ -372,7 +335,7 @@ def _fmt(value: Any, digits: int = 4) -> str:
 
 def model_card(*, name: str, base_model: str, base: Path, variant: str, weights: str, gate: Gate,
                skip_validation: bool, convert_manifest: dict[str, Any]) -> str:
-    spec = VARIANTS[variant]
+    _, spec = variant_spec(variant)
     meta: dict[str, str] = {"base_model": base_model, "base_model_relation": "finetune", "library_name": "diffusers",
                             "pipeline_tag": "text-to-image", **base_card_metadata(base)}
     lines = ["---"] + [f"{k}: {json.dumps(v)}" for k, v in meta.items()]
@@ -453,8 +416,8 @@ def publish(base: str | Path, transformer: str | Path, out: str | Path, *, repor
     say = on_status or (lambda text: None)
     if link not in LINK_MODES:
         raise PortError(f"--link {link!r}: choose one of {', '.join(LINK_MODES)}.")
-    if variant is not None and variant not in VARIANTS:
-        raise PortError(f"--variant {variant!r}: choose one of {', '.join(VARIANTS)}.")
+    if variant is not None:
+        variant_spec(variant)
     inputs = {"base": base, "transformer": transformer, "report": report}
     check_output(out, force=force, verb="publish", inputs=inputs)
     base_index = read_base(base)
@@ -519,13 +482,14 @@ def publish(base: str | Path, transformer: str | Path, out: str | Path, *, repor
         for rel, info in files.items():
             info["bytes"] = (staging / rel).stat().st_size
             info["sha256"] = sha256_file(staging / rel, on_bytes if rel in placed else None)
+        pipeline = variant_spec(variant)[1].pipeline
         manifest = {
-            "tool": "flux-port", "version": __version__, "format_version": 1, "pipeline": VARIANTS[variant].pipeline,
+            "tool": "flux-port", "version": __version__, "format_version": 1, "pipeline": pipeline,
             "variant": variant, "base": str(base.resolve()), "base_model": base_model,
             "transformer": str(transformer.resolve()), "weights_sha256": weights,
             "validation": {"status": gate.status, "message": gate.message, "enforced": not skip_validation},
             "files": dict(sorted(files.items())),
         }
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-    return PublishResult(out, variant, VARIANTS[variant].pipeline, weights, gate, skip_validation, files, notices,
+    return PublishResult(out, variant, pipeline, weights, gate, skip_validation, files, notices,
                          time.perf_counter() - started)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import math
 import mmap
 import os
 import queue
@@ -20,7 +21,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from porting.errors import InputError
+from porting.errors import InputError, InternalError, UsageError
 from porting.outputs import atomic_folder  # noqa: F401  (re-exported: where writers look for it)
 
 from .checkpoint import ST_TO_TORCH
@@ -46,15 +47,21 @@ class Entry:
 def parse_size(text: str | int) -> int:
     """'5GB', '500MB', '10GiB' or a number of bytes."""
     if isinstance(text, int):
+        if text < 1:
+            raise UsageError(f"--max-shard-size {text}: must be more than 0 bytes.")
         return text
     units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
     s = text.strip().upper().replace(" ", "")
     num = s.rstrip("KMGTIB")
     unit = s[len(num):]
-    if not num or unit not in units:
-        raise ValueError(f"cannot read size {text!r}; use e.g. 5GB, 500MB or 10GiB")
-    return int(float(num) * units[unit])
+    try:
+        value = float(num) if num and unit in units else None
+    except ValueError:
+        value = None
+    if value is None or not math.isfinite(value) or value * units[unit] < 1:
+        raise UsageError(f"--max-shard-size {text!r}: not a size; use e.g. 5GB, 500MB or 10GiB (more than 0).")
+    return int(value * units[unit])
 
 
 def plan_shards(entries: list[Entry], max_shard_bytes: int) -> list[list[Entry]]:
@@ -306,8 +313,8 @@ def write_shards(folder: Path, stem: str, entries: list[Entry], tensors: Iterabl
                     item = first if i == 0 else next(it)
                     if isinstance(item, Segments):
                         if item.nbytes != e.nbytes:
-                            raise InputError(f"internal: tensor {e.key!r} came out as {item.nbytes} bytes, planned "
-                                             f"{e.nbytes}.")
+                            raise InternalError(f"tensor {e.key!r} came out as {item.nbytes} bytes, "
+                                                f"planned {e.nbytes}.")
                         position = os.lseek(out_fd, 0, os.SEEK_CUR)
                         copier.copy(item, out_fd)
                         if hasher:
@@ -316,8 +323,8 @@ def write_shards(folder: Path, stem: str, entries: list[Entry], tensors: Iterabl
                     else:
                         t = item
                         if tuple(t.shape) != e.shape or ST_TO_TORCH[e.dtype] != t.dtype:
-                            raise InputError(f"internal: tensor {e.key!r} came out as {list(t.shape)} {t.dtype}, "
-                                             f"planned {list(e.shape)} {e.dtype}.")
+                            raise InternalError(f"tensor {e.key!r} came out as {list(t.shape)} {t.dtype}, "
+                                            f"planned {list(e.shape)} {e.dtype}.")
                         _write_all(out_fd, _as_bytes(t))
                         if hasher:
                             hasher.update(e.key, t, e.dtype)

@@ -1,0 +1,53 @@
+"""FLUX.1 (dev, schnell): Black Forest Labs naming <-> diffusers `FluxTransformer2DModel` (convert only)."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from ._flux import common_config, flux_sizes
+from .base import Family
+
+TINY: dict[str, Any] = {
+    "_class_name": "FluxTransformer2DModel", "patch_size": 1, "in_channels": 16, "out_channels": None,
+    "num_layers": 2, "num_single_layers": 2, "attention_head_dim": 32, "num_attention_heads": 2,
+    "joint_attention_dim": 32, "pooled_projection_dim": 24, "guidance_embeds": True, "axes_dims_rope": [4, 14, 14],
+}
+
+
+class Flux1(Family):
+    name = "flux1"
+    title = "FLUX.1"
+    table_resource = "flux1.toml"
+    shapes_resource = "flux1.shapes.toml"
+    structural_fields = ("num_layers", "num_single_layers", "num_attention_heads", "attention_head_dim",
+                         "joint_attention_dim", "in_channels", "guidance_embeds", "pooled_projection_dim")
+    tiny_config = TINY
+    real_configs = {
+        "FLUX.1-dev": {**TINY, "in_channels": 64, "num_layers": 19, "num_single_layers": 38,
+                       "attention_head_dim": 128, "num_attention_heads": 24, "joint_attention_dim": 4096,
+                       "pooled_projection_dim": 768, "axes_dims_rope": [16, 56, 56]},
+    }
+    shape_terms = ("inner_dim", "mlp_hidden", "attention_head_dim", "in_channels", "joint_attention_dim",
+                   "pooled_projection_dim", "out_features")
+    shape_probes = (
+        {**TINY, "num_attention_heads": 5, "attention_head_dim": 14, "in_channels": 22, "joint_attention_dim": 26,
+         "pooled_projection_dim": 38, "axes_dims_rope": [2, 6, 6]},
+        {**TINY, "num_attention_heads": 3, "attention_head_dim": 22, "in_channels": 17, "out_channels": 19,
+         "joint_attention_dim": 29, "pooled_projection_dim": 23, "axes_dims_rope": [2, 10, 10]},
+    )
+
+    def derive_config(self, facts: Mapping[str, Any]) -> dict[str, Any]:
+        config = common_config(self.diffusers_class, facts)
+        head_dim = config["attention_head_dim"]
+        config["pooled_projection_dim"] = int(facts["pooled_projection_dim"])
+        # released FLUX.1 uses 3-axis RoPE (16, 56, 56) for head_dim 128; other head dims keep the same proportions
+        first = head_dim // 8
+        rest = (head_dim - first) // 2
+        config["axes_dims_rope"] = [16, 56, 56] if head_dim == 128 else [first, rest, head_dim - first - rest]
+        return config
+
+    def sizes(self, config: Mapping[str, Any]) -> dict[str, Any]:
+        return flux_sizes(config, default_mlp_ratio=4.0)  # FluxTransformer2DModel has a fixed 4.0
+
+
+FAMILY = Flux1()
