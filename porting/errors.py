@@ -40,6 +40,12 @@ class InternalError(PortError):
                                  "you ran (FLUX_PORT_DEBUG=1 shows the traceback).", details)
 
 
+class Interrupted(PortError):
+    """The user pressed Ctrl-C."""
+
+    exit_code = EXIT_INTERRUPTED
+
+
 class InputError(PortError):
     """The input file or folder cannot be read as a checkpoint."""
 

@@ -9,6 +9,7 @@ refuses to write while another live run is writing the same destination.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -19,7 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Literal, Mapping
 
-from porting.errors import OutputExistsError, PortError
+from porting.errors import DiskSpaceError, OutputExistsError, PortError
 
 RECORD = ".flux-port-output.json"
 RECORD_VERSION = 1
@@ -210,6 +211,18 @@ def check_writable_parent(out: Path) -> None:
                                 hint="Choose a writable --out folder.")
 
 
+def write_error(out: Path, e: OSError) -> Exception:
+    """A write that the disk refused, as the error the docs promise (full disk: exit 5); other errors as they are."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return DiskSpaceError(f"{out}: the disk is full ({e.strerror}); the partial output was removed, nothing "
+                              "at the destination changed.",
+                              hint="Free some space, or choose an --out on another disk.")
+    if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return UnsafeOutputError(f"{out}: cannot write there ({e.strerror}); nothing at the destination changed.",
+                                 hint="Choose a writable --out folder.")
+    return e
+
+
 def check_output(out: Path, force: bool = False, *, verb: str = "convert", replace: Replace | None = None,
                  inputs: Mapping[str, Path | str | None] | None = None) -> None:
     """The checks `atomic_folder` makes before writing, for verbs that want to fail before their long work."""
@@ -256,6 +269,9 @@ def atomic_folder(out: Path, force: bool = False, *, verb: str = "convert", repl
             yield staging
             write_record(staging, verb)
             _check_existing(out, replace)  # it may have appeared, or changed, while this run was writing
+        except OSError as e:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise write_error(out, e) from e
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise

@@ -106,3 +106,14 @@ def test_a_checkpoint_two_tables_claim_is_refused_with_both_names(toy, tmp_path:
     both = _header_only(tmp_path / "both.safetensors", [*flux2, *toy.table.detect["original"]])
     with pytest.raises(UnknownArchitectureError, match=r"more than one mapping table claims.*flux2.*toy"):
         detect(open_checkpoint(both))
+
+
+def test_a_table_without_its_format_version_is_refused(tmp_path: Path) -> None:
+    from porting.engine.mapping import load_table_file
+    from porting.errors import MappingTableError
+
+    text = get_family("flux2").resource_path("flux2.toml").read_text().replace("format_version = 1\n", "")
+    path = tmp_path / "old.toml"
+    path.write_text(text)
+    with pytest.raises(MappingTableError, match="format_version None"):
+        load_table_file(path)

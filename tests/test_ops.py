@@ -109,6 +109,8 @@ def test_cast_inverse_needs_the_source_dtype():
 # --- mapping tables ------------------------------------------------------------------------------------------------
 
 HEAD = """
+format_version = 1
+
 [table]
 name = "toy"
 diffusers_class = "Flux2Transformer2DModel"

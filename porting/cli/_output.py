@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -11,11 +12,20 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """Text for the terminal with control characters (terminal escape sequences) shown, not obeyed: names and
+    messages come from files and options."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", str(text))
+
 
 class Output:
     def __init__(self, json_mode: bool = False, quiet: bool = False) -> None:
         self.json_mode = json_mode
         self.quiet = quiet or json_mode
+        self.documented = False  # --json prints exactly one document
         # tables stay readable when piped or captured (rich assumes 80 columns off a terminal)
         self.out = Console(file=sys.stdout, highlight=False, width=None if sys.stdout.isatty() else 160)
         self.err = Console(file=sys.stderr, highlight=False, width=None if sys.stderr.isatty() else 160)
@@ -23,27 +33,33 @@ class Output:
     def status(self, text: str) -> None:
         """A progress line for humans (stderr); silent in --quiet and --json."""
         if not self.quiet:
-            self.err.print(text, markup=False, soft_wrap=True)
+            self.err.print(printable(text), markup=False, soft_wrap=True)
 
     def result(self, text: str) -> None:
         """A line of data for humans (stdout); silent in --json."""
         if not self.json_mode:
-            self.out.print(text, markup=False, soft_wrap=True)
+            self.out.print(printable(text), markup=False, soft_wrap=True)
 
     def table(self, table: Table) -> None:
         if not self.json_mode:
+            for column in table.columns:  # cells hold key names and paths from files: show control characters
+                column._cells = [printable(c) if isinstance(c, str) else c for c in column._cells]
             self.out.print(table)
 
     def document(self, doc: Any) -> None:
-        if self.json_mode:
+        if self.json_mode and not self.documented:
             sys.stdout.write(json.dumps(doc, indent=2, default=str) + "\n")
+            self.documented = True
+
+    def error(self, text: str) -> None:
+        self.err.print(printable(text), markup=False, soft_wrap=True)
 
     def warning(self, text: str) -> None:
-        self.err.print(f"Warning: {text}", markup=False)
+        self.err.print(printable(f"Warning: {text}"), markup=False, soft_wrap=True)
 
     def hint(self, text: str) -> None:
         if not self.quiet:
-            self.err.print(f"Hint: {text}", markup=False)
+            self.err.print(printable(f"Hint: {text}"), markup=False, soft_wrap=True)
 
     @contextmanager
     def bytes_progress(self, description: str) -> Iterator[tuple[Any, Any]]:

@@ -29,3 +29,17 @@ def finetune_file(paths: RecipePaths) -> Path:
 
 def base_config(paths: RecipePaths) -> Path | None:
     return paths.base if (paths.base / "transformer" / "config.json").is_file() else None
+
+
+def raise_unfetched_recipe(arg: Path) -> None:
+    """A missing SRC that names a shipped recipe means it was not fetched yet: say that, not 'no such file'."""
+    from porting.hub.recipes import get_recipe
+
+    if len(arg.parts) != 1:
+        return
+    try:
+        get_recipe(str(arg))
+    except InputError:
+        return
+    raise InputError(f"recipe {arg} is not fetched yet (no workspace folder for it).",
+                     hint=f"Fetch it first: port fetch {arg}  (or pass --workspace if it lives elsewhere).")

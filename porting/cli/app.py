@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 
 import typer
 
-from porting.errors import PlanError, PortError
+from porting.errors import EXIT_INTERRUPTED, EXIT_USAGE, DiskSpaceError, Interrupted, PlanError, PortError, UsageError
 
 from . import _output
 from .convert_cmd import CONVERT_EXAMPLES, convert
@@ -32,32 +33,57 @@ app.command(epilog=PUBLISH_EXAMPLES)(publish)
 app.command(epilog=GENERATE_EXAMPLES)(generate)
 
 
+# typer vendors click; its ClickException (unknown option, bad value) is reached through a public subclass
+ClickException = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+
+INTERRUPTED = ("Interrupted (Ctrl-C): the output being written was removed; nothing at the destination changed. "
+               "(port fetch keeps verified files and partial downloads, to resume.)")
+
+
 def report_error(err: PortError) -> None:
     out = _output.current
-    if out.json_mode:
+    if out.json_mode and not out.documented:  # one JSON document on stdout, whatever happened
         doc = {"error": err.message, "hint": err.hint, "details": err.details, "exit_code": err.exit_code}
         if isinstance(err, PlanError) and err.report:
             doc["report"] = err.report
         out.document(doc)
-    out.err.print(f"Error: {err.message}", markup=False, soft_wrap=True)
+    out.error(f"Error: {err.message}")
     if err.details:
-        out.err.print(err.details, markup=False, soft_wrap=True)
+        out.error(err.details)
     if err.hint:
-        out.err.print(f"Hint: {err.hint}", markup=False, soft_wrap=True)
+        out.error(f"Hint: {err.hint}")
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point: runs a verb and turns flux-port errors into one clear message and an exit code."""
+    """Entry point: runs a verb and turns every failure into one clear message and an exit code."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    # errors raised before a verb parses its options (a bad value, an unknown option) still honour --json
+    _output.current = _output.Output(json_mode="--json" in args)
     try:
-        app(args=argv, prog_name="port", standalone_mode=True)
+        code = app(args=args, prog_name="port", standalone_mode=False)
     except PortError as err:
         report_error(err)
         if os.environ.get("FLUX_PORT_DEBUG"):
             raise
         sys.exit(err.exit_code)
-    except KeyboardInterrupt:
-        _output.current.err.print("Interrupted; no partial output was left behind.")
-        sys.exit(130)
+    except ClickException as err:
+        report_error(UsageError(err.format_message(), hint="See `port --help` or `port VERB --help`."))
+        sys.exit(EXIT_USAGE)
+    except (KeyboardInterrupt, typer.Abort):
+        code = EXIT_INTERRUPTED
+    except OSError as err:  # the disk or the OS said no where no verb expected it: still one clear message
+        report_error(os_error(err))
+        sys.exit(os_error(err).exit_code)
+    if code == EXIT_INTERRUPTED:  # typer turns Ctrl-C into this exit code
+        report_error(Interrupted(INTERRUPTED))
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+def os_error(err: OSError) -> PortError:
+    where = f"{err.filename}: " if err.filename else ""
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return DiskSpaceError(f"{where}the disk is full ({err.strerror}).", hint="Free some space and run it again.")
+    return PortError(f"{where}{err.strerror or err}.", hint="Check the path and its permissions.")
 
 
 if __name__ == "__main__":

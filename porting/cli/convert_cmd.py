@@ -12,7 +12,7 @@ from porting.errors import PortError
 
 from . import _output
 from ._options import Direction, DtypeChoice, ForceOpt, JsonOpt, OptionalOutDirOpt, QuietOpt, WorkspaceOpt
-from ._recipe import as_recipe, base_config, finetune_file
+from ._recipe import as_recipe, base_config, finetune_file, raise_unfetched_recipe
 
 if TYPE_CHECKING:
     from porting.engine.convert import ConvertResult
@@ -68,6 +68,8 @@ def convert(
         src = finetune_file(recipe)
         out = out or recipe.transformer
         config = config or base_config(recipe)
+    elif not src.exists():
+        raise_unfetched_recipe(src)
     if out is None and not dry_run:
         raise PortError("port convert needs --out DIR (or --dry-run to only print the plan).")
     from porting.engine.convert import convert as run_convert

@@ -23,13 +23,6 @@ Examples:
 """
 
 
-def _floats(text: str, option: str) -> list[float]:
-    try:
-        return [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise PortError(f"{option} {text!r}: expected comma-separated numbers, e.g. 1.0,0.5,0.1") from None
-
-
 def validate(
     model: Annotated[Path, typer.Argument(help="Converted diffusers transformer folder, an original-naming file, or a "
                                           "recipe name in the workspace.")],
@@ -59,6 +52,7 @@ def validate(
 ) -> None:
     """Run the full transformer on the device against a float32 golden and judge it against bf16's own error."""
     from validation.api import validate as run_validate
+    from validation.options import check_options, parse_seeds, parse_timesteps
     from validation.report import terminal_table
 
     output = _output.use(json_mode=json_, quiet=quiet, heavy=True)
@@ -70,7 +64,9 @@ def validate(
     if prompt and base is None:
         raise PortError("--prompt needs --base (the base model's text encoder encodes it).")
     out = out or (model.resolve().parent / "reports")
-    seed_list = [int(s) for s in _floats(seeds, "--seeds")]
+    seed_list, timestep_list = parse_seeds(seeds), parse_timesteps(timesteps)
+    check_options(resolution=resolution, text_len=text_len, timesteps=timestep_list, seeds=seed_list,
+                  max_ratio=max_ratio)
     progress = None
     if not output.quiet:
         progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -90,7 +86,7 @@ def validate(
     try:
         report = run_validate(model, device=device, dtype=dtype, reference=reference, golden_dtype=golden_dtype,
                               out=out, resolution=resolution, text_len=text_len,
-                              timesteps=_floats(timesteps, "--timesteps"), seeds=seed_list, base=base, prompt=prompt,
+                              timesteps=timestep_list, seeds=seed_list, base=base, prompt=prompt,
                               max_ratio=max_ratio, config=config, intrinsic=intrinsic,
                               on_stage=on_stage)
     finally:
@@ -107,5 +103,16 @@ def validate(
     if report.verdict != "pass":
         raise CheckFailed("Validation failed: " + "; ".join(data["reasons"]) + ".",
                           hint=f"See {out / 'report.md'}; the first bad block is where to look.")
-    output.hint(f"publish it next: port publish --transformer {model} --report {out / 'report.json'} "
-                "--base BASE_DIR --out DIR")
+    output.hint(next_step_hint(model, out, recipe.name if recipe is not None else None))
+
+
+def next_step_hint(model: Path, out: Path, recipe: str | None) -> str:
+    """A next command that works when followed: publish takes a converted diffusers folder."""
+    if recipe is not None:
+        return f"publish it next: port publish {recipe}"
+    if not model.is_dir():
+        return (f"publish takes a converted folder: port convert {model} --out TRANSFORMER_DIR --strict, then "
+                "port validate TRANSFORMER_DIR and port publish --transformer TRANSFORMER_DIR --base BASE_DIR "
+                "--out DIR")
+    return (f"publish it next: port publish --transformer {model} --report {out / 'report.json'} "
+            "--base BASE_DIR --out DIR")

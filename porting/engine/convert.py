@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,7 +13,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 
 from porting import __version__
-from porting.errors import PlanError
+from porting.errors import InputError, PlanError
 from porting.outputs import atomic_folder, check_output
 from porting.tensors.checkpoint import ST_TO_TORCH, Checkpoint, open_checkpoint
 from porting.tensors.writer import Entry, Segments, WeightsHasher, parse_size, write_shards
@@ -99,6 +100,23 @@ def iter_tensors(ckpt: Checkpoint, plan: Plan) -> Iterator[torch.Tensor | Segmen
         del inputs, outputs
 
 
+def source_stamps(ckpt: Checkpoint) -> dict[Path, tuple[int, int, int]]:
+    """(inode, size, mtime) of every source file: a writer replacing or rewriting one changes its stamp."""
+    stamps = {}
+    for f in ckpt.files:
+        st = os.stat(f)
+        stamps[Path(f)] = (st.st_ino, st.st_size, st.st_mtime_ns)
+    return stamps
+
+
+def check_unchanged(before: Mapping[Path, tuple[int, int, int]], after: Mapping[Path, tuple[int, int, int]]) -> None:
+    changed = [f for f in before if before[f] != after.get(f)]
+    if changed:
+        raise InputError(f"{changed[0]}: the source changed while it was being converted (size, time or file "
+                         "replaced); the output mixes two versions, so nothing was written.",
+                         hint="Convert again once nothing is writing to the source.")
+
+
 def convert(src: str | Path, out: str | Path | None, to: Naming = "diffusers", dtype: str = "keep",
             config: str | Path | None = None, max_shard_size: str | int = "5GB", strict: bool = True,
             dry_run: bool = False, force: bool = False,
@@ -121,6 +139,7 @@ def convert(src: str | Path, out: str | Path | None, to: Naming = "diffusers", d
     hasher = WeightsHasher()
     if on_start:
         on_start(plan.output_bytes)
+    before = source_stamps(ckpt)
     with atomic_folder(out, force=force, verb="convert", inputs={"source": src, "--config": config},
                        on_notice=on_notice) as staging:
         files = write_shards(staging, stem, entries, iter_tensors(ckpt, plan), limit,
@@ -130,10 +149,11 @@ def convert(src: str | Path, out: str | Path | None, to: Naming = "diffusers", d
             cfg["_diffusers_version"] = importlib.metadata.version("diffusers")  # the version, without the import
             (staging / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
         manifest = {
-            "tool": "flux-port", "version": __version__, "source": str(Path(src).resolve()),
+            "tool": "flux-port", "version": __version__, "format_version": 1, "source": str(Path(src).resolve()),
             "source_naming": detection.naming_label, "table": detection.table.name, "to": to,
             "variant": detection.variant, "dtype": dtype, "tensors": len(entries), "files": files,
             "weights_sha256": hasher.hexdigest(), "config": detection.config,
         }
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        check_unchanged(before, source_stamps(ckpt))
     return ConvertResult(plan, out, files, hasher.hexdigest(), time.perf_counter() - started)

@@ -21,6 +21,7 @@ from .ops import Op, op_from_spec
 Naming = Literal["original", "diffusers"]
 NAMINGS: tuple[Naming, Naming] = ("original", "diffusers")
 PLACEHOLDER = re.compile(r"\{(\w+)\}")
+TABLE_FORMAT_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,9 @@ def _as_tuple(value: Any) -> tuple[str, ...]:
 def parse_table(data: Mapping[str, Any], source: Path | None = None) -> MappingTable:
     """Validate a table's shape when it is loaded, so a broken table fails before any checkpoint is touched."""
     where = str(source or "mapping table")
+    if data.get("format_version") != TABLE_FORMAT_VERSION:
+        raise MappingTableError(f"{where}: format_version {data.get('format_version')!r}; this flux-port reads "
+                                f"mapping tables of format_version {TABLE_FORMAT_VERSION}.")
     try:
         head = data["table"]
         rules = []

@@ -84,6 +84,7 @@ def read_port_json(paths: RecipePaths) -> dict[str, Any]:
 def record_step(paths: RecipePaths, verb: str, data: dict[str, Any]) -> Path:
     """Store `data` under `verb` in port.json (replacing that verb's previous record), written atomically."""
     record = read_port_json(paths)
+    record.setdefault("format_version", 1)
     record.setdefault("recipe", paths.name)
     record[verb] = data
     paths.dir.mkdir(parents=True, exist_ok=True)

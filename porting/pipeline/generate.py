@@ -22,7 +22,7 @@ import torch
 
 from porting.devices import resolve_device
 from porting.errors import InputError, PortError
-from porting.outputs import UnsafeOutputError, check_writable_parent
+from porting.outputs import UnsafeOutputError, check_writable_parent, write_error
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 OFFLOAD_MODES = ("model", "sequential")
@@ -163,6 +163,9 @@ def save_png(image: Any, output: Path) -> None:
     try:
         image.save(partial, format="PNG", pnginfo=info)
         os.replace(partial, output)
+    except OSError as e:
+        partial.unlink(missing_ok=True)
+        raise write_error(output, e) from e
     except BaseException:
         partial.unlink(missing_ok=True)
         raise

@@ -12,6 +12,8 @@ import errno
 import hashlib
 import json
 import os
+import re
+import shlex
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -21,7 +23,7 @@ from typing import Any, Callable, Literal
 from porting import __version__
 from porting._files import read_json_object
 from porting.engine.convert import MANIFEST as CONVERT_MANIFEST
-from porting.errors import CheckFailed, DiskSpaceError, InputError, PortError
+from porting.errors import CheckFailed, DiskSpaceError, InputError, PortError, UnsupportedFormatError, UsageError
 from porting.families import Family, PipelineVariant, pipeline_variants
 from porting.outputs import atomic_folder, check_output
 from porting.tensors.checkpoint import hash_checkpoint, open_checkpoint
@@ -234,6 +236,22 @@ def link_root(base: Path) -> Path:
     return resolved
 
 
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+
+
+def refuse_pickles(files: list[Path]) -> None:
+    """A base holding pickle weights is refused the way convert refuses a pickle checkpoint: loading one can run
+    arbitrary code, and a published folder would pass it on."""
+    pickles = [f for f in files if f.suffix.lower() in PICKLE_SUFFIXES]
+    if pickles:
+        shown = ", ".join(str(p) for p in pickles[:3]) + (f" and {len(pickles) - 3} more" if len(pickles) > 3 else "")
+        raise UnsupportedFormatError(
+            f"the base holds pickle weights ({shown}); they can run arbitrary code when loaded, so flux-port "
+            "refuses to publish them.",
+            hint="Use a base with .safetensors weights (the official repositories have them), or convert the "
+                 "component to safetensors in a sandbox you trust.")
+
+
 def files_within(folder: Path, root: Path) -> list[Path]:
     """The visible files under `folder`; a symbolic link is followed only when it stays inside `root`.
 
@@ -333,14 +351,39 @@ def _fmt(value: Any, digits: int = 4) -> str:
     return "n/a" if value is None else str(value)
 
 
+REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
+_UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def _code(value: Any) -> str:
+    """Text for a markdown code span inside a table: no backticks, pipes or control characters can escape it."""
+    return _UNPRINTABLE.sub("?", str(value)).replace("`", "'").replace("|", "\\|")
+
+
+def _md(value: Any) -> str:
+    """Plain markdown text with HTML and markdown syntax shown, not interpreted."""
+    text = _UNPRINTABLE.sub("?", str(value))
+    return re.sub(r"([\\`*_{}\[\]()#+!|<>~-])", r"\\\1", text)
+
+
+def check_base_model(value: str) -> str:
+    """--base-model is a Hub repo id (ORG/NAME) or a plain name; anything else would be injected into the card."""
+    if REPO_ID.match(value) or re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}$", value):
+        return value
+    raise UsageError(f"--base-model {value!r}: expected a Hub repo id such as black-forest-labs/FLUX.2-klein-4B.",
+                     hint="Letters, digits, '.', '_' and '-' only, one '/' between organisation and name.")
+
+
 def model_card(*, name: str, base_model: str, base: Path, variant: str, weights: str, gate: Gate,
                skip_validation: bool, convert_manifest: dict[str, Any]) -> str:
     _, spec = variant_spec(variant)
     meta: dict[str, str] = {"base_model": base_model, "base_model_relation": "finetune", "library_name": "diffusers",
                             "pipeline_tag": "text-to-image", **base_card_metadata(base)}
     lines = ["---"] + [f"{k}: {json.dumps(v)}" for k, v in meta.items()]
-    base_link = f"[{base_model}](https://huggingface.co/{base_model})" if "/" in base_model else f"`{base_model}`"
-    lines += ["tags:", "  - flux-port", "  - flux2", "---", "", f"# {name}", "",
+    family, _ = variant_spec(variant)
+    base_link = (f"[{base_model}](https://huggingface.co/{base_model})" if REPO_ID.match(base_model)
+                 else f"`{_code(base_model)}`")
+    lines += ["tags:", "  - flux-port", f"  - {family.name}", "---", "", f"# {_md(name)}", "",
               f"A {spec.title} fine-tune of {base_link} in diffusers layout, "
               f"ported by flux-port {__version__}. The base repository provides the scheduler, text encoder, "
               "tokenizer and VAE; the transformer is the converted fine-tune.", ""]
@@ -349,9 +392,10 @@ def model_card(*, name: str, base_model: str, base: Path, variant: str, weights:
                   f"{gate.message}. Nothing checked that these weights compute what the original checkpoint "
                   "computes. Treat its outputs with care.", ""]
     lines += ["## Use", "", "```python", "import torch", f"from diffusers import {spec.pipeline}", "",
-              f'pipe = {spec.pipeline}.from_pretrained("{name}", torch_dtype=torch.bfloat16)',
+              f'pipe = {spec.pipeline}.from_pretrained({json.dumps(name)}, torch_dtype=torch.bfloat16)',
               'image = pipe(prompt="a red fox in the snow").images[0]', "```", "",
-              f'or `port generate {name} --prompt "a red fox in the snow" --device cuda --output fox.png`.', "",
+              f'or `{_code(f"port generate {shlex.quote(name)}")} --prompt "a red fox in the snow" --device cuda '
+              '--output fox.png`.', "",
               "## How it was converted", "", "| | |", "|---|---|"]
     source_hash = source_sha256(convert_manifest)
     rows = [("source file", Path(str(convert_manifest.get("source", "not recorded"))).name),
@@ -362,7 +406,7 @@ def model_card(*, name: str, base_model: str, base: Path, variant: str, weights:
             ("transformer weights sha256", weights),
             ("converted with", f"flux-port {convert_manifest.get('version', 'unknown')}"),
             ("published with", f"flux-port {__version__}, pipeline {spec.pipeline}")]
-    lines += [f"| {k} | `{v}` |" for k, v in rows] + [""]
+    lines += [f"| {k} | `{_code(v)}` |" for k, v in rows] + [""]
     lines += validation_section(gate, skip_validation)
     lines += ["## Files", "", "`manifest.json` lists the sha256 of every file; `report.json` and `report.md` are the "
               "validation report as `port validate` wrote it.", ""]
@@ -418,6 +462,8 @@ def publish(base: str | Path, transformer: str | Path, out: str | Path, *, repor
         raise PortError(f"--link {link!r}: choose one of {', '.join(LINK_MODES)}.")
     if variant is not None:
         variant_spec(variant)
+    if base_model is not None:
+        check_base_model(base_model)
     inputs = {"base": base, "transformer": transformer, "report": report}
     check_output(out, force=force, verb="publish", inputs=inputs)
     base_index = read_base(base)
@@ -444,6 +490,7 @@ def publish(base: str | Path, transformer: str | Path, out: str | Path, *, repor
     sources: list[tuple[Path, Path]] = [(f, Path(name) / f.relative_to(base / name))
                                         for name in base_components(base_index)
                                         for f in files_within(base / name, link_root(base))]
+    refuse_pickles([src for src, _ in sources])
     sources += [(f, Path("transformer") / f.relative_to(transformer))
                 for f in files_within(transformer, transformer)]
     total = sum(src.stat().st_size for src, _ in sources)

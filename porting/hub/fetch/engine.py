@@ -13,6 +13,7 @@ from typing import Any, Callable, Protocol
 
 from rich.console import Console
 
+from porting import errors
 from porting.errors import CheckFailed, DiskSpaceError, InputError, NetworkError, PortError
 from porting.hub.recipes import Recipe
 from porting.hub.workspace import recipe_paths, record_step
@@ -25,10 +26,8 @@ from .sources import Source, hub_for, resolve_endpoint
 from .verify import RemoteFile, mismatch
 
 
-class Interrupted(PortError):
+class Interrupted(errors.Interrupted):
     """Ctrl-C during a fetch: what was downloaded stays, and the next run continues from it."""
-
-    exit_code = 130
 
 
 @dataclass
