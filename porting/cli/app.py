@@ -10,6 +10,7 @@ import typer
 from porting.errors import PlanError, PortError
 
 from . import _output
+from .compare_cmd import COMPARE_EXAMPLES, compare
 from .convert_cmd import CONVERT_EXAMPLES, convert
 from .demo_cmd import demo
 from .fetch_cmd import FETCH_EXAMPLES, RECIPES_EXAMPLES, fetch, recipes
@@ -30,6 +31,7 @@ app.command(epilog=VALIDATE_EXAMPLES)(validate)
 app.command()(demo)
 app.command(epilog=PUBLISH_EXAMPLES)(publish)
 app.command(epilog=GENERATE_EXAMPLES)(generate)
+app.command(epilog=COMPARE_EXAMPLES)(compare)
 
 
 def report_error(err: PortError) -> None:

@@ -35,6 +35,7 @@ COMPARE_JSON = "compare.json"
 COMPARE_MD = "compare.md"
 GRID_PNG = "grid.png"
 GRID_TILE = 256  # longest side of one grid cell in pixels
+GRID_MIN_TILE = 96  # shortest side a tiny image is enlarged to in the grid
 DEFAULT_DIFF_GAIN = 8.0
 
 
@@ -173,12 +174,14 @@ def _grid(pairs: Sequence[tuple[np.ndarray, np.ndarray]], gain: float) -> Any:
     from PIL import Image, ImageDraw
 
     h, w = pairs[0][0].shape[:2]
-    scale = min(1.0, GRID_TILE / max(h, w))
+    # big images shrink to GRID_TILE; tiny ones grow by whole pixels so that the column labels fit
+    scale = GRID_TILE / max(h, w) if max(h, w) > GRID_TILE else float(max(1, -(-GRID_MIN_TILE // min(h, w))))
     tw, th = max(1, round(w * scale)), max(1, round(h * scale))
+    resample = Image.Resampling.BOX if scale < 1 else Image.Resampling.NEAREST
     header, pad = 16, 2
     grid = Image.new("RGB", (3 * tw + 4 * pad, header + len(pairs) * (th + pad) + pad), (255, 255, 255))
     draw = ImageDraw.Draw(grid)
-    for col, label in enumerate(("reference", "candidate", f"|difference| x{gain:g}")):
+    for col, label in enumerate(("reference", "candidate", f"difference x{gain:g}")):
         draw.text((pad + col * (tw + pad) + 2, 2), label, fill=(0, 0, 0))
     for row, (ref, cand) in enumerate(pairs):
         y = header + row * (th + pad)
@@ -186,7 +189,7 @@ def _grid(pairs: Sequence[tuple[np.ndarray, np.ndarray]], gain: float) -> Any:
         for col, cell in enumerate(cells):
             tile = Image.fromarray(cell)
             if (tw, th) != (w, h):
-                tile = tile.resize((tw, th), Image.Resampling.BOX)
+                tile = tile.resize((tw, th), resample)
             grid.paste(tile, (pad + col * (tw + pad), y))
     return grid
 
@@ -230,10 +233,11 @@ def to_markdown(doc: dict[str, Any]) -> str:
         lines.append(f"| {key} | `{ref[key]}` | `{cand[key]}` |")
     lines += ["", *summary_markdown(doc), ""]
     gates = doc["gates"]
-    if gates["min_psnr"] is not None or gates["max_lpips"] is not None:
+    set_gates = [f"{label} {gates[key]:g}" for key, label in (("min_psnr", "min PSNR"), ("max_lpips", "max LPIPS"))
+                 if gates[key] is not None]
+    if set_gates:
         verdict = "passed" if gates["passed"] else "FAILED: " + "; ".join(gates["failures"])
-        lines += [f"Gates (on the means): min PSNR {gates['min_psnr']}, max LPIPS {gates['max_lpips']}: {verdict}.",
-                  ""]
+        lines += [f"Gates on the means ({', '.join(set_gates)}): {verdict}.", ""]
     lines += [f"![reference | candidate | difference]({GRID_PNG})", "", "## Per image", "",
               "| # | seed | PSNR | SSIM | LPIPS | prompt |", "|---|---|---|---|---|---|"]
     for i, row in enumerate(doc["images"]):
