@@ -10,6 +10,7 @@ import typer
 from porting.errors import PlanError, PortError
 
 from . import _output
+from .bench_cmd import BENCH_EXAMPLES, bench
 from .compare_cmd import COMPARE_EXAMPLES, compare
 from .convert_cmd import CONVERT_EXAMPLES, convert
 from .demo_cmd import demo
@@ -32,6 +33,7 @@ app.command()(demo)
 app.command(epilog=PUBLISH_EXAMPLES)(publish)
 app.command(epilog=GENERATE_EXAMPLES)(generate)
 app.command(epilog=COMPARE_EXAMPLES)(compare)
+app.command(epilog=BENCH_EXAMPLES)(bench)
 
 
 def report_error(err: PortError) -> None:

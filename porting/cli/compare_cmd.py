@@ -105,7 +105,8 @@ def compare(
         progress.start()
     try:
         result = run_compare(
-            Side(reference, reference_transformer, reference_device, reference_dtype.value if reference_dtype else None),
+            Side(reference, reference_transformer, reference_device,
+                 reference_dtype.value if reference_dtype else None),
             Side(candidate, candidate_transformer, device, dtype.value if dtype else None),
             prompts=prompt_list, seeds=_seeds(seeds), steps=steps, size=size, out=out, force=force,
             lpips_weights=lpips_weights, guidance_scale=guidance_scale, min_psnr=min_psnr, max_lpips=max_lpips,
