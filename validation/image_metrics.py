@@ -128,10 +128,15 @@ def load_backbone(path: Path) -> nn.Sequential:
         raise InputError(f"--lpips-weights {path}: expected a state dict, found {type(state).__name__}.")
     features = {k.removeprefix("features."): v for k, v in state.items() if not k.startswith("classifier.")}
     net = alexnet_features()
-    missing, unexpected = net.load_state_dict(features, strict=False)
-    if missing or unexpected:
+    want = net.state_dict()
+    missing = sorted(set(want) - set(features))
+    unexpected = sorted(set(features) - set(want))
+    wrong = [f"{k} {tuple(features[k].shape)} (AlexNet: {tuple(want[k].shape)})" for k in want
+             if k in features and tuple(features[k].shape) != tuple(want[k].shape)]
+    if missing or unexpected or wrong:
         raise InputError(f"--lpips-weights {path}: not AlexNet weights (missing {missing[:4]}, unexpected "
-                         f"{unexpected[:4]}).", hint=f"Use torchvision's {ALEXNET_CHECKPOINT}.")
+                         f"{unexpected[:4]}, mis-shaped {wrong[:2]}).", hint=f"Use torchvision's {ALEXNET_CHECKPOINT}.")
+    net.load_state_dict(features)
     return net.eval()
 
 
