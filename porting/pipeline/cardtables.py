@@ -46,6 +46,17 @@ def latest(roots: Iterable[Path], name: str, weights: str, weights_of: str) -> t
     return (best[1], best[2]) if best else None
 
 
+def card_markdown(weights: str, roots: Iterable[Path]) -> str:
+    """The sections as text to append to a model card ending in a newline; empty when nothing was measured."""
+    lines = card_sections(weights, roots)
+    return "\n" + "\n".join(lines) if lines else ""
+
+
+def _where(side: dict[str, Any]) -> str:
+    transformer = Path(side["transformer"])
+    return f"{transformer.parent.name}/{transformer.name}"
+
+
 def card_sections(weights: str, roots: Iterable[Path]) -> list[str]:
     """Markdown lines for the model card (nothing when no measurement of these weights exists)."""
     roots = list(roots)
@@ -57,9 +68,9 @@ def card_sections(weights: str, roots: Iterable[Path]) -> list[str]:
         lines += ["## Image quality against the reference", "",
                   f"`port compare` on {doc.get('created', 'an unknown date')}: {len(doc['images'])} prompt(s), "
                   f"{st['width']}x{st['height']}, {st['steps']} step(s), the same noise and text-encoder output on "
-                  f"both sides. Reference: `{Path(ref['transformer']).name}` ({ref['weights_sha256'][:12]}...) on "
+                  f"both sides. Reference: `{_where(ref)}` (weights {ref['weights_sha256'][:12]}...) on "
                   f"{ref['device']} in {ref['dtype']}; this port on {cand['device']} in {cand['dtype']}.", "",
-                  *summary_markdown(doc), ""]
+                  *summary_markdown(doc, reasons=False), ""]
     found = latest(roots, BENCH_JSON, weights, "")
     if found:
         path, doc = found

@@ -204,8 +204,9 @@ def summary_rows(doc: dict[str, Any]) -> list[tuple[str, dict[str, float] | None
             ("LPIPS (AlexNet, lower is closer)", s["lpips"], 4)]
 
 
-def summary_markdown(doc: dict[str, Any]) -> list[str]:
-    """The SVDQuant-style table plus the notes it needs (cap, LPIPS availability)."""
+def summary_markdown(doc: dict[str, Any], reasons: bool = True) -> list[str]:
+    """The SVDQuant-style table plus the notes it needs (cap, LPIPS availability; `reasons=False` leaves out the
+    local details of why LPIPS was unavailable, for a public model card)."""
     lines = ["| metric | mean | p50 | p90 |", "|---|---|---|---|"]
     for name, stats, digits in summary_rows(doc):
         if stats is None:
@@ -219,7 +220,8 @@ def summary_markdown(doc: dict[str, Any]) -> list[str]:
         notes.append(f"PSNR is capped at {m['psnr']['cap_db']:g} dB: {m['psnr']['capped']} of {len(doc['images'])} "
                      "image pair(s) are identical (infinite PSNR)")
     if not m["lpips"]["available"]:
-        notes.append(f"LPIPS unavailable: {m['lpips']['reason']}")
+        notes.append(f"LPIPS unavailable: {m['lpips']['reason']}" if reasons else
+                     "LPIPS was not measured (its AlexNet backbone weights were not available offline)")
     return lines + ([""] + [f"- {n}." for n in notes] if notes else [])
 
 
