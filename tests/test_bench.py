@@ -112,3 +112,21 @@ def test_publish_puts_the_latest_tables_of_the_same_weights_in_the_card(port: di
     # no measurements of these weights: the card has no such sections
     publish(port["base"], port["transformer"], tmp_path / "plain", report=port["pass"])
     assert "## Speed and memory" not in (tmp_path / "plain" / "README.md").read_text()
+
+
+@pytest.mark.parametrize("mode", ["model", "group"])
+def test_offload_calls_fit_the_installed_diffusers(folder: Path, mode: str) -> None:
+    """bench refuses offload rows on CPU, but the calls behind them can still be checked here: offloading "to" the
+    CPU must run and leave the image bit-identical. (sequential cannot: accelerate's CPU-to-CPU hooks fail inside
+    accelerate; it is only exercised on an accelerator.)"""
+    import numpy as np
+    import torch
+
+    from porting.pipeline import pipeload
+
+    def image(offload: str) -> np.ndarray:
+        pipe = pipeload.load(folder, torch.device("cpu"), torch.float32, offload=offload)
+        return np.asarray(pipe(prompt="a fox", height=32, width=32, num_inference_steps=1, guidance_scale=1.0,
+                               generator=torch.Generator().manual_seed(0)).images[0])
+
+    assert np.array_equal(image(mode), image("none"))
