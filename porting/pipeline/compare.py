@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from porting import __version__
-from porting.errors import DeviceError, InputError, PortError
+from porting.errors import DeviceError, InputError, OutputExistsError, PortError
 from porting.tensors.writer import atomic_folder
 from validation import image_metrics as im
 
@@ -265,6 +265,38 @@ def default_out(candidate: Side) -> Path:
 # ---------------------------------------------------------------------------------------------------------------
 # the verb
 
+def lpips_scorer(backbone: torch.nn.Module | None, weights: str | Path | None, width: int,
+                 height: int) -> tuple[im.LpipsScorer | None, str | None]:
+    """(scorer, None), or (None, why LPIPS is unavailable). An explicit weights file that is missing is an error."""
+    source = None if backbone is not None else im.find_backbone(weights)
+    if min(width, height) < im.LPIPS_MIN_SIDE:
+        return None, f"images of {width}x{height} are below LPIPS' {im.LPIPS_MIN_SIDE} px minimum"
+    if backbone is not None:
+        return im.LpipsScorer(backbone, source="injected"), None
+    if source is None or source.path is None:
+        return None, source.reason if source else "no backbone"
+    return im.LpipsScorer.from_file(source.path), None
+
+
+def _render_side(pipe: Any, side: _Prepared, embeds: Sequence[torch.Tensor], negative: torch.Tensor | None,
+                 seeds: Sequence[int], size: tuple[int, int], steps: int, kwargs: dict[str, Any], folder: Path,
+                 tick: Callable[[str], None]) -> None:
+    width, height = size
+    for i, (embed, seed) in enumerate(zip(embeds, seeds)):
+        image = _render(pipe, side, embed, negative, seed, width, height, steps, kwargs)
+        image.save(folder / f"{i:03d}.png", format="PNG")
+        tick(f"{folder.name} {i + 1}/{len(embeds)}")
+
+
+def _gate(summary: dict[str, Any], min_psnr: float | None, max_lpips: float | None) -> list[str]:
+    failures = []
+    if min_psnr is not None and summary["psnr"]["mean"] < min_psnr:
+        failures.append(f"mean PSNR {summary['psnr']['mean']:.2f} dB is below --min-psnr {min_psnr:g}")
+    if max_lpips is not None and summary["lpips"]["mean"] > max_lpips:
+        failures.append(f"mean LPIPS {summary['lpips']['mean']:.4f} is above --max-lpips {max_lpips:g}")
+    return failures
+
+
 def compare(reference: Side, candidate: Side, *, prompts: Sequence[str] | None = None,
             seeds: Sequence[int] | None = None, steps: int | None = None, size: str | int = 1024,
             out: str | Path | None = None, force: bool = False, lpips_weights: str | Path | None = None,
@@ -279,7 +311,6 @@ def compare(reference: Side, candidate: Side, *, prompts: Sequence[str] | None =
     each rendered image. Gates apply to the means; a missed gate is in `failures` (the caller decides the exit).
     """
     say = on_status or (lambda text: None)
-    tick = on_image or (lambda done, total, label: None)
     started = time.perf_counter()
     prompts = list(prompts) if prompts else builtin_prompts()
     seed_list = assign_seeds(prompts, seeds)
@@ -290,42 +321,35 @@ def compare(reference: Side, candidate: Side, *, prompts: Sequence[str] | None =
     steps = steps or default_steps(read_model_index(ref.folder))
     if steps < 1:
         raise PortError(f"--steps {steps}: needs at least 1.")
-
-    # LPIPS is settled before anything is rendered: a gate on it must not fail after an hour of generation
-    scorer: im.LpipsScorer | None = None
-    lpips_reason: str | None = None
-    source = im.LpipsSource(None, "injected backbone") if lpips_backbone is not None else im.find_backbone(
-        lpips_weights)
-    if min(width, height) < im.LPIPS_MIN_SIDE:
-        lpips_reason = f"images of {width}x{height} are below LPIPS' {im.LPIPS_MIN_SIDE} px minimum"
-    elif lpips_backbone is not None:
-        scorer = im.LpipsScorer(lpips_backbone, source="injected")
-    elif source.available:
-        scorer = im.LpipsScorer.from_file(source.path)
-    else:
-        lpips_reason = source.reason
+    out = Path(out) if out is not None else default_out(candidate)
+    if out.exists() and not force:
+        raise OutputExistsError(f"{out}: output folder already exists.", hint="Pass --force to replace it, or "
+                                                                              "choose another --out.")
+    # settled before anything is rendered: a gate on LPIPS must not fail after an hour of generation
+    scorer, lpips_reason = lpips_scorer(lpips_backbone, lpips_weights, width, height)
     if max_lpips is not None and scorer is None:
         raise DeviceError(f"--max-lpips needs LPIPS, which is unavailable: {lpips_reason}.",
                           hint="Pass --lpips-weights FILE, or drop --max-lpips.")
-    im.psnr(torch.zeros(1, 3, 8, 8), torch.zeros(1, 3, 8, 8))  # fails now, not after rendering, without torchmetrics
+    im.psnr(torch.zeros(1, 3, 8, 8), torch.zeros(1, 3, 8, 8))  # without torchmetrics: fails now, not after rendering
 
     say(f"hashing the transformer weights ({ref.transformer}, {cand.transformer})")
     ref.weights = pipeload.weights_sha256(ref.transformer)
     cand.weights = ref.weights if cand.transformer.resolve() == ref.transformer.resolve() else \
         pipeload.weights_sha256(cand.transformer)
-    out = Path(out) if out is not None else default_out(candidate)
-    total = 2 * len(prompts)
+    done = 0
+
+    def tick(label: str) -> None:
+        nonlocal done
+        done += 1
+        if on_image:
+            on_image(done, 2 * len(prompts), label)
+
     timings: dict[str, float] = {}
-
     with atomic_folder(out, force=force) as staging:
-        (staging / "reference").mkdir()
-        (staging / "candidate").mkdir()
-        names = [f"{i:03d}.png" for i in range(len(prompts))]
-
         say(f"loading the reference from {ref.folder} on {ref.device} ({ref.dtype_name})")
         t0 = time.perf_counter()
-        pipe = pipeload.load(ref.folder, ref.device, DTYPES[ref.dtype_name], transformer=ref.transformer
-                             if ref.swapped else None)
+        pipe = pipeload.load(ref.folder, ref.device, DTYPES[ref.dtype_name],
+                             transformer=ref.transformer if ref.swapped else None)
         ref.pipeline = type(pipe).__name__
         pipeload.check_size(pipe, width, height)
         kwargs = _call_kwargs(pipe, guidance_scale)
@@ -333,56 +357,51 @@ def compare(reference: Side, candidate: Side, *, prompts: Sequence[str] | None =
         embeds = [_encode(pipe, p, ref.device) for p in prompts]
         negative = _encode(pipe, "", ref.device) if _needs_negative(pipe, kwargs) else None
         pipe.text_encoder = None  # not needed any more; frees its memory before denoising
-        for i, (name, seed) in enumerate(zip(names, seed_list)):
-            _render(pipe, ref, embeds[i], negative, seed, width, height, steps, kwargs).save(
-                staging / "reference" / name, format="PNG")
-            tick(i + 1, total, f"reference {i + 1}/{len(prompts)}")
+        (staging / "reference").mkdir()
+        _render_side(pipe, ref, embeds, negative, seed_list, (width, height), steps, kwargs, staging / "reference",
+                     tick)
         del pipe
         pipeload.release_memory(ref.device)
         timings["reference_s"] = time.perf_counter() - t0
 
         say(f"loading the candidate from {cand.folder} on {cand.device} ({cand.dtype_name}), no text encoder")
         t0 = time.perf_counter()
-        pipe = pipeload.load(cand.folder, cand.device, DTYPES[cand.dtype_name], transformer=cand.transformer
-                             if cand.swapped else None, text_encoder=False)
+        pipe = pipeload.load(cand.folder, cand.device, DTYPES[cand.dtype_name],
+                             transformer=cand.transformer if cand.swapped else None, text_encoder=False)
         cand.pipeline = type(pipe).__name__
         if cand.pipeline != ref.pipeline:
             say(f"note: the pipelines differ ({ref.pipeline} vs {cand.pipeline})")
         pipeload.check_size(pipe, width, height)
         ckwargs = _call_kwargs(pipe, guidance_scale)
-        if _needs_negative(pipe, ckwargs) and negative is None:
-            raise InputError(f"{cand.folder}: the candidate runs classifier-free guidance and the reference does "
-                             "not; compare two folders of the same kind.")
-        for i, (name, seed) in enumerate(zip(names, seed_list)):
-            _render(pipe, cand, embeds[i], negative if _needs_negative(pipe, ckwargs) else None, seed, width,
-                    height, steps, ckwargs).save(staging / "candidate" / name, format="PNG")
-            tick(len(prompts) + i + 1, total, f"candidate {i + 1}/{len(prompts)}")
+        if _needs_negative(pipe, ckwargs) != (negative is not None):
+            raise InputError(f"{cand.folder}: one side runs classifier-free guidance and the other does not; "
+                             "compare two folders of the same kind.")
+        (staging / "candidate").mkdir()
+        _render_side(pipe, cand, embeds, negative, seed_list, (width, height), steps, ckwargs,
+                     staging / "candidate", tick)
         del pipe
         pipeload.release_memory(cand.device)
         timings["candidate_s"] = time.perf_counter() - t0
 
         say("scoring PSNR, SSIM" + (", LPIPS" if scorer else ""))
         t0 = time.perf_counter()
-        doc = _score(staging, names, prompts, seed_list, scorer, lpips_reason)
+        names = [f"{i:03d}.png" for i in range(len(prompts))]
+        scores = _score(staging, names, prompts, seed_list, scorer, lpips_reason)
         timings["metrics_s"] = time.perf_counter() - t0
         pairs = [(_pixels(staging / "reference" / n), _pixels(staging / "candidate" / n)) for n in names]
         _grid(pairs, diff_gain).save(staging / GRID_PNG, format="PNG")
-
-        failures = []
-        s = doc["summary"]
-        if min_psnr is not None and s["psnr"]["mean"] < min_psnr:
-            failures.append(f"mean PSNR {s['psnr']['mean']:.2f} dB is below --min-psnr {min_psnr:g}")
-        if max_lpips is not None and s["lpips"]["mean"] > max_lpips:
-            failures.append(f"mean LPIPS {s['lpips']['mean']:.4f} is above --max-lpips {max_lpips:g}")
+        failures = _gate(scores["summary"], min_psnr, max_lpips)
         timings["total_s"] = time.perf_counter() - started
         doc = {
             "tool": "flux-port", "version": __version__, "kind": "compare", "format_version": 1,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "reference": ref.describe(), "candidate": cand.describe(),
-            "settings": {"steps": steps, "width": width, "height": height, "guidance_scale": kwargs.get(
-                "guidance_scale"), "noise": "float32 CPU generator per seed, cast by each pipeline",
-                "text_encoder": "reference's, once per prompt, shared by both sides", "diff_gain": diff_gain},
-            **doc,
+            "settings": {"steps": steps, "width": width, "height": height,
+                         "guidance_scale": kwargs.get("guidance_scale"),
+                         "noise": "float32 CPU generator per seed, cast by each pipeline",
+                         "text_encoder": "reference's, once per prompt, shared by both sides",
+                         "diff_gain": diff_gain},
+            **scores,
             "grid": GRID_PNG,
             "gates": {"min_psnr": min_psnr, "max_lpips": max_lpips, "on": "mean", "passed": not failures,
                       "failures": failures},
