@@ -23,7 +23,15 @@ from tinyport import build_tiny_port  # noqa: E402
 
 from porting.cli.app import main  # noqa: E402
 from porting.errors import PortError  # noqa: E402
-from porting.pipeline.compare import Side, assign_seeds, builtin_prompts, compare, parse_prompts, seed_for  # noqa: E402
+from porting.pipeline.compare import (  # noqa: E402
+    Side,
+    assign_seeds,
+    builtin_prompts,
+    compare,
+    parse_prompts,
+    read_prompts,
+    seed_for,
+)
 from porting.pipeline.generate import generate  # noqa: E402
 from porting.pipeline.publish import publish  # noqa: E402
 from validation import image_metrics as im  # noqa: E402
@@ -262,7 +270,22 @@ def test_lpips_gate_without_a_backbone_stops_before_rendering(folder: Path, tmp_
     assert not (tmp_path / "o").exists()
 
 
-def test_prompts_and_seeds() -> None:
+def test_existing_out_is_refused_before_any_work(folder: Path, tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture) -> None:
+    (tmp_path / "o").mkdir()
+    (tmp_path / "o" / "keep.txt").write_text("mine")
+    code, stdout, err = run_cli(["compare", str(folder), str(folder), "-p", "x", *FAST, "--out", str(tmp_path / "o"),
+                                 "--json"], capsys)
+    assert code == 2 and "already exists" in json.loads(stdout)["error"] and "--force" in err
+    assert (tmp_path / "o" / "keep.txt").read_text() == "mine"
+
+
+def test_prompts_and_seeds(tmp_path: Path) -> None:
+    (tmp_path / "p.txt").write_text("# my prompts\na cat\n\nthe sea at night\n")
+    assert read_prompts(tmp_path / "p.txt") == ["a cat", "the sea at night"]
+    (tmp_path / "empty.txt").write_text("# nothing\n")
+    with pytest.raises(PortError, match="no prompts"):
+        read_prompts(tmp_path / "empty.txt")
     prompts = builtin_prompts()
     assert len(prompts) >= 24 and len(set(prompts)) == len(prompts)
     assert parse_prompts("# comment\n\n a cat \nthe sea\n") == ["a cat", "the sea"]

@@ -373,6 +373,11 @@ def compare(reference: Side, candidate: Side, *, prompts: Sequence[str] | None =
             say(f"note: the pipelines differ ({ref.pipeline} vs {cand.pipeline})")
         pipeload.check_size(pipe, width, height)
         ckwargs = _call_kwargs(pipe, guidance_scale)
+        width_te, jad = embeds[0].shape[-1], pipe.transformer.config.joint_attention_dim
+        if width_te != jad:
+            raise InputError(f"the reference's text encoder gives {width_te}-wide embeddings; the candidate's "
+                             f"transformer ({cand.transformer}) takes joint_attention_dim {jad}.",
+                             hint="Both sides share one text encoder: compare models of the same family and size.")
         if _needs_negative(pipe, ckwargs) != (negative is not None):
             raise InputError(f"{cand.folder}: one side runs classifier-free guidance and the other does not; "
                              "compare two folders of the same kind.")
