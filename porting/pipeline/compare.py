@@ -321,6 +321,12 @@ def compare(reference: Side, candidate: Side, *, prompts: Sequence[str] | None =
     steps = steps or default_steps(read_model_index(ref.folder))
     if steps < 1:
         raise PortError(f"--steps {steps}: needs at least 1.")
+    dims = [json.loads((side.transformer / "config.json").read_text()).get("joint_attention_dim")
+            for side in (ref, cand)]
+    if dims[0] != dims[1]:
+        raise InputError(f"the transformers take different text embeddings (joint_attention_dim {dims[0]} in "
+                         f"{ref.transformer}, {dims[1]} in {cand.transformer}).",
+                         hint="Both sides share the reference's text encoder: compare models of one family and size.")
     out = Path(out) if out is not None else default_out(candidate)
     if out.exists() and not force:
         raise OutputExistsError(f"{out}: output folder already exists.", hint="Pass --force to replace it, or "
@@ -373,11 +379,6 @@ def compare(reference: Side, candidate: Side, *, prompts: Sequence[str] | None =
             say(f"note: the pipelines differ ({ref.pipeline} vs {cand.pipeline})")
         pipeload.check_size(pipe, width, height)
         ckwargs = _call_kwargs(pipe, guidance_scale)
-        width_te, jad = embeds[0].shape[-1], pipe.transformer.config.joint_attention_dim
-        if width_te != jad:
-            raise InputError(f"the reference's text encoder gives {width_te}-wide embeddings; the candidate's "
-                             f"transformer ({cand.transformer}) takes joint_attention_dim {jad}.",
-                             hint="Both sides share one text encoder: compare models of the same family and size.")
         if _needs_negative(pipe, ckwargs) != (negative is not None):
             raise InputError(f"{cand.folder}: one side runs classifier-free guidance and the other does not; "
                              "compare two folders of the same kind.")
