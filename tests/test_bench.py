@@ -40,7 +40,7 @@ def run_cli(argv: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str, s
 
 def test_bench_rows_on_cpu(folder: Path, tmp_path: Path) -> None:
     result = bench(folder, modes=["none", "model", "group"], tasks=["t2i", "edit"], size=32, steps=2, runs=2,
-                   warmup=1, out=tmp_path / "b")
+                   warmup=0, out=tmp_path / "b")
     doc = result.doc
     assert json.loads((tmp_path / "b" / "bench.json").read_text()) == doc
     assert [(r["mode"], r["task"]) for r in doc["rows"]] == [(m, t) for m in ("none", "model", "group")
@@ -74,11 +74,12 @@ def test_relative_change_against_the_first_measured_mode() -> None:
 
 def test_cli_bench_json_and_bad_mode(folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     code, out, err = run_cli(["bench", str(folder), "--offload", "none,sequential", "--task", "t2i", "--size", "32",
-                              "--steps", "1", "--runs", "1", "--warmup", "0", "--out", str(tmp_path / "b"), "--json"],
+                              "--steps", "1", "--runs", "1", "--warmup", "1", "--out", str(tmp_path / "b"), "--json"],
                              capsys)
     assert code == 0, err
     doc = json.loads(out)
     assert [r["status"] for r in doc["rows"]] == ["ok", "skipped"] and doc["out"] == str(tmp_path / "b")
+    assert len(doc["rows"][0]["runs_s"]) == 1 and doc["settings"]["warmup"] == 1  # the warm-up call is not timed
     code, out, err = run_cli(["bench", str(folder), "--offload", "disk", "--out", str(tmp_path / "c")], capsys)
     assert code == 2 and "--offload 'disk'" in err and not (tmp_path / "c").exists()
 
@@ -114,8 +115,7 @@ def test_publish_puts_the_latest_tables_of_the_same_weights_in_the_card(port: di
     assert "## Speed and memory" not in (tmp_path / "plain" / "README.md").read_text()
 
 
-@pytest.mark.parametrize("mode", ["model", "group"])
-def test_offload_calls_fit_the_installed_diffusers(folder: Path, mode: str) -> None:
+def test_offload_calls_fit_the_installed_diffusers(folder: Path) -> None:
     """bench refuses offload rows on CPU, but the calls behind them can still be checked here: offloading "to" the
     CPU must run and leave the image bit-identical. (sequential cannot: accelerate's CPU-to-CPU hooks fail inside
     accelerate; it is only exercised on an accelerator.)"""
@@ -129,4 +129,6 @@ def test_offload_calls_fit_the_installed_diffusers(folder: Path, mode: str) -> N
         return np.asarray(pipe(prompt="a fox", height=32, width=32, num_inference_steps=1, guidance_scale=1.0,
                                generator=torch.Generator().manual_seed(0)).images[0])
 
-    assert np.array_equal(image(mode), image("none"))
+    plain = image("none")
+    for mode in ("model", "group"):
+        assert np.array_equal(image(mode), plain), mode
