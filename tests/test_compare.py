@@ -245,6 +245,24 @@ def test_reference_images_are_what_generate_makes(folder: Path, tmp_path: Path) 
     assert all(row["lpips"] is None for row in result.doc["images"])
 
 
+def test_edit_comparison_on_the_kv_pipeline(port: dict, tmp_path: Path) -> None:
+    """--image passes a reference image on both sides (the KV pipeline's cached path); the reference side is
+    again exactly what `port generate --image` makes."""
+    kv = tmp_path / "kv"
+    publish(port["base"], port["transformer"], kv, report=port["pass"], variant="klein-kv")
+    picture = tmp_path / "ref.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(picture)
+    result = compare(Side(kv), Side(kv), prompts=["make it winter"], seeds=[5], steps=2, size=32, images=[picture],
+                     out=tmp_path / "c")
+    generate(kv, "make it winter", steps=2, seed=5, size=32, images=[picture], output=tmp_path / "g.png",
+             progress=False)
+    got = np.asarray(Image.open(tmp_path / "c" / "reference" / "000.png"))
+    assert np.array_equal(got, np.asarray(Image.open(tmp_path / "g.png")))
+    assert result.doc["reference"]["pipeline"] == "Flux2KleinKVPipeline" and result.doc["settings"]["images"] == [
+        str(picture)]
+    assert result.doc["summary"]["psnr"]["mean"] == 100.0
+
+
 def test_noise_in_one_block_is_caught_by_the_gates(folder: Path, noisy_transformer: Path, backbone_file: Path,
                                                    tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "noisy"

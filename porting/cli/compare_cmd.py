@@ -61,6 +61,9 @@ def compare(
     size: Annotated[str, typer.Option("--size", help="Side in pixels, or WIDTHxHEIGHT.")] = "1024",
     guidance_scale: Annotated[Optional[float], typer.Option("--guidance-scale", help="CFG scale for both sides "
                                                             "(base and dev models).")] = None,
+    image: Annotated[Optional[list[Path]], typer.Option("--image", help="Reference image passed with every prompt "
+                                                        "on both sides: an editing comparison "
+                                                        "(repeatable).")] = None,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Output folder (default: reports/compare/<time>"
                                                 "/ next to the candidate, where port publish finds it).")] = None,
     lpips_weights: Annotated[Optional[Path], typer.Option(
@@ -101,6 +104,12 @@ def compare(
             task = progress.add_task("rendering", total=total)
         progress.update(task, completed=done, description=f"rendered {label}")
 
+    def say(text: str) -> None:  # status lines above the live bar
+        if progress is None:
+            output.status(text)
+        else:
+            progress.console.print(text, markup=False, soft_wrap=True)
+
     if progress:
         progress.start()
     try:
@@ -110,8 +119,7 @@ def compare(
             Side(candidate, candidate_transformer, device, dtype.value if dtype else None),
             prompts=prompt_list, seeds=_seeds(seeds), steps=steps, size=size, out=out, force=force,
             lpips_weights=lpips_weights, guidance_scale=guidance_scale, min_psnr=min_psnr, max_lpips=max_lpips,
-            diff_gain=diff_gain, on_status=output.status if progress is None else progress.console.print,
-            on_image=on_image)
+            diff_gain=diff_gain, images=image or [], on_status=say, on_image=on_image)
     finally:
         if progress:
             progress.stop()

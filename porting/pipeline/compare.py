@@ -29,7 +29,7 @@ from porting.tensors.writer import atomic_folder
 from validation import image_metrics as im
 
 from . import pipeload
-from .generate import DTYPES, default_steps, parse_size, read_model_index, resolve_device
+from .generate import DTYPES, default_steps, load_references, parse_size, read_model_index, resolve_device
 
 COMPARE_JSON = "compare.json"
 COMPARE_MD = "compare.md"
@@ -129,9 +129,13 @@ def _prepare(side: Side, what: str) -> _Prepared:
     return _Prepared(folder, transformer, side.transformer is not None, dev, dtype_name)
 
 
-def _call_kwargs(pipe: Any, guidance_scale: float | None) -> dict[str, Any]:
+def _call_kwargs(pipe: Any, guidance_scale: float | None, images: Sequence[Any] = ()) -> dict[str, Any]:
     accepted = inspect.signature(pipe.__call__).parameters
     kwargs: dict[str, Any] = {}
+    if images:
+        if "image" not in accepted:
+            raise PortError(f"--image: {type(pipe).__name__} takes no reference image.")
+        kwargs["image"] = list(images) if len(images) > 1 else images[0]
     if guidance_scale is not None:
         if "guidance_scale" not in accepted:
             raise PortError(f"--guidance-scale: {type(pipe).__name__} takes no guidance scale.")
@@ -302,10 +306,11 @@ def compare(reference: Side, candidate: Side, *, prompts: Sequence[str] | None =
             out: str | Path | None = None, force: bool = False, lpips_weights: str | Path | None = None,
             lpips_backbone: torch.nn.Module | None = None, guidance_scale: float | None = None,
             min_psnr: float | None = None, max_lpips: float | None = None, diff_gain: float = DEFAULT_DIFF_GAIN,
-            on_status: Callable[[str], None] | None = None,
+            images: Sequence[str | Path] = (), on_status: Callable[[str], None] | None = None,
             on_image: Callable[[int, int, str], None] | None = None) -> CompareResult:
     """Render `prompts` (default: the built-in set) through both sides and write the comparison into `out`.
 
+    `images` are reference images passed with every prompt on both sides (an editing comparison).
     `lpips_backbone` injects an AlexNet-shaped feature network (tests); otherwise `lpips_weights` or the torch hub
     cache provide it, and LPIPS is reported unavailable without them. `on_image(done, total, label)` is called after
     each rendered image. Gates apply to the means; a missed gate is in `failures` (the caller decides the exit).
@@ -318,6 +323,7 @@ def compare(reference: Side, candidate: Side, *, prompts: Sequence[str] | None =
     if diff_gain <= 0:
         raise PortError(f"--diff-gain {diff_gain}: must be positive.")
     ref, cand = _prepare(reference, "--reference-dtype"), _prepare(candidate, "--dtype")
+    references = load_references([Path(p) for p in images])
     steps = steps or default_steps(read_model_index(ref.folder))
     if steps < 1:
         raise PortError(f"--steps {steps}: needs at least 1.")
@@ -358,7 +364,7 @@ def compare(reference: Side, candidate: Side, *, prompts: Sequence[str] | None =
                              transformer=ref.transformer if ref.swapped else None)
         ref.pipeline = type(pipe).__name__
         pipeload.check_size(pipe, width, height)
-        kwargs = _call_kwargs(pipe, guidance_scale)
+        kwargs = _call_kwargs(pipe, guidance_scale, references)
         say(f"encoding {len(prompts)} prompt(s) once with the reference's text encoder")
         embeds = [_encode(pipe, p, ref.device) for p in prompts]
         negative = _encode(pipe, "", ref.device) if _needs_negative(pipe, kwargs) else None
@@ -378,7 +384,7 @@ def compare(reference: Side, candidate: Side, *, prompts: Sequence[str] | None =
         if cand.pipeline != ref.pipeline:
             say(f"note: the pipelines differ ({ref.pipeline} vs {cand.pipeline})")
         pipeload.check_size(pipe, width, height)
-        ckwargs = _call_kwargs(pipe, guidance_scale)
+        ckwargs = _call_kwargs(pipe, guidance_scale, references)
         if _needs_negative(pipe, ckwargs) != (negative is not None):
             raise InputError(f"{cand.folder}: one side runs classifier-free guidance and the other does not; "
                              "compare two folders of the same kind.")
@@ -406,7 +412,7 @@ def compare(reference: Side, candidate: Side, *, prompts: Sequence[str] | None =
                          "guidance_scale": kwargs.get("guidance_scale"),
                          "noise": "float32 CPU generator per seed, cast by each pipeline",
                          "text_encoder": "reference's, once per prompt, shared by both sides",
-                         "diff_gain": diff_gain},
+                         "images": [str(p) for p in images], "diff_gain": diff_gain},
             **scores,
             "grid": GRID_PNG,
             "gates": {"min_psnr": min_psnr, "max_lpips": max_lpips, "on": "mean", "passed": not failures,
