@@ -11,6 +11,8 @@ import typer
 from porting.errors import EXIT_INTERRUPTED, EXIT_USAGE, DiskSpaceError, Interrupted, PlanError, PortError, UsageError
 
 from . import _output
+from .bench_cmd import BENCH_EXAMPLES, bench
+from .compare_cmd import COMPARE_EXAMPLES, compare
 from .convert_cmd import CONVERT_EXAMPLES, convert
 from .demo_cmd import demo
 from .fetch_cmd import FETCH_EXAMPLES, RECIPES_EXAMPLES, fetch, recipes
@@ -31,6 +33,8 @@ app.command(epilog=VALIDATE_EXAMPLES)(validate)
 app.command()(demo)
 app.command(epilog=PUBLISH_EXAMPLES)(publish)
 app.command(epilog=GENERATE_EXAMPLES)(generate)
+app.command(epilog=COMPARE_EXAMPLES)(compare)
+app.command(epilog=BENCH_EXAMPLES)(bench)
 
 
 # typer vendors click; its ClickException (unknown option, bad value) is reached through a public subclass

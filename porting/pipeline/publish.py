@@ -523,6 +523,8 @@ def publish(base: str | Path, transformer: str | Path, out: str | Path, *, repor
                     files[name] = {"how": "copy"}
         card = model_card(name=out.name, base_model=base_model, base=base, variant=variant, weights=weights,
                           gate=gate, skip_validation=skip_validation, convert_manifest=convert_manifest)
+        from .cardtables import card_markdown, report_roots  # latest compare / bench tables of these weights
+        card += card_markdown(weights, report_roots(transformer))
         (staging / "README.md").write_text(card)
         files["README.md"] = {"how": "written"}
         say("hashing every file for manifest.json")

@@ -1,0 +1,92 @@
+"""`port bench FOLDER`: peak memory, it/s, seconds per image and load time under each offload mode."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from . import _output
+from ._options import ForceOpt, JsonOpt, QuietOpt
+
+BENCH_EXAMPLES = """\b
+Examples:
+  port bench ./my-klein-ft --device cuda --size 1024 --steps 4
+  port bench ./my-klein-ft --device npu:0 --offload none,model --task t2i --runs 5
+  port bench ./FLUX.2-klein-9B --transformer ./transformer --device cuda --json
+  port bench ./my-klein-ft      (CPU: the no-offload row with peak RSS; offload rows need an accelerator)
+"""
+
+
+class RunDtype(str, Enum):
+    bf16 = "bf16"
+    fp16 = "fp16"
+    fp32 = "fp32"
+
+
+def bench(
+    folder: Annotated[Path, typer.Argument(help="Pipeline folder (published, or a base with --transformer).")],
+    transformer: Annotated[Optional[Path], typer.Option(
+        "--transformer", help="Run with this transformer folder instead of the folder's own.")] = None,
+    device: Annotated[str, typer.Option("--device", help="cpu, cuda[:N] or npu[:N].")] = "cpu",
+    dtype: Annotated[Optional[RunDtype], typer.Option("--dtype", help="Default bf16 on accelerators, fp32 on "
+                                                      "cpu.")] = None,
+    offload: Annotated[str, typer.Option("--offload", help="Comma-separated modes: none, model (model CPU "
+                                         "offload), sequential (sequential CPU offload), group (group "
+                                         "offloading).")] = "none,model,sequential,group",
+    task: Annotated[str, typer.Option("--task", help="Comma-separated: t2i (text to image), edit (with a "
+                                      "reference image).")] = "t2i,edit",
+    size: Annotated[str, typer.Option("--size", help="Side in pixels, or WIDTHxHEIGHT.")] = "1024",
+    steps: Annotated[Optional[int], typer.Option("--steps", help="Denoising steps (default 4 for distilled "
+                                                 "models, 50 otherwise).")] = None,
+    runs: Annotated[int, typer.Option("--runs", help="Timed runs per row (the median is reported).")] = 3,
+    warmup: Annotated[int, typer.Option("--warmup", help="Untimed warm-up runs per row.")] = 1,
+    prompt: Annotated[Optional[str], typer.Option("--prompt", help="Text-to-image prompt.")] = None,
+    image: Annotated[Optional[Path], typer.Option("--image", help="Reference image for the edit task (default: "
+                                                  "a synthetic picture).")] = None,
+    guidance_scale: Annotated[Optional[float], typer.Option("--guidance-scale", help="CFG scale (base and dev "
+                                                            "models).")] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Folder for bench.json and bench.md (default: "
+                                                "reports/bench/<time>/ next to the folder, where port publish "
+                                                "finds it).")] = None,
+    force: ForceOpt = False,
+    json_: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Measure a pipeline folder under each offload mode and task: the speed/memory table of a model card."""
+    from rich.table import Table
+
+    from porting.pipeline.bench import DEFAULT_PROMPT, Row, parse_list, table_cells
+    from porting.pipeline.bench import bench as run_bench
+
+    output = _output.use(json_mode=json_, quiet=quiet, heavy=True)
+
+    def on_row(row: Row) -> None:
+        if row.status == "ok":
+            output.status(f"{row.task}/{row.mode}: {row.it_per_s} it/s, {row.s_per_image} s/image")
+        else:
+            output.status(f"{row.task}/{row.mode}: {row.status} ({row.reason})")
+
+    result = run_bench(folder, transformer=transformer, device=device, dtype=dtype.value if dtype else None,
+                       modes=parse_list(offload, "--offload"), tasks=parse_list(task, "--task"), size=size,
+                       steps=steps, runs=runs, warmup=warmup, prompt=prompt or DEFAULT_PROMPT,
+                       image=image, guidance_scale=guidance_scale, out=out, force=force, on_status=output.status,
+                       on_row=on_row)
+    doc = result.doc
+    if not output.json_mode:
+        header, rows, notes = table_cells(doc)
+        st = doc["settings"]
+        table = Table(title=f"{doc['pipeline']} on {doc['device']} ({doc['device_name']}), {doc['dtype']}, "
+                            f"{st['width']}x{st['height']}, {st['steps']} step(s), median of {st['runs']}")
+        for col in header:
+            table.add_column(col)
+        for row in rows:
+            table.add_row(*row)
+        output.table(table)
+        for note in notes:
+            output.err.print(note, markup=False, soft_wrap=True)
+        output.status(f"memory counter: {doc['memory_counter']}")
+    output.status(f"wrote {result.out / 'bench.json'} and bench.md")
+    output.document({**doc, "out": str(result.out)})

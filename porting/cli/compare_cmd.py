@@ -1,0 +1,150 @@
+"""`port compare REFERENCE CANDIDATE`: PSNR / SSIM / LPIPS of two pipelines on the same prompts, noise and steps."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from porting.errors import CheckFailed, PortError
+
+from . import _output
+from ._options import ForceOpt, JsonOpt, QuietOpt
+
+COMPARE_EXAMPLES = """\b
+Examples:
+  port compare ./FLUX.2-klein-4B ./my-klein-ft --device cuda --steps 4      (base vs published port)
+  port compare ./published ./published --reference-device cpu --device npu:0 --max-lpips 0.05   (CPU vs NPU)
+  port compare ./base ./base --reference-transformer ./bf16 --candidate-transformer ./fp8-dequant --device cuda
+  port compare ./base ./ft --prompt "a red fox in the snow" --prompt "a neon street" --seeds 0 --out cmp/ --json
+"""
+
+
+class RunDtype(str, Enum):
+    bf16 = "bf16"
+    fp16 = "fp16"
+    fp32 = "fp32"
+
+
+def _seeds(text: str | None) -> list[int] | None:
+    if not text:
+        return None
+    try:
+        return [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise PortError(f"--seeds {text!r}: expected comma-separated integers, e.g. 0,1,2") from None
+
+
+def compare(
+    reference: Annotated[Path, typer.Argument(help="Reference pipeline folder (the original, e.g. the bf16 base or "
+                                              "a CPU run).")],
+    candidate: Annotated[Path, typer.Argument(help="Candidate pipeline folder (the port); may be the same folder "
+                                              "as REFERENCE with another transformer or device.")],
+    reference_transformer: Annotated[Optional[Path], typer.Option(
+        "--reference-transformer", help="Run the reference with this transformer folder instead of its own.")] = None,
+    candidate_transformer: Annotated[Optional[Path], typer.Option(
+        "--candidate-transformer", help="Run the candidate with this transformer folder instead of its own.")] = None,
+    reference_device: Annotated[str, typer.Option("--reference-device", help="Where the reference runs.")] = "cpu",
+    device: Annotated[str, typer.Option("--device", help="Where the candidate runs: cpu, cuda[:N], npu[:N].")] = "cpu",
+    reference_dtype: Annotated[Optional[RunDtype], typer.Option(
+        "--reference-dtype", help="bf16, fp16 or fp32 (default fp32 on cpu, bf16 on accelerators).")] = None,
+    dtype: Annotated[Optional[RunDtype], typer.Option("--dtype", help="The candidate's dtype (same default).")] = None,
+    prompt: Annotated[Optional[list[str]], typer.Option("--prompt", "-p", help="A prompt (repeatable).")] = None,
+    prompts: Annotated[Optional[Path], typer.Option("--prompts", help="Text file, one prompt per line "
+                                                    "(# comments). Default: the built-in set.")] = None,
+    seeds: Annotated[Optional[str], typer.Option("--seeds", help="One seed for all prompts or one per prompt, "
+                                                 "comma-separated (default: derived from each prompt).")] = None,
+    steps: Annotated[Optional[int], typer.Option("--steps", help="Denoising steps (default 4 for distilled "
+                                                 "models, 50 otherwise).")] = None,
+    size: Annotated[str, typer.Option("--size", help="Side in pixels, or WIDTHxHEIGHT.")] = "1024",
+    guidance_scale: Annotated[Optional[float], typer.Option("--guidance-scale", help="CFG scale for both sides "
+                                                            "(base and dev models).")] = None,
+    image: Annotated[Optional[list[Path]], typer.Option("--image", help="Reference image passed with every prompt "
+                                                        "on both sides: an editing comparison "
+                                                        "(repeatable).")] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Output folder (default: reports/compare/<time>"
+                                                "/ next to the candidate, where port publish finds it).")] = None,
+    lpips_weights: Annotated[Optional[Path], typer.Option(
+        "--lpips-weights", help="AlexNet backbone for LPIPS (torchvision's alexnet-owt-7be5be79.pth); default: the "
+                                "torch hub cache. Never downloaded.")] = None,
+    min_psnr: Annotated[Optional[float], typer.Option("--min-psnr", help="Exit 1 when the mean PSNR (dB) is "
+                                                      "below this.")] = None,
+    max_lpips: Annotated[Optional[float], typer.Option("--max-lpips", help="Exit 1 when the mean LPIPS is above "
+                                                       "this.")] = None,
+    diff_gain: Annotated[float, typer.Option("--diff-gain", help="Amplification of |difference| in the "
+                                             "grid.")] = 8.0,
+    force: ForceOpt = False,
+    json_: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Render the same prompts through two pipelines and report PSNR / SSIM / LPIPS (mean, p50, p90), with a grid."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from porting.pipeline.compare_tables import summary_rows
+    from validation.image_compare import Side, read_prompts
+    from validation.image_compare import compare as run_compare
+
+    output = _output.use(json_mode=json_, quiet=quiet, heavy=True)
+    if prompt and prompts:
+        raise PortError("give --prompt or --prompts, not both.")
+    prompt_list = list(prompt) if prompt else (read_prompts(prompts) if prompts else None)
+    progress = None
+    if not output.quiet:
+        progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                            console=output.err, transient=True)
+    task = None
+
+    def on_image(done: int, total: int, label: str) -> None:
+        nonlocal task
+        if progress is None:
+            return
+        if task is None:
+            task = progress.add_task("rendering", total=total)
+        progress.update(task, completed=done, description=f"rendered {label}")
+
+    def say(text: str) -> None:  # status lines above the live bar
+        if progress is None:
+            output.status(text)
+        else:
+            progress.console.print(text, markup=False, soft_wrap=True)
+
+    if progress:
+        progress.start()
+    try:
+        result = run_compare(
+            Side(reference, reference_transformer, reference_device,
+                 reference_dtype.value if reference_dtype else None),
+            Side(candidate, candidate_transformer, device, dtype.value if dtype else None),
+            prompts=prompt_list, seeds=_seeds(seeds), steps=steps, size=size, out=out, force=force,
+            lpips_weights=lpips_weights, guidance_scale=guidance_scale, min_psnr=min_psnr, max_lpips=max_lpips,
+            diff_gain=diff_gain, images=image or [], on_status=say, on_image=on_image)
+    finally:
+        if progress:
+            progress.stop()
+    doc = result.doc
+    if not output.json_mode:
+        table = Table(title=f"{len(doc['images'])} image(s): candidate against reference")
+        for col in ("metric", "mean", "p50", "p90"):
+            table.add_column(col)
+        for name, stats, digits in summary_rows(doc):
+            table.add_row(name, *([f"{stats[k]:.{digits}f}" for k in ("mean", "p50", "p90")] if stats
+                                  else ["unavailable", "", ""]))
+        output.table(table)
+    metrics = doc["metrics"]
+    if metrics["psnr"]["capped"]:
+        output.status(f"PSNR capped at {metrics['psnr']['cap_db']:g} dB for {metrics['psnr']['capped']} identical "
+                      "image pair(s).")
+    if not metrics["lpips"]["available"]:
+        output.err.print(f"Warning: LPIPS unavailable: {metrics['lpips']['reason']}.", markup=False, soft_wrap=True)
+    output.status(f"wrote {result.out} (compare.json, compare.md, grid.png, reference/, candidate/)")
+    if not result.passed:
+        message = "compare gate missed: " + "; ".join(result.failures) + "."
+        if output.json_mode:  # one document: the comparison, saying why it failed
+            output.document({**doc, "out": str(result.out), "error": message, "exit_code": CheckFailed.exit_code})
+            output.err.print(f"Error: {message}", markup=False, soft_wrap=True)
+            raise typer.Exit(CheckFailed.exit_code)
+        raise CheckFailed(message, hint=f"See {result.out / 'grid.png'} for where the images differ.")
+    output.document({**doc, "out": str(result.out)})

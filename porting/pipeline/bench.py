@@ -1,0 +1,402 @@
+"""`port bench FOLDER`: speed and memory of a pipeline folder under each offload mode, as model cards table them.
+
+For every offload mode (none, diffusers' model CPU offload, sequential CPU offload, group offloading) the pipeline is
+loaded afresh (load time), then each task (text-to-image; edit, which passes a reference image) runs `warmup`
+untimed and `runs` timed calls from the same CPU-generator seed. A row records the median seconds per image, it/s
+over the denoising loop (first transformer call to last step, synchronised), and the peak memory with the counter
+named: on CUDA / NPU the allocator's `max_memory_reserved` and `max_memory_allocated`, reset before each row; on CPU
+the process peak RSS (VmHWM, reset per row where Linux allows). Offloading moves weights between CPU memory and an
+accelerator, so on CPU those rows are reported as skipped, never measured. Rows compare to the first mode's row of
+the same task (relative change), like the SVDQuant table.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import resource
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from porting import __version__
+from porting.errors import InputError, PortError
+from porting.tensors.writer import atomic_folder
+
+from . import pipeload
+from .generate import (
+    DTYPES,
+    MIN_REFERENCE_SIDE,
+    default_steps,
+    load_references,
+    parse_size,
+    read_model_index,
+    resolve_device,
+)
+
+TASKS = ("t2i", "edit")
+BENCH_JSON = "bench.json"
+BENCH_MD = "bench.md"
+DEFAULT_PROMPT = "a red fox standing in fresh snow at dawn, soft golden light"
+EDIT_PROMPT = "turn the scene into a snowy winter evening"
+CPU_OFFLOAD_REASON = ("offloading moves weights between CPU memory and an accelerator; on the CPU there is nothing "
+                      "to offload to (run with --device cuda or npu:N)")
+
+
+@dataclass
+class Row:
+    mode: str
+    task: str
+    status: str  # ok, skipped, oom, failed
+    reason: str | None = None
+    load_s: float | None = None
+    s_per_image: float | None = None
+    denoise_s: float | None = None
+    it_per_s: float | None = None
+    runs_s: list[float] = field(default_factory=list)
+    memory: dict[str, Any] = field(default_factory=dict)
+    vs_first: dict[str, float | None] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class BenchResult:
+    out: Path
+    doc: dict[str, Any]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# memory counters
+
+class _Memory:
+    """Peak memory of one row: the accelerator allocator's, or the process peak RSS on CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.acc = getattr(torch, device.type, None) if device.type != "cpu" else None
+
+    @property
+    def counter(self) -> str:
+        if self.acc is not None:
+            return f"torch.{self.device.type}.max_memory_reserved (allocated: max_memory_allocated)"
+        return "process peak RSS (VmHWM, reset per row)" if self._can_reset() else \
+            "process peak RSS since start (ru_maxrss)"
+
+    @staticmethod
+    def _can_reset() -> bool:
+        return Path("/proc/self/clear_refs").exists() and Path("/proc/self/status").exists()
+
+    def reset(self) -> None:
+        if self.acc is not None:
+            self.acc.synchronize(self.device)
+            self.acc.reset_peak_memory_stats(self.device)
+        elif self._can_reset():
+            try:
+                Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+            except OSError:
+                pass
+
+    def sync(self) -> None:
+        if self.acc is not None:
+            self.acc.synchronize(self.device)
+
+    def read(self) -> dict[str, Any]:
+        if self.acc is not None:
+            self.sync()
+            return {"counter": self.counter, "peak_bytes": int(self.acc.max_memory_reserved(self.device)),
+                    "reserved_bytes": int(self.acc.max_memory_reserved(self.device)),
+                    "allocated_bytes": int(self.acc.max_memory_allocated(self.device))}
+        peak = None
+        if self._can_reset():
+            for line in Path("/proc/self/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    peak = int(line.split()[1]) * 1024
+        if peak is None:
+            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            peak = rss if sys.platform == "darwin" else rss * 1024
+        return {"counter": self.counter, "peak_bytes": peak, "reserved_bytes": None, "allocated_bytes": None}
+
+
+def _is_oom(e: BaseException) -> bool:
+    return isinstance(e, getattr(torch, "OutOfMemoryError", ())) or "out of memory" in str(e).lower()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# one row
+
+def edit_image(width: int, height: int) -> Any:
+    """A deterministic reference picture for the edit task: smooth colour ramps with a few shapes."""
+    import numpy as np
+    from PIL import Image, ImageDraw
+
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    rgb = np.stack([x / max(1, width - 1), y / max(1, height - 1), 0.5 + 0.5 * np.sin((x + y) / 23.0)], axis=-1)
+    img = Image.fromarray((rgb * 255).astype(np.uint8))
+    draw = ImageDraw.Draw(img)
+    draw.ellipse((width * 0.2, height * 0.2, width * 0.55, height * 0.55), fill=(240, 240, 240))
+    draw.rectangle((width * 0.6, height * 0.5, width * 0.9, height * 0.85), fill=(30, 60, 140))
+    return img
+
+
+def _run_task(pipe: Any, task: str, memory: _Memory, *, prompt: str, image: Any, width: int, height: int,
+              steps: int, runs: int, warmup: int, kwargs: dict[str, Any],
+              on_run: Callable[[str], None]) -> tuple[list[float], list[float], dict[str, Any]]:
+    marks: dict[str, float] = {}
+
+    def first_forward(module: Any, args: Any) -> None:
+        marks.setdefault("start", time.perf_counter())
+
+    def step_end(pipeline: Any, i: int, t: Any, cb: dict[str, Any]) -> dict[str, Any]:
+        memory.sync()
+        marks["end"] = time.perf_counter()
+        return cb
+
+    call = dict(kwargs, prompt=prompt, height=height, width=width, num_inference_steps=steps,
+                callback_on_step_end=step_end)
+    if task == "edit":
+        call["image"] = image
+    totals, denoise = [], []
+    memory.reset()
+    handle = pipe.transformer.register_forward_pre_hook(first_forward)
+    try:
+        for i in range(warmup + runs):
+            marks.clear()
+            started = time.perf_counter()
+            with torch.no_grad():
+                pipe(**call, generator=torch.Generator("cpu").manual_seed(0))
+            memory.sync()
+            if i >= warmup:
+                totals.append(time.perf_counter() - started)
+                denoise.append(marks.get("end", started) - marks.get("start", started))
+            on_run(f"{'warm-up' if i < warmup else 'run'} {i + 1 - (warmup if i >= warmup else 0)}")
+    finally:
+        handle.remove()
+    return totals, denoise, memory.read()
+
+
+def _relative(rows: list[Row]) -> dict[str, str | None]:
+    """Fill `vs_first` of every row against the first measured row of its task; returns the baseline modes."""
+    baselines: dict[str, str | None] = {}
+    for task in dict.fromkeys(r.task for r in rows):
+        same = [r for r in rows if r.task == task]
+        base = next((r for r in same if r.status == "ok"), None)
+        baselines[task] = base.mode if base else None
+        for r in same:
+            if base is None or r.status != "ok":
+                continue
+            peak, base_peak = r.memory.get("peak_bytes"), base.memory.get("peak_bytes")
+            r.vs_first = {
+                "peak_memory": peak / base_peak - 1 if peak and base_peak else None,
+                "it_per_s": r.it_per_s / base.it_per_s - 1 if r.it_per_s and base.it_per_s else None,
+            }
+    return baselines
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# writing
+
+def _gib(n: int | None) -> str:
+    return "n/a" if n is None else f"{n / 2**30:.2f} GiB"
+
+
+def _pct(x: float | None) -> str:
+    return "" if x is None else f"{x * 100:+.1f}%"
+
+
+def table_cells(doc: dict[str, Any]) -> tuple[list[str], list[list[str]], list[str]]:
+    """(header, one row of cells per task and offload mode, notes): the speed/memory table."""
+    accelerator = doc["device"] != "cpu"
+    header = ["task", "offload", "peak reserved (allocated)" if accelerator else "peak RSS", "vs first", "it/s",
+              "vs first", "s/image", "load s"]
+    rows = []
+    for r in doc["rows"]:
+        load = "" if r["load_s"] is None else f"{r['load_s']:.1f}"
+        if r["status"] != "ok":
+            rows.append([r["task"], r["mode"], r["status"].upper(), "", "", "", "", load])
+            continue
+        m, vs = r["memory"], r["vs_first"]
+        peak = _gib(m["peak_bytes"]) + (f" ({_gib(m['allocated_bytes'])})" if m.get("allocated_bytes") else "")
+        rows.append([r["task"], r["mode"], peak, _pct(vs.get("peak_memory")), f"{r['it_per_s']:.3g}",
+                     _pct(vs.get("it_per_s")), f"{r['s_per_image']:.3g}", load])
+    by_reason: dict[str, list[str]] = {}
+    for r in doc["rows"]:
+        if r["status"] != "ok" and r["reason"]:
+            modes = by_reason.setdefault(r["reason"], [])
+            if r["mode"] not in modes:
+                modes.append(r["mode"])
+    notes = [f"{', '.join(modes)}: {reason}." for reason, modes in by_reason.items()]
+    return header, rows, notes
+
+
+def table_markdown(doc: dict[str, Any]) -> list[str]:
+    header, rows, notes = table_cells(doc)
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return lines + ([""] + [f"- {n}" for n in notes] if notes else [])
+
+
+def to_markdown(doc: dict[str, Any]) -> str:
+    st = doc["settings"]
+    lines = ["# Speed and memory (port bench)", "",
+             f"`{doc['pipeline']}` from `{doc['folder']}` (transformer `{doc['transformer']}`, weights "
+             f"`{doc['weights_sha256'][:16]}...`) on `{doc['device']}` ({doc['device_name']}) in {doc['dtype']}, "
+             f"{st['width']}x{st['height']}, {st['steps']} step(s), median of {st['runs']} run(s) after "
+             f"{st['warmup']} warm-up. Memory counter: {doc['memory_counter']}.", "", *table_markdown(doc), ""]
+    return "\n".join(lines)
+
+
+def default_out(folder: Path, transformer: Path | None) -> Path:
+    anchor = transformer if transformer is not None else folder
+    root = anchor.resolve().parent / "reports" / "bench"
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    out, n = root / stamp, 1
+    while out.exists():
+        n += 1
+        out = root / f"{stamp}-{n}"
+    return out
+
+
+def _device_name(device: torch.device) -> str:
+    acc = getattr(torch, device.type, None) if device.type != "cpu" else None
+    if acc is not None and hasattr(acc, "get_device_name"):
+        try:
+            return str(acc.get_device_name(device))
+        except Exception:  # a backend without names
+            pass
+    import platform
+    return platform.processor() or platform.machine()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the verb
+
+def bench(folder: str | Path, *, transformer: str | Path | None = None, device: str = "cpu", dtype: str | None = None,
+          modes: Sequence[str] = pipeload.OFFLOADS, tasks: Sequence[str] = TASKS, size: str | int = 1024,
+          steps: int | None = None, runs: int = 3, warmup: int = 1, prompt: str = DEFAULT_PROMPT,
+          edit_prompt: str = EDIT_PROMPT, image: str | Path | None = None, guidance_scale: float | None = None,
+          out: str | Path | None = None, force: bool = False, on_status: Callable[[str], None] | None = None,
+          on_row: Callable[[Row], None] | None = None) -> BenchResult:
+    """Benchmark `folder` (optionally with `transformer` swapped in) and write bench.json / bench.md into `out`."""
+    say = on_status or (lambda text: None)
+    folder = Path(folder)
+    swap = Path(transformer) if transformer is not None else None
+    index = read_model_index(folder)
+    transformer_dir = pipeload.transformer_folder(folder, swap)
+    dev = resolve_device(device)
+    dtype_name = dtype or ("fp32" if dev.type == "cpu" else "bf16")
+    if dtype_name not in DTYPES:
+        raise PortError(f"--dtype {dtype_name!r}: choose one of {', '.join(DTYPES)}.")
+    modes, tasks = list(dict.fromkeys(modes)), list(dict.fromkeys(tasks))
+    for m in modes:
+        if m not in pipeload.OFFLOADS:
+            raise PortError(f"--offload {m!r}: choose from {', '.join(pipeload.OFFLOADS)}.")
+    for t in tasks:
+        if t not in TASKS:
+            raise PortError(f"--task {t!r}: choose from {', '.join(TASKS)}.")
+    if not modes or not tasks:
+        raise PortError("--offload and --task need at least one value each.")
+    if runs < 1 or warmup < 0:
+        raise PortError(f"--runs {runs} / --warmup {warmup}: at least one timed run, no negative warm-up.")
+    width, height = parse_size(size)
+    steps = steps or default_steps(index)
+    if steps < 1:
+        raise PortError(f"--steps {steps}: needs at least 1.")
+    reference = load_references([Path(image)])[0] if image is not None else edit_image(
+        max(width, MIN_REFERENCE_SIDE), max(height, MIN_REFERENCE_SIDE))  # the Flux2 pipelines refuse smaller
+    say(f"hashing the transformer weights in {transformer_dir}")
+    weights = pipeload.weights_sha256(transformer_dir)
+    memory = _Memory(dev)
+    out = Path(out) if out is not None else default_out(folder, swap)
+
+    rows: list[Row] = []
+
+    def emit(row: Row) -> None:
+        rows.append(row)
+        if on_row:
+            on_row(row)
+
+    pipeline_name = str(index.get("_class_name"))
+    for mode in modes:
+        if mode != "none" and dev.type == "cpu":
+            for task in tasks:
+                emit(Row(mode, task, "skipped", CPU_OFFLOAD_REASON))
+            continue
+        say(f"loading {pipeline_name} on {dev} ({dtype_name}, offload {mode})")
+        started = time.perf_counter()
+        try:
+            pipe = pipeload.load(folder, dev, DTYPES[dtype_name], transformer=swap, offload=mode)
+        except Exception as e:
+            if not _is_oom(e):
+                raise
+            pipeload.release_memory(dev)
+            for task in tasks:
+                emit(Row(mode, task, "oom", f"out of memory while loading: {str(e).splitlines()[0]}"))
+            continue
+        memory.sync()
+        load_s = time.perf_counter() - started
+        pipeline_name = type(pipe).__name__
+        pipeload.check_size(pipe, width, height)
+        accepted = inspect.signature(pipe.__call__).parameters
+        kwargs: dict[str, Any] = {}
+        if guidance_scale is not None:
+            kwargs["guidance_scale"] = guidance_scale
+        elif "guidance_scale" in accepted and getattr(pipe.config, "is_distilled", False):
+            kwargs["guidance_scale"] = 1.0
+        for task in tasks:
+            if task == "edit" and "image" not in accepted:
+                emit(Row(mode, task, "skipped", f"{pipeline_name} takes no reference image", round(load_s, 3)))
+                continue
+            say(f"{task}, offload {mode}: {warmup} warm-up + {runs} timed run(s)")
+            try:
+                totals, denoise, mem = _run_task(
+                    pipe, task, memory, prompt=edit_prompt if task == "edit" else prompt, image=reference,
+                    width=width, height=height, steps=steps, runs=runs, warmup=warmup, kwargs=kwargs,
+                    on_run=lambda what: say(f"  {task}/{mode} {what} done"))
+            except Exception as e:
+                if not _is_oom(e):
+                    raise
+                pipeload.release_memory(dev)
+                emit(Row(mode, task, "oom", f"out of memory: {str(e).splitlines()[0]}", round(load_s, 3),
+                         memory=memory.read()))
+                continue
+            d = statistics.median(denoise)
+            emit(Row(mode, task, "ok", None, round(load_s, 3), round(statistics.median(totals), 4), round(d, 4),
+                     round(steps / d, 4) if d > 0 else None, [round(t, 4) for t in totals], mem))
+        if hasattr(pipe, "remove_all_hooks"):
+            pipe.remove_all_hooks()
+        del pipe
+        pipeload.release_memory(dev)
+
+    baselines = _relative(rows)
+    doc = {
+        "tool": "flux-port", "version": __version__, "kind": "bench", "format_version": 1,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "folder": str(folder.resolve()), "transformer": str(transformer_dir.resolve()), "transformer_swapped": bool(
+            swap), "weights_sha256": weights, "pipeline": pipeline_name, "device": str(dev),
+        "device_name": _device_name(dev), "dtype": dtype_name, "memory_counter": memory.counter,
+        "settings": {"width": width, "height": height, "steps": steps, "runs": runs, "warmup": warmup,
+                     "prompt": prompt, "edit_prompt": edit_prompt,
+                     "edit_image": str(image) if image is not None else "synthetic (porting.pipeline.bench.edit_image)",
+                     "seed": 0, "statistic": "median"},
+        "baseline": baselines,
+        "rows": [r.to_dict() for r in rows],
+        "torch": torch.__version__,
+    }
+    with atomic_folder(out, force=force, verb="bench") as staging:
+        (staging / BENCH_JSON).write_text(json.dumps(doc, indent=2) + "\n")
+        (staging / BENCH_MD).write_text(to_markdown(doc))
+    return BenchResult(out, doc)
+
+
+def parse_list(text: str, option: str) -> list[str]:
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    if not items:
+        raise InputError(f"{option} {text!r}: give a comma-separated list.")
+    return items

@@ -1,0 +1,89 @@
+"""Loading a pipeline folder for compare and bench: optional transformer swap, optional text encoder, offloading,
+and the weights identity of the transformer that actually runs (what publish matches tables against)."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from porting.errors import InputError, PortError
+from porting.tensors.checkpoint import hash_checkpoint, open_checkpoint
+
+OFFLOADS = ("none", "model", "sequential", "group")
+
+
+def transformer_folder(folder: Path, transformer: Path | None) -> Path:
+    """The transformer folder that runs: the swap if given, else the pipeline folder's own transformer/."""
+    path = transformer if transformer is not None else folder / "transformer"
+    if not (path / "config.json").is_file():
+        raise InputError(f"{path}: no config.json; not a diffusers transformer folder.",
+                         hint="Point at a converted transformer folder (port convert ... --out DIR).")
+    return path
+
+
+def weights_sha256(transformer: Path) -> str:
+    """The weights identity convert and publish record, recomputed from the files."""
+    return hash_checkpoint(open_checkpoint(transformer))
+
+
+def load(folder: Path, device: torch.device, dtype: torch.dtype, *, transformer: Path | None = None,
+         text_encoder: bool = True, offload: str = "none") -> Any:
+    """The folder's pipeline in `dtype`, on `device` or offloaded to it, with its progress bars off.
+
+    `transformer` replaces the folder's transformer; `text_encoder=False` leaves the text encoder and tokenizer
+    unloaded (the caller passes prompt embeddings).
+    """
+    from diffusers import DiffusionPipeline, Flux2Transformer2DModel
+
+    if offload not in OFFLOADS:
+        raise PortError(f"offload mode {offload!r}: choose one of {', '.join(OFFLOADS)}.")
+    overrides: dict[str, Any] = {}
+    with warnings.catch_warnings():  # diffusers 0.42 renamed torch_dtype to dtype; older ones know torch_dtype only
+        warnings.filterwarnings("ignore", message=".*torch_dtype.*", category=FutureWarning)
+        if transformer is not None:
+            overrides["transformer"] = Flux2Transformer2DModel.from_pretrained(transformer, torch_dtype=dtype)
+        if not text_encoder:
+            overrides.update(text_encoder=None, tokenizer=None)
+        pipe = DiffusionPipeline.from_pretrained(folder, local_files_only=True, torch_dtype=dtype, **overrides)
+    if offload == "model":
+        pipe.enable_model_cpu_offload(device=device)
+    elif offload == "sequential":
+        pipe.enable_sequential_cpu_offload(device=device)
+    elif offload == "group":
+        # leaf-level groups overlap the next layer's transfer with compute on CUDA streams
+        pipe.enable_group_offload(onload_device=device, offload_device=torch.device("cpu"),
+                                  offload_type="leaf_level", use_stream=device.type == "cuda")
+    else:
+        pipe.to(device)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def initial_latents(pipe: Any, width: int, height: int, seed: int) -> torch.Tensor:
+    """The starting noise, drawn in float32 from a CPU generator so every device and dtype starts from the same
+    numbers (the pipeline casts it to its own dtype); shape (1, in_channels, H / 16, W / 16) as the Flux2 pipelines
+    take it."""
+    factor = getattr(pipe, "vae_scale_factor", 8) * 2
+    channels = int(pipe.transformer.config.in_channels)
+    generator = torch.Generator("cpu").manual_seed(seed)
+    return torch.randn((1, channels, height // factor, width // factor), generator=generator, dtype=torch.float32)
+
+
+def check_size(pipe: Any, width: int, height: int) -> None:
+    multiple = getattr(pipe, "vae_scale_factor", 8) * 2
+    if width % multiple or height % multiple:
+        raise PortError(f"--size {width}x{height}: both sides must be multiples of {multiple} for this pipeline.",
+                        hint=f"e.g. --size {max(multiple, width // multiple * multiple)}")
+
+
+def release_memory(device: torch.device) -> None:
+    """Collect the pipeline the caller just dropped (`del pipe`) and give its device memory back."""
+    import gc
+
+    gc.collect()
+    acc = getattr(torch, device.type, None) if device.type != "cpu" else None
+    if acc is not None and hasattr(acc, "empty_cache"):
+        acc.empty_cache()

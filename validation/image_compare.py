@@ -1,0 +1,433 @@
+"""`port compare REFERENCE CANDIDATE`: the same prompts, noise and steps through two pipelines, judged image by image.
+
+Each side is a pipeline folder, optionally with its transformer swapped (`Side.transformer`), on its own device and
+dtype. The reference side loads first with its text encoder, encodes every prompt once (the embeddings are kept on
+the CPU and shared by both sides, so only the transformer and VAE paths differ), renders its images and is
+released; the candidate then loads without a text encoder and renders from the same embeddings and the same float32
+CPU noise. PSNR / SSIM / LPIPS are computed on the saved 8-bit PNGs (validation.image_metrics), summarised as mean,
+median and 90th percentile like the SVDQuant tables, and written with a grid (reference | candidate | amplified
+difference per row) into one output folder that appears only when complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import time
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from porting import __version__
+from porting.errors import DeviceError, InputError, OutputExistsError, PortError
+from porting.outputs import atomic_folder
+from porting.pipeline import pipeload
+from porting.pipeline.compare_tables import COMPARE_JSON, COMPARE_MD, fmt, summary_markdown
+from porting.pipeline.generate import (
+    DTYPES,
+    default_steps,
+    load_references,
+    parse_size,
+    read_model_index,
+    resolve_device,
+)
+
+from . import image_metrics as im
+
+GRID_PNG = "grid.png"
+GRID_TILE = 256  # longest side of one grid cell in pixels
+GRID_MIN_TILE = 96  # shortest side a tiny image is enlarged to in the grid
+DEFAULT_DIFF_GAIN = 8.0
+
+
+@dataclass
+class Side:
+    """One side of a comparison: a pipeline folder, an optional transformer swap, where and in what it runs."""
+
+    folder: Path
+    transformer: Path | None = None
+    device: str = "cpu"
+    dtype: str | None = None  # default: fp32 on CPU, bf16 on accelerators
+
+
+@dataclass
+class CompareResult:
+    out: Path
+    doc: dict[str, Any]
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# prompts and seeds
+
+def builtin_prompts() -> list[str]:
+    """The prompt set shipped with the package (porting/pipeline/prompts.txt)."""
+    text = resources.files("porting.pipeline").joinpath("prompts.txt").read_text(encoding="utf-8")
+    return parse_prompts(text)
+
+
+def parse_prompts(text: str) -> list[str]:
+    return [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
+def read_prompts(path: Path) -> list[str]:
+    try:
+        prompts = parse_prompts(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"--prompts {path}: cannot read it ({e}).") from e
+    if not prompts:
+        raise InputError(f"--prompts {path}: no prompts in it (one per line; # starts a comment).")
+    return prompts
+
+
+def seed_for(prompt: str) -> int:
+    """A seed that depends on the prompt text only, stable across runs, machines and Python versions."""
+    return int.from_bytes(hashlib.sha256(prompt.encode("utf-8")).digest()[:4], "big") & 0x7FFFFFFF
+
+
+def assign_seeds(prompts: Sequence[str], seeds: Sequence[int] | None) -> list[int]:
+    if not seeds:
+        return [seed_for(p) for p in prompts]
+    if len(seeds) == 1:
+        return [int(seeds[0])] * len(prompts)
+    if len(seeds) != len(prompts):
+        raise PortError(f"--seeds: {len(seeds)} seeds for {len(prompts)} prompts; give one seed, one per prompt, "
+                        "or none (a seed derived from each prompt).")
+    return [int(s) for s in seeds]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# running one side
+
+@dataclass
+class _Prepared:
+    folder: Path
+    transformer: Path
+    swapped: bool
+    device: torch.device
+    dtype_name: str
+    weights: str = ""
+    pipeline: str = ""
+
+    def describe(self) -> dict[str, Any]:
+        return {"folder": str(self.folder.resolve()), "transformer": str(self.transformer.resolve()),
+                "transformer_swapped": self.swapped, "weights_sha256": self.weights, "pipeline": self.pipeline,
+                "device": str(self.device), "dtype": self.dtype_name}
+
+
+def _prepare(side: Side, what: str) -> _Prepared:
+    folder = Path(side.folder)
+    read_model_index(folder)
+    transformer = pipeload.transformer_folder(folder, Path(side.transformer) if side.transformer else None)
+    dev = resolve_device(side.device)
+    dtype_name = side.dtype or ("fp32" if dev.type == "cpu" else "bf16")
+    if dtype_name not in DTYPES:
+        raise PortError(f"{what} dtype {dtype_name!r}: choose one of {', '.join(DTYPES)}.")
+    return _Prepared(folder, transformer, side.transformer is not None, dev, dtype_name)
+
+
+def _call_kwargs(pipe: Any, guidance_scale: float | None, images: Sequence[Any] = ()) -> dict[str, Any]:
+    accepted = inspect.signature(pipe.__call__).parameters
+    kwargs: dict[str, Any] = {}
+    if images:
+        if "image" not in accepted:
+            raise PortError(f"--image: {type(pipe).__name__} takes no reference image.")
+        kwargs["image"] = list(images) if len(images) > 1 else images[0]
+    if guidance_scale is not None:
+        if "guidance_scale" not in accepted:
+            raise PortError(f"--guidance-scale: {type(pipe).__name__} takes no guidance scale.")
+        kwargs["guidance_scale"] = guidance_scale
+    elif "guidance_scale" in accepted and getattr(pipe.config, "is_distilled", False):
+        kwargs["guidance_scale"] = 1.0  # distilled: guidance is ignored; 1.0 spares the pipeline's warning
+    return kwargs
+
+
+def _needs_negative(pipe: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether the pipeline will run classifier-free guidance and so encode an empty negative prompt."""
+    accepted = inspect.signature(pipe.__call__).parameters
+    return ("negative_prompt_embeds" in accepted and not getattr(pipe.config, "is_distilled", False)
+            and float(kwargs.get("guidance_scale", accepted["guidance_scale"].default
+                                 if "guidance_scale" in accepted else 1.0)) > 1.0)
+
+
+def _encode(pipe: Any, prompt: str, device: torch.device) -> torch.Tensor:
+    with torch.no_grad():
+        embeds = pipe.encode_prompt(prompt=prompt, device=device)
+    return (embeds[0] if isinstance(embeds, tuple) else embeds).detach().to("cpu")
+
+
+def _render(pipe: Any, side: _Prepared, embeds: torch.Tensor, negative: torch.Tensor | None, seed: int,
+            width: int, height: int, steps: int, kwargs: dict[str, Any]) -> Any:
+    dtype = DTYPES[side.dtype_name]
+    call = dict(kwargs, prompt=None, prompt_embeds=embeds.to(side.device, dtype), height=height, width=width,
+                num_inference_steps=steps, latents=pipeload.initial_latents(pipe, width, height, seed),
+                generator=torch.Generator("cpu").manual_seed(seed))
+    if negative is not None:
+        call["negative_prompt_embeds"] = negative.to(side.device, dtype)
+    with torch.no_grad():
+        return pipe(**call).images[0]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# writing
+
+def _grid(pairs: Sequence[tuple[np.ndarray, np.ndarray]], gain: float) -> Any:
+    from PIL import Image, ImageDraw
+
+    h, w = pairs[0][0].shape[:2]
+    # big images shrink to GRID_TILE; tiny ones grow by whole pixels so that the column labels fit
+    scale = GRID_TILE / max(h, w) if max(h, w) > GRID_TILE else float(max(1, -(-GRID_MIN_TILE // min(h, w))))
+    tw, th = max(1, round(w * scale)), max(1, round(h * scale))
+    resample = Image.Resampling.BOX if scale < 1 else Image.Resampling.NEAREST
+    header, pad = 16, 2
+    grid = Image.new("RGB", (3 * tw + 4 * pad, header + len(pairs) * (th + pad) + pad), (255, 255, 255))
+    draw = ImageDraw.Draw(grid)
+    for col, label in enumerate(("reference", "candidate", f"difference x{gain:g}")):
+        draw.text((pad + col * (tw + pad) + 2, 2), label, fill=(0, 0, 0))
+    for row, (ref, cand) in enumerate(pairs):
+        y = header + row * (th + pad)
+        cells = (ref, cand, im.amplified_difference(cand, ref, gain))
+        for col, cell in enumerate(cells):
+            tile = Image.fromarray(cell)
+            if (tw, th) != (w, h):
+                tile = tile.resize((tw, th), resample)
+            grid.paste(tile, (pad + col * (tw + pad), y))
+    return grid
+
+
+def to_markdown(doc: dict[str, Any]) -> str:
+    ref, cand, st = doc["reference"], doc["candidate"], doc["settings"]
+    lines = ["# Image comparison (port compare)", "",
+             f"{len(doc['images'])} prompt(s), {st['steps']} step(s), {st['width']}x{st['height']}, the same float32 "
+             "CPU noise and the same text-encoder output (the reference's, computed once per prompt) on both sides.",
+             "", "| | reference | candidate |", "|---|---|---|"]
+    for key in ("folder", "transformer", "weights_sha256", "pipeline", "device", "dtype"):
+        lines.append(f"| {key} | `{ref[key]}` | `{cand[key]}` |")
+    lines += ["", *summary_markdown(doc), ""]
+    gates = doc["gates"]
+    set_gates = [f"{label} {gates[key]:g}" for key, label in (("min_psnr", "min PSNR"), ("max_lpips", "max LPIPS"))
+                 if gates[key] is not None]
+    if set_gates:
+        verdict = "passed" if gates["passed"] else "FAILED: " + "; ".join(gates["failures"])
+        lines += [f"Gates on the means ({', '.join(set_gates)}): {verdict}.", ""]
+    lines += [f"![reference | candidate | difference]({GRID_PNG})", "", "## Per image", "",
+              "| # | seed | PSNR | SSIM | LPIPS | prompt |", "|---|---|---|---|---|---|"]
+    for i, row in enumerate(doc["images"]):
+        psnr = f"{row['psnr']:.2f}" + (" (capped)" if row["psnr_capped"] else "")
+        lines.append(f"| {i} | {row['seed']} | {psnr} | {row['ssim']:.4f} | {fmt(row['lpips'], 4)} | "
+                     f"{row['prompt'].replace('|', '/')} |")
+    return "\n".join(lines) + "\n"
+
+
+def default_out(candidate: Side) -> Path:
+    """reports/compare/<UTC time>/ next to the candidate's transformer (a swap) or its folder, where publish finds
+    it (the workspace layout: <recipe>/reports/)."""
+    anchor = Path(candidate.transformer) if candidate.transformer else Path(candidate.folder)
+    root = anchor.resolve().parent / "reports" / "compare"
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    out, n = root / stamp, 1
+    while out.exists():
+        n += 1
+        out = root / f"{stamp}-{n}"
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the verb
+
+def lpips_scorer(backbone: torch.nn.Module | None, weights: str | Path | None, width: int,
+                 height: int) -> tuple[im.LpipsScorer | None, str | None]:
+    """(scorer, None), or (None, why LPIPS is unavailable). An explicit weights file that is missing is an error."""
+    source = None if backbone is not None else im.find_backbone(weights)
+    if min(width, height) < im.LPIPS_MIN_SIDE:
+        return None, f"images of {width}x{height} are below LPIPS' {im.LPIPS_MIN_SIDE} px minimum"
+    if backbone is not None:
+        return im.LpipsScorer(backbone, source="injected"), None
+    if source is None or source.path is None:
+        return None, source.reason if source else "no backbone"
+    return im.LpipsScorer.from_file(source.path), None
+
+
+def _render_side(pipe: Any, side: _Prepared, embeds: Sequence[torch.Tensor], negative: torch.Tensor | None,
+                 seeds: Sequence[int], size: tuple[int, int], steps: int, kwargs: dict[str, Any], folder: Path,
+                 tick: Callable[[str], None]) -> None:
+    width, height = size
+    for i, (embed, seed) in enumerate(zip(embeds, seeds)):
+        image = _render(pipe, side, embed, negative, seed, width, height, steps, kwargs)
+        image.save(folder / f"{i:03d}.png", format="PNG")
+        tick(f"{folder.name} {i + 1}/{len(embeds)}")
+
+
+def _gate(summary: dict[str, Any], min_psnr: float | None, max_lpips: float | None) -> list[str]:
+    failures = []
+    if min_psnr is not None and summary["psnr"]["mean"] < min_psnr:
+        failures.append(f"mean PSNR {summary['psnr']['mean']:.2f} dB is below --min-psnr {min_psnr:g}")
+    if max_lpips is not None and summary["lpips"]["mean"] > max_lpips:
+        failures.append(f"mean LPIPS {summary['lpips']['mean']:.4f} is above --max-lpips {max_lpips:g}")
+    return failures
+
+
+def compare(reference: Side, candidate: Side, *, prompts: Sequence[str] | None = None,
+            seeds: Sequence[int] | None = None, steps: int | None = None, size: str | int = 1024,
+            out: str | Path | None = None, force: bool = False, lpips_weights: str | Path | None = None,
+            lpips_backbone: torch.nn.Module | None = None, guidance_scale: float | None = None,
+            min_psnr: float | None = None, max_lpips: float | None = None, diff_gain: float = DEFAULT_DIFF_GAIN,
+            images: Sequence[str | Path] = (), on_status: Callable[[str], None] | None = None,
+            on_image: Callable[[int, int, str], None] | None = None) -> CompareResult:
+    """Render `prompts` (default: the built-in set) through both sides and write the comparison into `out`.
+
+    `images` are reference images passed with every prompt on both sides (an editing comparison).
+    `lpips_backbone` injects an AlexNet-shaped feature network (tests); otherwise `lpips_weights` or the torch hub
+    cache provide it, and LPIPS is reported unavailable without them. `on_image(done, total, label)` is called after
+    each rendered image. Gates apply to the means; a missed gate is in `failures` (the caller decides the exit).
+    """
+    say = on_status or (lambda text: None)
+    started = time.perf_counter()
+    prompts = list(prompts) if prompts else builtin_prompts()
+    seed_list = assign_seeds(prompts, seeds)
+    width, height = parse_size(size)
+    if diff_gain <= 0:
+        raise PortError(f"--diff-gain {diff_gain}: must be positive.")
+    ref, cand = _prepare(reference, "--reference-dtype"), _prepare(candidate, "--dtype")
+    references = load_references([Path(p) for p in images])
+    steps = steps or default_steps(read_model_index(ref.folder))
+    if steps < 1:
+        raise PortError(f"--steps {steps}: needs at least 1.")
+    dims = [json.loads((side.transformer / "config.json").read_text()).get("joint_attention_dim")
+            for side in (ref, cand)]
+    if dims[0] != dims[1]:
+        raise InputError(f"the transformers take different text embeddings (joint_attention_dim {dims[0]} in "
+                         f"{ref.transformer}, {dims[1]} in {cand.transformer}).",
+                         hint="Both sides share the reference's text encoder: compare models of one family and size.")
+    out = Path(out) if out is not None else default_out(candidate)
+    if out.exists() and not force:
+        raise OutputExistsError(f"{out}: output folder already exists.", hint="Pass --force to replace it, or "
+                                                                              "choose another --out.")
+    # settled before anything is rendered: a gate on LPIPS must not fail after an hour of generation
+    scorer, lpips_reason = lpips_scorer(lpips_backbone, lpips_weights, width, height)
+    if max_lpips is not None and scorer is None:
+        raise DeviceError(f"--max-lpips needs LPIPS, which is unavailable: {lpips_reason}.",
+                          hint="Pass --lpips-weights FILE, or drop --max-lpips.")
+    im.psnr(torch.zeros(1, 3, 8, 8), torch.zeros(1, 3, 8, 8))  # without torchmetrics: fails now, not after rendering
+
+    say(f"hashing the transformer weights ({ref.transformer}, {cand.transformer})")
+    ref.weights = pipeload.weights_sha256(ref.transformer)
+    cand.weights = ref.weights if cand.transformer.resolve() == ref.transformer.resolve() else \
+        pipeload.weights_sha256(cand.transformer)
+    done = 0
+
+    def tick(label: str) -> None:
+        nonlocal done
+        done += 1
+        if on_image:
+            on_image(done, 2 * len(prompts), label)
+
+    timings: dict[str, float] = {}
+    inputs = {"reference": reference.folder, "candidate": candidate.folder,
+              "reference transformer": reference.transformer, "candidate transformer": candidate.transformer}
+    with atomic_folder(out, force=force, verb="compare", inputs=inputs) as staging:
+        say(f"loading the reference from {ref.folder} on {ref.device} ({ref.dtype_name})")
+        t0 = time.perf_counter()
+        pipe = pipeload.load(ref.folder, ref.device, DTYPES[ref.dtype_name],
+                             transformer=ref.transformer if ref.swapped else None)
+        ref.pipeline = type(pipe).__name__
+        pipeload.check_size(pipe, width, height)
+        kwargs = _call_kwargs(pipe, guidance_scale, references)
+        say(f"encoding {len(prompts)} prompt(s) once with the reference's text encoder")
+        embeds = [_encode(pipe, p, ref.device) for p in prompts]
+        negative = _encode(pipe, "", ref.device) if _needs_negative(pipe, kwargs) else None
+        pipe.text_encoder = None  # not needed any more; frees its memory before denoising
+        (staging / "reference").mkdir()
+        _render_side(pipe, ref, embeds, negative, seed_list, (width, height), steps, kwargs, staging / "reference",
+                     tick)
+        del pipe
+        pipeload.release_memory(ref.device)
+        timings["reference_s"] = time.perf_counter() - t0
+
+        say(f"loading the candidate from {cand.folder} on {cand.device} ({cand.dtype_name}), no text encoder")
+        t0 = time.perf_counter()
+        pipe = pipeload.load(cand.folder, cand.device, DTYPES[cand.dtype_name],
+                             transformer=cand.transformer if cand.swapped else None, text_encoder=False)
+        cand.pipeline = type(pipe).__name__
+        if cand.pipeline != ref.pipeline:
+            say(f"note: the pipelines differ ({ref.pipeline} vs {cand.pipeline})")
+        pipeload.check_size(pipe, width, height)
+        ckwargs = _call_kwargs(pipe, guidance_scale, references)
+        if _needs_negative(pipe, ckwargs) != (negative is not None):
+            raise InputError(f"{cand.folder}: one side runs classifier-free guidance and the other does not; "
+                             "compare two folders of the same kind.")
+        (staging / "candidate").mkdir()
+        _render_side(pipe, cand, embeds, negative, seed_list, (width, height), steps, ckwargs,
+                     staging / "candidate", tick)
+        del pipe
+        pipeload.release_memory(cand.device)
+        timings["candidate_s"] = time.perf_counter() - t0
+
+        say("scoring PSNR, SSIM" + (", LPIPS" if scorer else ""))
+        t0 = time.perf_counter()
+        names = [f"{i:03d}.png" for i in range(len(prompts))]
+        scores = _score(staging, names, prompts, seed_list, scorer, lpips_reason)
+        timings["metrics_s"] = time.perf_counter() - t0
+        pairs = [(_pixels(staging / "reference" / n), _pixels(staging / "candidate" / n)) for n in names]
+        _grid(pairs, diff_gain).save(staging / GRID_PNG, format="PNG")
+        failures = _gate(scores["summary"], min_psnr, max_lpips)
+        timings["total_s"] = time.perf_counter() - started
+        doc = {
+            "tool": "flux-port", "version": __version__, "kind": "compare", "format_version": 1,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "reference": ref.describe(), "candidate": cand.describe(),
+            "settings": {"steps": steps, "width": width, "height": height,
+                         "guidance_scale": kwargs.get("guidance_scale"),
+                         "noise": "float32 CPU generator per seed, cast by each pipeline",
+                         "text_encoder": "reference's, once per prompt, shared by both sides",
+                         "images": [str(p) for p in images], "diff_gain": diff_gain},
+            **scores,
+            "grid": GRID_PNG,
+            "gates": {"min_psnr": min_psnr, "max_lpips": max_lpips, "on": "mean", "passed": not failures,
+                      "failures": failures},
+            "timings": {k: round(v, 3) for k, v in timings.items()},
+        }
+        (staging / COMPARE_JSON).write_text(json.dumps(doc, indent=2) + "\n")
+        (staging / COMPARE_MD).write_text(to_markdown(doc))
+    return CompareResult(out, doc, failures)
+
+
+def _pixels(path: Path) -> np.ndarray:
+    from PIL import Image
+
+    with Image.open(path) as img:
+        return np.asarray(img.convert("RGB"))
+
+
+def _score(staging: Path, names: Sequence[str], prompts: Sequence[str], seeds: Sequence[int],
+           scorer: im.LpipsScorer | None, lpips_reason: str | None) -> dict[str, Any]:
+    rows, capped = [], 0
+    for name, prompt, seed in zip(names, prompts, seeds):
+        a = im.to_tensor(_pixels(staging / "reference" / name))
+        b = im.to_tensor(_pixels(staging / "candidate" / name))
+        psnr, was_capped = im.psnr(b, a)
+        capped += was_capped
+        rows.append({"prompt": prompt, "seed": seed, "psnr": psnr, "psnr_capped": was_capped, "ssim": im.ssim(b, a),
+                     "lpips": scorer(b, a) if scorer else None,
+                     "reference": f"reference/{name}", "candidate": f"candidate/{name}"})
+    summary = {"psnr": im.summarize([r["psnr"] for r in rows]), "ssim": im.summarize([r["ssim"] for r in rows]),
+               "lpips": im.summarize([r["lpips"] for r in rows]) if scorer else None}
+    metrics = {
+        "psnr": {"library": "torchmetrics peak_signal_noise_ratio", "data_range": [0, 1], "per": "image",
+                 "cap_db": im.PSNR_CAP_DB, "capped": capped},
+        "ssim": {"library": "torchmetrics structural_similarity_index_measure", "data_range": [0, 1],
+                 "kernel": "gaussian 11, sigma 1.5"},
+        "lpips": {"library": "torchmetrics LearnedPerceptualImagePatchSimilarity", "net": "alex", "normalize": True,
+                  "available": scorer is not None, "reason": None if scorer else lpips_reason,
+                  "backbone": (scorer.source if scorer else None)},
+    }
+    return {"summary": summary, "metrics": metrics, "images": rows}
