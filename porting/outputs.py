@@ -16,6 +16,7 @@ import os
 import shutil
 import stat
 import tempfile
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Literal, Mapping
@@ -284,3 +285,13 @@ def atomic_folder(out: Path, force: bool = False, *, verb: str = "convert", repl
             os.replace(staging, out)
     finally:
         os.close(lock_fd)
+
+
+def timestamped_folder(root: Path) -> Path:
+    """A new `root/<UTC time>` folder name (suffixed -2, -3, ... when taken), for reports kept side by side."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    out, n = root / stamp, 1
+    while out.exists():
+        n += 1
+        out = root / f"{stamp}-{n}"
+    return out

@@ -19,3 +19,11 @@ def tiny2_file(tmp_path_factory, tiny2_state):
     import torch
 
     return save_state(tmp_path_factory.mktemp("tiny2") / "klein-tiny.safetensors", tiny2_state, torch.bfloat16)
+
+
+@pytest.fixture(scope="session")
+def port(tmp_path_factory):
+    """A tiny offline port (base, fine-tune, converted transformer, report fixtures), built once per run."""
+    from .tinyport import build_tiny_port
+
+    return build_tiny_port(tmp_path_factory.getbasetemp() / "tiny-port")

@@ -11,17 +11,12 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tinyport import build_tiny_port, write_report  # noqa: E402
+from tinyport import write_report  # noqa: E402
 
 from porting.cli.app import main  # noqa: E402
 from porting.pipeline.bench import Row, _relative, bench  # noqa: E402
 from porting.pipeline.publish import publish  # noqa: E402
 from validation.image_compare import Side, compare  # noqa: E402
-
-
-@pytest.fixture(scope="session")
-def port(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return build_tiny_port(tmp_path_factory.getbasetemp() / "tiny-port")
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,6 @@ import torch
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tinyport import build_tiny_port  # noqa: E402
 
 from porting.cli.app import main  # noqa: E402
 from porting.errors import PortError  # noqa: E402
@@ -49,10 +48,6 @@ def no_network(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr(socket.socket, "connect", refuse)
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch-home"))
 
-
-@pytest.fixture(scope="session")
-def port(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return build_tiny_port(tmp_path_factory.getbasetemp() / "tiny-port")
 
 
 @pytest.fixture(scope="module")

@@ -12,17 +12,12 @@ import pytest
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tinyport import build_tiny_port, in_memory_image  # noqa: E402
+from tinyport import in_memory_image  # noqa: E402
 
 from porting.cli.app import main  # noqa: E402
 from porting.errors import DeviceError, InputError, PortError  # noqa: E402
 from porting.pipeline.generate import default_steps, generate, parse_size  # noqa: E402
 from porting.pipeline.publish import publish  # noqa: E402
-
-
-@pytest.fixture(scope="session")
-def port(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return build_tiny_port(tmp_path_factory.getbasetemp() / "tiny-port")
 
 
 @pytest.fixture(scope="module")

@@ -16,13 +16,6 @@ from porting.pipeline.publish import model_card, publish
 
 from .helpers import leftovers, run_port, save_state
 from .test_safety import assert_clean_refusal, snapshot
-from .tinyport import build_tiny_port
-
-
-@pytest.fixture(scope="module")
-def port(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return build_tiny_port(tmp_path_factory.getbasetemp() / "tiny-port")
-
 
 # --- usage errors: exit 2, a message, nothing written ------------------------------------------------------------
 

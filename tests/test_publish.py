@@ -15,7 +15,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tinyport import build_tiny_port, in_memory_image, write_report  # noqa: E402
+from tinyport import in_memory_image, write_report  # noqa: E402
 
 from porting.cli.app import main  # noqa: E402
 from porting.demo.tiny import TINY_FLUX2, write_random_checkpoint  # noqa: E402
@@ -23,11 +23,6 @@ from porting.engine.convert import convert  # noqa: E402
 from porting.errors import CheckFailed  # noqa: E402
 from porting.outputs import RECORD  # noqa: E402
 from porting.pipeline.publish import publish  # noqa: E402
-
-
-@pytest.fixture(scope="session")
-def port(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return build_tiny_port(tmp_path_factory.getbasetemp() / "tiny-port")
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,6 @@ from porting.outputs import RECORD, UnsafeOutputError, atomic_folder, foreign_en
 from porting.pipeline.publish import publish
 
 from .helpers import leftovers, run_port
-from .tinyport import build_tiny_port
 
 
 def snapshot(root: Path) -> dict[str, str]:
@@ -40,10 +39,6 @@ def assert_clean_refusal(run, code: int, *phrases: str) -> None:
     for phrase in phrases:
         assert phrase in run.msg, run.msg
 
-
-@pytest.fixture(scope="module")
-def port(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return build_tiny_port(tmp_path_factory.getbasetemp() / "tiny-port")
 
 
 @pytest.fixture

@@ -25,7 +25,7 @@ import torch
 
 from porting import __version__
 from porting.errors import DeviceError, InputError, OutputExistsError, PortError
-from porting.outputs import atomic_folder
+from porting.outputs import atomic_folder, timestamped_folder
 from porting.pipeline import pipeload
 from porting.pipeline.compare_tables import COMPARE_JSON, COMPARE_MD, fmt, summary_markdown
 from porting.pipeline.generate import (
@@ -232,13 +232,7 @@ def default_out(candidate: Side) -> Path:
     """reports/compare/<UTC time>/ next to the candidate's transformer (a swap) or its folder, where publish finds
     it (the workspace layout: <recipe>/reports/)."""
     anchor = Path(candidate.transformer) if candidate.transformer else Path(candidate.folder)
-    root = anchor.resolve().parent / "reports" / "compare"
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-    out, n = root / stamp, 1
-    while out.exists():
-        n += 1
-        out = root / f"{stamp}-{n}"
-    return out
+    return timestamped_folder(anchor.resolve().parent / "reports" / "compare")
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ import torch
 
 from porting import __version__
 from porting.errors import InputError, PortError
-from porting.tensors.writer import atomic_folder
+from porting.outputs import atomic_folder, timestamped_folder
 
 from . import pipeload
 from .generate import (
@@ -254,13 +254,7 @@ def to_markdown(doc: dict[str, Any]) -> str:
 
 def default_out(folder: Path, transformer: Path | None) -> Path:
     anchor = transformer if transformer is not None else folder
-    root = anchor.resolve().parent / "reports" / "bench"
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-    out, n = root / stamp, 1
-    while out.exists():
-        n += 1
-        out = root / f"{stamp}-{n}"
-    return out
+    return timestamped_folder(anchor.resolve().parent / "reports" / "bench")
 
 
 def _device_name(device: torch.device) -> str:
