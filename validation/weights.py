@@ -59,7 +59,7 @@ class WeightSource:
         """Identity of the weights as `port convert` records it (diffusers naming)."""
         if self.detection.naming == "diffusers":
             return hash_checkpoint(self.ckpt, self.detection.prefix)
-        from porting.tensors.writer import WeightsHasher
+        from porting.tensors.identity import WeightsHasher
 
         hasher = WeightsHasher()
         for key, _, dtype in self.plan.outputs():

@@ -10,7 +10,7 @@ import torch
 
 from porting.engine.mapping import Naming, builtin_tables
 from porting.engine.plan import expected_shapes
-from porting.tensors.checkpoint import ST_TO_TORCH
+from porting.tensors.dtypes import ST_TO_TORCH
 from porting.tensors.writer import Entry, write_shards
 
 TINY_FLUX2: dict[str, Any] = {
