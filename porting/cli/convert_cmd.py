@@ -31,6 +31,10 @@ def summary_table(result: ConvertResult) -> Table:
     table = Table(title="conversion plan", show_header=False)
     table.add_row("table", f"{s['table']} ({s['from']} -> {s['to']})")
     table.add_row("variant", s["variant"])
+    if result.quantization:
+        q = result.quantization
+        table.add_row("dequantized from", f"{q['label']}" + (f"; dropped {len(q['dropped'])} tensor(s) "
+                                                             f"({q['dropped'][0]}, ...)" if q["dropped"] else ""))
     table.add_row("tensors",
                   f"{s['source_tensors']} -> {s['target_tensors']} (target model: {s['target_model_tensors']})")
     table.add_row("parameters", f"{s['parameters']:,}")

@@ -1,0 +1,107 @@
+"""Every quantized input format, end to end, against independent producers and an independent forward.
+
+For each layout a tiny FLUX.2 file is written by the format's own producer (comfy-kitchen for ComfyUI layouts,
+diffusers' BFL-scheme quantizer, the gguf package's quantizer), converted with `port convert --strict --dtype fp32`,
+loaded strictly into diffusers' Flux2Transformer2DModel, and run against the repository's BFL reference forward
+holding the weights as the producer itself dequantizes them (float32): relative L2 below 1e-5. The same output is
+also compared with the unquantized model: the quantization error must be visible there, so a reader that ignored
+the scales, or read the original weights by some other way, could not pass.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from . import quantfiles as qf
+from .helpers import TINY2, reference_model, run_port
+from .reference.flux2_bfl import Flux2Reference
+from .test_equivalence import flux2_inputs, load_strict, run_flux2_pair
+
+TOL = 1e-5
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.fixture(scope="module")
+def state():
+    return reference_model(TINY2, seed=5).state_dict()
+
+
+def _build(kind: str, state, folder):
+    """(file, oracle state, what the manifest must say it was dequantized from)"""
+    if kind == "comfy-scaled-fp8":
+        tensors, oracle = qf.comfy_scaled_fp8(state)
+        return qf.save(folder / "scaled.safetensors", tensors), oracle, "ComfyUI scaled fp8"
+    if kind.startswith("comfy-"):
+        fmt, _, declare = kind[len("comfy-"):].partition("@")
+        tensors, oracle, meta = qf.comfy_mixed(state, fmt, declare=declare or "tensor",
+                                               pre_quant_scale=fmt in ("nvfp4", "float8_e4m3fn"))
+        return qf.save(folder / "mixed.safetensors", tensors, meta), oracle, "ComfyUI mixed precision"
+    if kind == "bfl-fp8":
+        tensors, oracle = qf.bfl_fp8(state)
+        return qf.save(folder / "bfl-fp8.safetensors", tensors), oracle, "BFL fp8"
+    if kind == "diffusers-fp8r-nvfp4":
+        tensors, oracle = qf.diffusers_bfl(state)
+        return qf.save(folder / "fp8r-nvfp4.safetensors", tensors), oracle, "diffusers BFL scheme"
+    if kind == "modelopt-int8":
+        tensors, oracle = qf.modelopt_int8(state)
+        return qf.save(folder / "int8.safetensors", tensors), oracle, "ModelOpt int8"
+    if kind.startswith("gguf-"):
+        path = folder / "model.gguf"
+        return path, qf.gguf_file(path, state, kind[len("gguf-"):]), "GGUF"
+    raise AssertionError(kind)
+
+
+KINDS = ["comfy-scaled-fp8", "comfy-float8_e4m3fn", "comfy-float8_e5m2", "comfy-nvfp4", "comfy-nvfp4@metadata",
+         "comfy-mxfp8", "comfy-int8_tensorwise", "bfl-fp8", "diffusers-fp8r-nvfp4", "modelopt-int8",
+         "gguf-Q8_0", "gguf-Q4_0", "gguf-Q5_1"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_converted_quantized_file_computes_the_reference_with_producer_dequantized_weights(tmp_path, capsys, state,
+                                                                                          kind):
+    src, oracle, label = _build(kind, state, tmp_path)
+    out = tmp_path / "transformer"
+    run = run_port(capsys, "convert", src, "--out", out, "--strict", "--dtype", "fp32", "--quiet", "--json")
+    assert run.code == 0, run.err
+    doc = json.loads(run.out)
+    assert doc["dequantized_from"].startswith(label) and doc["quantization"]["dequantized_tensors"] == 20
+    manifest = json.loads((out / "flux-port.json").read_text())
+    assert manifest["dequantized_from"] == doc["dequantized_from"] and manifest["dtype"] == "fp32"
+
+    model = load_strict(_cls(), out)
+    expected = Flux2Reference(TINY2)
+    expected.load_state_dict(oracle, strict=True)
+    unquantized = reference_model(TINY2, seed=5)
+    inp = flux2_inputs(TINY2)
+    ref, got = run_flux2_pair(expected.eval(), model, inp)
+    plain, _ = run_flux2_pair(unquantized, model, inp)
+    assert rel_l2(got, ref) < TOL, f"{kind}: rel L2 {rel_l2(got, ref):.3g} against the producer's dequantization"
+    assert rel_l2(got, plain) > 100 * TOL, f"{kind}: quantization left no trace; the test could not fail"
+
+
+def _cls():
+    from diffusers import Flux2Transformer2DModel
+
+    return Flux2Transformer2DModel
+
+
+def test_quantized_source_defaults_to_bf16_and_dequantized_rows_are_streamed(tmp_path, state):
+    """`--dtype keep` on a quantized file writes bf16 (the dequantized weights rounded once); plain tensors of the
+    file stay byte copies (same bytes as the source)."""
+    from safetensors.torch import load_file
+
+    from porting.engine.convert import convert
+
+    src, oracle, _ = _build("comfy-nvfp4", state, tmp_path)
+    result = convert(src, tmp_path / "out", strict=True)
+    written = load_file(str(tmp_path / "out" / "diffusion_pytorch_model.safetensors"))
+    assert {t.dtype for t in written.values()} == {torch.bfloat16}
+    qkv = written["transformer_blocks.0.attn.to_q.weight"]
+    assert torch.equal(qkv, oracle["double_blocks.0.img_attn.qkv.weight"][:64].to(torch.bfloat16))
+    assert result.quantization and result.quantization["format"] == "ComfyUI mixed precision"
