@@ -105,3 +105,54 @@ def test_quantized_source_defaults_to_bf16_and_dequantized_rows_are_streamed(tmp
     qkv = written["transformer_blocks.0.attn.to_q.weight"]
     assert torch.equal(qkv, oracle["double_blocks.0.img_attn.qkv.weight"][:64].to(torch.bfloat16))
     assert result.quantization and result.quantization["format"] == "ComfyUI mixed precision"
+
+
+@pytest.mark.parametrize("kind", ["comfy-nvfp4", "comfy-mxfp8", "diffusers-fp8r-nvfp4", "gguf-Q4_0"])
+def test_small_row_blocks_write_the_same_bytes(tmp_path, state, monkeypatch, kind):
+    """Dequantization in row blocks (what keeps memory flat on real sizes) gives the bytes of a whole-tensor pass:
+    block boundaries cut through swizzled scale tiles, packed rows and GGUF rows."""
+    from porting.engine import convert as convert_mod
+
+    src, _, _ = _build(kind, state, tmp_path)
+    convert_mod.convert(src, tmp_path / "whole", strict=True)
+    monkeypatch.setattr(convert_mod, "BLOCK_ELEMENTS", 7 * 64)  # 7 rows of a 64-column weight per block
+    convert_mod.convert(src, tmp_path / "blocks", strict=True)
+    a = (tmp_path / "whole" / "diffusion_pytorch_model.safetensors").read_bytes()
+    b = (tmp_path / "blocks" / "diffusion_pytorch_model.safetensors").read_bytes()
+    assert a == b
+
+
+def test_gguf_k_quants_read_as_the_gguf_package_dequantizes_them(tmp_path, state):
+    """K-quants have no quantizer in the gguf package: blocks with valid scales and random codes, written by its
+    writer; flux-port's rows must equal the package's own dequantization, shapes reversed back."""
+    import gguf
+    import numpy as np
+
+    from porting.tensors.checkpoint import open_checkpoint
+
+    rng = np.random.default_rng(0)
+    path = tmp_path / "k.gguf"
+    writer = gguf.GGUFWriter(str(path), "flux")
+    expected = {}
+    for i, name in enumerate(("Q4_K", "Q6_K", "Q3_K")):
+        qtype = gguf.GGMLQuantizationType[name]
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        rows, cols = 8 + i, 2 * block
+        raw = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
+        half = np.array([0.01], dtype=np.float16).view(np.uint8)  # fp16 super-block scales: Q4_K first, else last
+        at = [size - 2] if name == "Q6_K" else [0, 2] if name == "Q4_K" else [size - 2]
+        for a in at:
+            raw[..., a], raw[..., a + 1] = half[0], half[1]
+        data = raw.reshape(rows, -1)
+        writer.add_tensor(f"t{i}", data, raw_shape=data.shape, raw_dtype=qtype)
+        expected[f"t{i}"] = torch.from_numpy(np.array(gguf.quants.dequantize(data, qtype), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    ckpt = open_checkpoint(path)
+    assert ckpt.quantization.layers == {"Q4_K": 1, "Q6_K": 1, "Q3_K": 1}
+    for key, want in expected.items():
+        assert tuple(ckpt.tensors[key].shape) == tuple(want.shape)
+        assert torch.equal(ckpt.read(key), want) and torch.isfinite(want).all()
+        assert torch.equal(torch.cat([ckpt.read(key, (0, 3)), ckpt.read(key, (3, want.shape[0]))]), want)
