@@ -91,20 +91,37 @@ def _cls():
     return Flux2Transformer2DModel
 
 
-def test_quantized_source_defaults_to_bf16_and_dequantized_rows_are_streamed(tmp_path, state):
-    """`--dtype keep` on a quantized file writes bf16 (the dequantized weights rounded once); plain tensors of the
-    file stay byte copies (same bytes as the source)."""
+@pytest.mark.parametrize("kind", ["comfy-nvfp4", "comfy-scaled-fp8", "modelopt-int8", "gguf-Q8_0"])
+def test_quantized_source_defaults_to_bf16_rounded_once_from_the_float32_dequantization(tmp_path, state, kind):
+    """`--dtype keep` on a quantized file writes bf16: the producer's float32 dequantization rounded once, bit for
+    bit (per-tensor scales take a table-lookup path that must give exactly these bits)."""
     from safetensors.torch import load_file
 
     from porting.engine.convert import convert
 
-    src, oracle, _ = _build("comfy-nvfp4", state, tmp_path)
+    src, oracle, label = _build(kind, state, tmp_path)
     result = convert(src, tmp_path / "out", strict=True)
     written = load_file(str(tmp_path / "out" / "diffusion_pytorch_model.safetensors"))
     assert {t.dtype for t in written.values()} == {torch.bfloat16}
-    qkv = written["transformer_blocks.0.attn.to_q.weight"]
-    assert torch.equal(qkv, oracle["double_blocks.0.img_attn.qkv.weight"][:64].to(torch.bfloat16))
-    assert result.quantization and result.quantization["format"] == "ComfyUI mixed precision"
+    for target, source in (("transformer_blocks.0.attn.to_q.weight", "double_blocks.0.img_attn.qkv.weight"),
+                           ("single_transformer_blocks.1.attn.to_out.weight", "single_blocks.1.linear2.weight")):
+        want = oracle[source][:64] if target.endswith("to_q.weight") else oracle[source]
+        assert torch.equal(written[target].view(torch.int16), want.to(torch.bfloat16).view(torch.int16)), target
+    assert result.quantization and result.quantization["label"].startswith(label)
+
+
+def test_code_tables_give_the_bits_of_the_float32_product():
+    """Every code of every one-byte storage dtype (NaN codes included), each output dtype, odd sizes too."""
+    from porting.tensors.quant import kernels
+
+    for storage in (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8):
+        codes = torch.arange(256, dtype=torch.uint8).repeat(3)[:-1].reshape(1, -1).view(storage)
+        for scale in (torch.tensor(0.0123), torch.tensor(3.5e-5)):
+            for out in (torch.bfloat16, torch.float16, torch.float32):
+                got = kernels.lookup(codes, kernels.code_table(storage, scale, out))
+                want = (codes.float() * scale).to(out)
+                bits = {2: torch.int16, 4: torch.int32}[out.itemsize]
+                assert torch.equal(got.view(bits), want.view(bits)), (storage, out)
 
 
 @pytest.mark.parametrize("kind", ["comfy-nvfp4", "comfy-mxfp8", "diffusers-fp8r-nvfp4", "gguf-Q4_0"])

@@ -144,7 +144,7 @@ def _row_blocks(ckpt: Checkpoint, keys: tuple[str, ...], shapes: list[tuple[int,
         first, last = offset // inner, (offset + count) // inner
         step = max(1, BLOCK_ELEMENTS // max(inner, 1))
         for a in range(first, last, step):
-            yield ckpt.read(keys[i], (a, min(a + step, last))).to(target).contiguous()
+            yield ckpt.read(keys[i], (a, min(a + step, last)), dtype=target).contiguous()
 
 
 def convert(src: str | Path, out: str | Path | None, to: Naming = "diffusers", dtype: str = "keep",

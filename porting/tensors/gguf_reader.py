@@ -36,7 +36,8 @@ class GGUFDecoder:
         self.path = path
         self.entries = entries  # key -> (GGML type, data offset, stored bytes, torch shape)
 
-    def dequantize(self, key: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+    def dequantize(self, key: str, rows: tuple[int, int] | None = None,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
         import numpy as np
 
         gguf = _gguf()
@@ -50,7 +51,8 @@ class GGUFDecoder:
             raise InputError(f"{self.path}: unexpected end of file while reading tensor {key!r}.")
         raw = np.frombuffer(data, dtype=np.uint8).reshape(b - a, row_bytes)
         values = gguf.quants.dequantize(raw, qtype)
-        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(b - a, *shape[1:])
+        out = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(b - a, *shape[1:])
+        return out if dtype == torch.float32 else out.to(dtype)
 
 
 def open_gguf(path: Path) -> Checkpoint:

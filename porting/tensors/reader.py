@@ -53,8 +53,9 @@ class TensorInfo:
 class Decoder(Protocol):
     """Computes the tensors a reader marks `computed`."""
 
-    def dequantize(self, key: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
-        """The tensor `key` (or rows [a, b) of dim 0) in float32."""
+    def dequantize(self, key: str, rows: tuple[int, int] | None = None,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The tensor `key` (or rows [a, b) of dim 0): dequantized in float32, then rounded once to `dtype`."""
         ...
 
 
@@ -118,14 +119,19 @@ class Checkpoint:
             counts[t.dtype] = counts.get(t.dtype, 0) + 1
         return dict(sorted(counts.items()))
 
-    def read(self, key: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
-        """One tensor, or rows [a, b) of dim 0: stored bytes as they are, computed tensors from the decoder."""
+    def read(self, key: str, rows: tuple[int, int] | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """One tensor, or rows [a, b) of dim 0: stored bytes as they are, computed tensors from the decoder (float32).
+
+        With `dtype`, the result is cast to it (computed tensors: float32 values rounded once, decoders may take a
+        faster path to the same values).
+        """
         info = self.tensors[key]
         if info.computed:
             if self.decoder is None:
                 raise InputError(f"internal: {key!r} is computed but {self.path} has no decoder.")
-            return self.decoder.dequantize(key, rows)
-        return read_stored(info, rows)
+            return self.decoder.dequantize(key, rows, dtype or torch.float32)
+        t = read_stored(info, rows)
+        return t if dtype is None else t.to(dtype)
 
 
 def read_stored(info: TensorInfo, rows: tuple[int, int] | None = None) -> torch.Tensor:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
 # E2M1 (FP4) code -> value; bit 3 is the sign
@@ -14,6 +17,45 @@ def scaled(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     if s.numel() == 1:
         return weight.float() * s.reshape(())
     return weight.float() * s.reshape(-1, *([1] * (weight.dim() - 1)))
+
+
+@dataclass(frozen=True)
+class CodeTable:
+    """The dequantized value of every code of a one-byte storage dtype, as bit patterns of the output dtype."""
+
+    bits: np.ndarray  # 256 entries, or 65536 code pairs (little-endian) for two-byte outputs
+    out: torch.dtype
+
+    @property
+    def pairs(self) -> bool:
+        return self.bits.size == 65536
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def code_table(codes: torch.dtype, scale: torch.Tensor, out: torch.dtype) -> CodeTable:
+    """Each of the 256 codes' value times `scale` in float32, rounded to `out`: exactly what
+    `(weight.float() * scale).to(out)` computes element by element."""
+    values = (torch.arange(256, dtype=torch.uint8).view(codes).float() * scale.float().reshape(())).to(out)
+    bits = values.view(_BITS[out.itemsize]).numpy().copy()
+    if out.itemsize == 2:  # one lookup per two codes
+        u = bits.view(np.uint16).astype(np.uint32)
+        bits = ((u[:, None] << 16) | u[None, :]).reshape(-1)  # index high * 256 + low -> value(high) << 16 | value(low)
+    return CodeTable(bits, out)
+
+
+def lookup(weight: torch.Tensor, table: CodeTable) -> torch.Tensor:
+    """`weight`'s one-byte codes through `table`: a tensor of `table.out`, same shape."""
+    codes = weight.contiguous().view(torch.uint8).numpy().reshape(-1)
+    if table.pairs and codes.size % 2 == 0:
+        flat = np.take(table.bits, codes.view(np.uint16)).view(np.uint16)
+    elif table.pairs:
+        u = table.bits.reshape(256, 256)[0]  # value(0) << 16 | value(low): the low halves hold single values
+        flat = np.take((u & 0xFFFF).astype(np.uint16), codes)
+    else:
+        flat = np.take(table.bits, codes)
+    return torch.from_numpy(flat).view(table.out).reshape(weight.shape)
 
 
 def unpack_fp4(packed: torch.Tensor, high_first: bool) -> torch.Tensor:
