@@ -173,3 +173,35 @@ def test_gguf_k_quants_read_as_the_gguf_package_dequantizes_them(tmp_path, state
         assert tuple(ckpt.tensors[key].shape) == tuple(want.shape)
         assert torch.equal(ckpt.read(key), want) and torch.isfinite(want).all()
         assert torch.equal(torch.cat([ckpt.read(key, (0, 3)), ckpt.read(key, (3, want.shape[0]))]), want)
+
+
+def test_prefetched_blocks_keep_order_pass_errors_and_stop_with_the_consumer():
+    import threading
+
+    from porting.engine.convert import prefetched
+
+    assert list(prefetched(iter(range(50)), depth=2)) == list(range(50))
+
+    def failing():
+        yield 1
+        raise ValueError("bad block")
+
+    got = []
+    with pytest.raises(ValueError, match="bad block"):
+        for x in prefetched(failing()):
+            got.append(x)
+    assert got == [1]
+    produced = []
+
+    def endless():
+        i = 0
+        while True:
+            produced.append(i)
+            yield i
+            i += 1
+
+    gen = prefetched(endless(), depth=2)
+    assert next(gen) == 0
+    gen.close()  # the consumer stops early: the producer thread must end, not block on a full queue
+    assert not any(t.name == "flux-port-dequantize" for t in threading.enumerate())
+    assert len(produced) <= 5

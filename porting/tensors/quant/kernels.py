@@ -49,7 +49,9 @@ def lookup(weight: torch.Tensor, table: CodeTable) -> torch.Tensor:
     """`weight`'s one-byte codes through `table`: a tensor of `table.out`, same shape."""
     codes = weight.contiguous().view(torch.uint8).numpy().reshape(-1)
     if table.pairs and codes.size % 2 == 0:
-        flat = np.take(table.bits, codes.view(np.uint16)).view(np.uint16)
+        pairs = np.empty(codes.size // 2, dtype=table.bits.dtype)
+        np.take(table.bits, codes.view(np.uint16), out=pairs, mode="clip")  # every index is in range
+        flat = pairs.view(np.uint16)
     elif table.pairs:
         u = table.bits.reshape(256, 256)[0]  # value(0) << 16 | value(low): the low halves hold single values
         flat = np.take((u & 0xFFFF).astype(np.uint16), codes)
