@@ -189,14 +189,18 @@ def test_plain_files_are_untouched_by_the_quantized_readers(tiny2_file):
     assert ckpt.quantization is None and ckpt.stored is None and not any(t.computed for t in ckpt.tensors.values())
 
 
-def test_every_tensor_module_imports_on_its_own():
-    """No import cycles in the tensor I/O package: each module imported first, in a fresh interpreter."""
+def test_every_tensor_and_engine_module_imports_on_its_own():
+    """No import cycles in tensor I/O and the engine: each module imported first, all porting modules unloaded
+    in between (one interpreter, so torch loads once)."""
     import pkgutil
 
-    import porting.tensors as pkg
+    import porting.engine
+    import porting.tensors
 
-    names = [m.name for m in pkgutil.walk_packages(pkg.__path__, "porting.tensors.")]
+    names = [m.name for pkg in (porting.tensors, porting.engine)
+             for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + ".")]
     assert "porting.tensors.identity" in names and "porting.tensors.quant.comfy_mixed" in names
+    assert "porting.engine.quantize" in names
     code = ("import importlib, sys\n"
             f"for name in {names!r}:\n"
             "    for m in [m for m in sys.modules if m.startswith(('porting', 'validation'))]:\n"

@@ -12,8 +12,7 @@ from typing import Mapping
 
 import torch
 
-from porting.errors import InputError, PortError
-from porting.errors import UnsupportedQuantizationError as UnsupportedQuantizationError  # re-export
+from porting.errors import InputError
 
 from ..dtypes import nbytes
 from ..reader import Checkpoint, Quantization, TensorInfo, read_stored
@@ -285,4 +284,4 @@ def rewrite(ckpt: Checkpoint, found: Found) -> Checkpoint:
 
 
 __all__ = ["Scheme", "Scaled", "NVFP4", "MXFP8", "Layer", "Found", "QuantDecoder", "layer_parts", "rewrite",
-           "is_sidecar", "SIDECAR_NAMES", "PortError", "UnsupportedQuantizationError"]
+           "is_sidecar", "SIDECAR_NAMES"]

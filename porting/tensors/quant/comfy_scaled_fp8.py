@@ -8,6 +8,8 @@ reported. Dequantized weight = weight * scale_weight.
 
 from __future__ import annotations
 
+from porting.errors import InputError
+
 from ..reader import Checkpoint
 from .base import Found, Scaled, layer_parts
 
@@ -16,8 +18,12 @@ MARKER = "scaled_fp8"
 
 
 def _marker(ckpt: Checkpoint) -> str | None:
-    found = [k for k in ckpt.tensors if k == MARKER or k.endswith("." + MARKER)]
-    return found[0] if len(found) == 1 else (sorted(found)[0] if found else None)
+    found = sorted(k for k in ckpt.tensors if k == MARKER or k.endswith("." + MARKER))
+    if len(found) > 1:
+        raise InputError(f"{ckpt.path}: {len(found)} scaled_fp8 markers ({', '.join(found[:3])}); one file holds one "
+                         "model.", hint="Is this a merged checkpoint (model plus text encoder)? Extract the "
+                                        "transformer first.")
+    return found[0] if found else None
 
 
 def claims(ckpt: Checkpoint) -> bool:
