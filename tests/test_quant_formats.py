@@ -205,3 +205,18 @@ def test_prefetched_blocks_keep_order_pass_errors_and_stop_with_the_consumer():
     gen.close()  # the consumer stops early: the producer thread must end, not block on a full queue
     assert not any(t.name == "flux-port-dequantize" for t in threading.enumerate())
     assert len(produced) <= 5
+
+
+def test_q8_0_fast_path_is_bit_identical_to_the_gguf_package():
+    import gguf
+    import numpy as np
+
+    from porting.tensors.gguf_reader import q8_0
+
+    rng = np.random.default_rng(1)
+    data = (rng.standard_normal((33, 96)) * rng.choice([1e-4, 1.0, 300.0], size=(33, 1))).astype(np.float32)
+    q = gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0)
+    want = torch.from_numpy(np.array(gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q8_0), dtype=np.float32))
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        got = q8_0(q.copy(), dtype)
+        assert got.dtype == dtype and torch.equal(got, want.to(dtype))

@@ -45,14 +45,30 @@ class GGUFDecoder:
         n = shape[0] if shape else 1
         a, b = rows or (0, n)
         row_bytes = stored // n
+        buf = bytearray((b - a) * row_bytes)
         with open(self.path, "rb", buffering=0) as f:
-            data = os.pread(f.fileno(), (b - a) * row_bytes, offset + a * row_bytes)
-        if len(data) != (b - a) * row_bytes:
+            got = os.preadv(f.fileno(), [buf], offset + a * row_bytes)
+        if got != len(buf):
             raise InputError(f"{self.path}: unexpected end of file while reading tensor {key!r}.")
-        raw = np.frombuffer(data, dtype=np.uint8).reshape(b - a, row_bytes)
+        raw = np.frombuffer(buf, dtype=np.uint8).reshape(b - a, row_bytes)
+        if qtype.name == "Q8_0":
+            return q8_0(raw, dtype).reshape(b - a, *shape[1:])
         values = gguf.quants.dequantize(raw, qtype)
         out = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(b - a, *shape[1:])
         return out if dtype == torch.float32 else out.to(dtype)
+
+
+def q8_0(raw, dtype: torch.dtype) -> torch.Tensor:
+    """Q8_0 blocks (fp16 scale d, 32 int8 codes) -> d * code in float32 (exact), rounded once to `dtype`.
+
+    The same arithmetic as `gguf.quants.dequantize` (tests hold it bit for bit), in torch: about twice as fast,
+    which matters because Q8_0 is the common GGUF type for klein.
+    """
+    blocks = torch.from_numpy(raw).reshape(-1, 34)
+    scale = blocks[:, :2].contiguous().view(torch.float16).float()
+    out = torch.empty((blocks.shape[0], 32), dtype=torch.float32)
+    torch.mul(blocks[:, 2:].view(torch.int8), scale, out=out)
+    return (out if dtype == torch.float32 else out.to(dtype)).reshape(raw.shape[0], -1)
 
 
 def open_gguf(path: Path) -> Checkpoint:
