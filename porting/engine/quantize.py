@@ -112,7 +112,8 @@ def convert_quantized(src: str | Path, out: str | Path, quantize: str, dtype: st
         manifest = {
             "tool": "flux-port", "version": __version__, "source": str(Path(src).resolve()),
             "source_naming": detection.naming_label, "table": detection.table.name, "to": "original",
-            "variant": detection.variant, "dtype": plain, "tensors": len(specs), "files": [name],
+            "variant": detection.variant, "dtype": {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}.get(plain, plain),
+            "tensors": len(specs), "files": [name],
             "config": detection.config, **extra,
         }
         if ckpt.quantization:
