@@ -101,3 +101,9 @@ class NetworkError(PortError):
 
 class DiskSpaceError(PortError):
     exit_code = EXIT_DISK
+
+
+class UnsupportedQuantizationError(PortError):
+    """A quantized layout flux-port recognises but cannot turn into plain weights exactly (it refuses, naming it)."""
+
+    exit_code = EXIT_CHECK_FAILED

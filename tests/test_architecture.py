@@ -93,12 +93,8 @@ def test_the_graph_sees_lazy_imports() -> None:
     assert "validation.api" in graph["porting.cli.validate_cmd"]  # imported inside the command function
 
 
-# TEMPORARY: the hasher moves out of both modules with the tensor-reader seam (issue 8 item 2), then this goes
-KNOWN_CYCLES = [["porting.tensors.checkpoint", "porting.tensors.writer"]]
-
-
 def test_no_import_cycles_anywhere() -> None:
-    assert [c for c in cycles(import_graph()) if c not in KNOWN_CYCLES] == []
+    assert cycles(import_graph()) == []
 
 
 def test_the_cycle_finder_finds_a_cycle() -> None:

@@ -153,7 +153,8 @@ def test_record_step_keeps_other_verbs(tmp_path):
     record_step(p, "fetch", {"a": 3})
     import json
 
-    assert json.loads(p.port_json.read_text()) == {"recipe": "r1", "fetch": {"a": 3}, "convert": {"b": 2}}
+    assert json.loads(p.port_json.read_text()) == {"format_version": 1, "recipe": "r1", "fetch": {"a": 3},
+                                                 "convert": {"b": 2}}
 
 
 # -- recipes -----------------------------------------------------------------------------------------------------

@@ -113,7 +113,8 @@ def validate(model: str | Path, *, device: str = "cpu", dtype: str = "bf16", ref
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "model": {"path": str(Path(model).resolve()), "naming": source.detection.naming_label,
                   "variant": source.detection.variant, "table": table.name,
-                  "config": {k: v for k, v in source.config.items() if not k.startswith("_")}},
+                  "config": {k: v for k, v in source.config.items() if not k.startswith("_")},
+                  **source.provenance()},
         "weights_sha256": source.weights_sha256(),
         "device": str(dev), "dtype": dtype, "reference": str(ref), "golden_dtype": golden_dtype,
         "intrinsic": intrinsic if intrinsic == "native" else f"emulated ({dtype} rounding of weights, inputs and every "

@@ -73,6 +73,8 @@ def _ratio(x: float) -> str:
 def to_markdown(d: dict[str, Any]) -> str:
     lines = [f"# Validation report: **{d['verdict'].upper()}**", "",
              f"- model: `{d['model']['path']}` ({d['model']['variant']}, {d['model']['naming']} naming)",
+             *([f"- dequantized from {d['model']['dequantized_from']} (golden: the dequantized weights in float32)"]
+               if d["model"].get("dequantized_from") else []),
              f"- weights sha256: `{d['weights_sha256']}`",
              f"- device under test: `{d['device']}` in {d['dtype']}; "
              f"golden: `{d['reference']}` in {d['golden_dtype']}; "

@@ -55,11 +55,31 @@ class WeightSource:
             self._cached = (i, ps.step.op.apply([self.ckpt.read(k) for k in ps.stored_sources]))
         return self._cached[1][j]
 
+    def provenance(self) -> dict[str, Any]:
+        """Where the weights come from when they are not stored plainly: `dequantized_from` and its details.
+
+        For a quantized file, every run (golden included) sees the dequantized weights in float32.
+        """
+        quant = self.ckpt.quantization
+        if quant is None:
+            manifest = self.path / "flux-port.json" if self.path.is_dir() else None
+            if manifest is not None and manifest.is_file():
+                import json
+
+                try:
+                    converted = json.loads(manifest.read_text())
+                except ValueError:
+                    return {}
+                if converted.get("dequantized_from"):
+                    return {"dequantized_from": converted["dequantized_from"]}
+            return {}
+        return {"dequantized_from": quant.label, "quantization": quant.to_dict()}
+
     def weights_sha256(self) -> str:
         """Identity of the weights as `port convert` records it (diffusers naming)."""
         if self.detection.naming == "diffusers":
             return hash_checkpoint(self.ckpt, self.detection.prefix)
-        from porting.tensors.writer import WeightsHasher
+        from porting.tensors.identity import WeightsHasher
 
         hasher = WeightsHasher()
         for key, _, dtype in self.plan.outputs():

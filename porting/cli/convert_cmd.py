@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
@@ -23,8 +24,16 @@ Examples:
   port convert ft.safetensors --out ./transformer --config ./FLUX.2-klein-9B --strict
   port convert ./transformer --to original --out ./bfl
   port convert ft.safetensors --dry-run --json
+  port convert klein-fp8_scaled.safetensors --out ./transformer      (dequantized to bf16)
+  port convert ./transformer --to original --quantize gguf-q8_0 --out ./gguf
   port convert flux2-klein-9b-true-v1          (a recipe fetched with port fetch: finetune/ -> transformer/)
 """
+
+
+class QuantizeChoice(str, Enum):
+    fp8_scaled = "fp8-scaled"
+    gguf_q8_0 = "gguf-q8_0"
+    gguf_q4_0 = "gguf-q4_0"
 
 
 def summary_table(result: ConvertResult) -> Table:
@@ -32,11 +41,20 @@ def summary_table(result: ConvertResult) -> Table:
     table = Table(title="conversion plan", show_header=False)
     table.add_row("table", f"{s['table']} ({s['from']} -> {s['to']})")
     table.add_row("variant", s["variant"])
+    if result.quantization:
+        q = result.quantization
+        table.add_row("dequantized from", f"{q['label']}" + (f"; dropped {len(q['dropped'])} tensor(s) "
+                                                             f"({q['dropped'][0]}, ...)" if q["dropped"] else ""))
     table.add_row("tensors",
                   f"{s['source_tensors']} -> {s['target_tensors']} (target model: {s['target_model_tensors']})")
     table.add_row("parameters", f"{s['parameters']:,}")
     table.add_row("output size", f"{s['output_bytes'] / 1e9:.3f} GB")
     table.add_row("plan", "every key and shape accounted for" if s["ok"] else f"{len(s['problems'])} problem(s)")
+    if result.extra.get("reread"):
+        r = result.extra["reread"]
+        table.add_row("quantized to", f"{result.extra['quantized_to']}: " + ", ".join(
+            f"{k} x {v}" for k, v in sorted(result.extra["stored_kinds"].items())))
+        table.add_row("reread", f"{r['layout']}; worst dequantized error {r['worst_rel_l2']:.3%} ({r['worst_key']})")
     if result.out:
         table.add_row("written", f"{result.out} ({', '.join(result.files)})")
         table.add_row("weights sha256", str(result.weights_sha256))
@@ -56,6 +74,10 @@ def convert(
     strict: Annotated[bool, typer.Option("--strict/--no-strict", help="Refuse unless every key and shape is "
                                          "accounted for.")] = True,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan, write nothing.")] = False,
+    quantize: Annotated[Optional[QuantizeChoice], typer.Option(
+        "--quantize", help="With --to original: write one quantized file for ComfyUI (fp8-scaled) or "
+                           "ComfyUI-GGUF / llama.cpp-style runtimes (gguf-q8_0, gguf-q4_0), reread and "
+                           "report its error.")] = None,
     force: ForceOpt = False,
     workspace: WorkspaceOpt = None,
     json_: JsonOpt = False,
@@ -72,12 +94,22 @@ def convert(
         raise_unfetched_recipe(src)
     if out is None and not dry_run:
         raise PortError("port convert needs --out DIR (or --dry-run to only print the plan).")
+    if quantize is not None and (to != Direction.original or dry_run):
+        raise PortError(f"--quantize {quantize.value} writes original (BFL) naming for ComfyUI-style loaders; it "
+                        "needs --to original and --out DIR.",
+                        hint=f"port convert {src} --to original --quantize {quantize.value} --out DIR")
     from porting.engine.convert import convert as run_convert
 
     with output.bytes_progress("converting") as (on_start, on_bytes):
-        result = run_convert(src, out, to=to.value, dtype=dtype.value, config=config, max_shard_size=max_shard_size,
-                             strict=strict, dry_run=dry_run, force=force, on_start=on_start, on_bytes=on_bytes,
-                             on_notice=output.warning)
+        if quantize is not None:
+            from porting.engine.quantize import convert_quantized
+
+            result = convert_quantized(src, out, quantize.value, dtype=dtype.value, config=config, strict=strict,
+                                       force=force, on_start=on_start, on_bytes=on_bytes)
+        else:
+            result = run_convert(src, out, to=to.value, dtype=dtype.value, config=config,
+                                 max_shard_size=max_shard_size, strict=strict, dry_run=dry_run, force=force,
+                                 on_start=on_start, on_bytes=on_bytes, on_notice=output.warning)
     if recipe is not None and result.out:
         from porting.hub.workspace import record_step
         record_step(recipe, "convert", result.to_dict())

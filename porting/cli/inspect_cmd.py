@@ -29,6 +29,8 @@ def describe(path: Path) -> dict[str, Any]:
         "naming": d.naming, "prefix": d.prefix, "variant": d.variant, "diffusers_class": d.table.diffusers_class,
         "tensors": len(ckpt.tensors), "parameters": ckpt.parameter_count, "bytes": ckpt.total_bytes,
         "dtypes": ckpt.dtypes(), "config": {k: v for k, v in d.config.items() if not k.startswith("_")},
+        "container": ckpt.container,
+        "quantization": ckpt.quantization.to_dict() if ckpt.quantization else None,
     }
 
 
@@ -45,6 +47,19 @@ def inspect(path: Annotated[Path, typer.Argument(
     table.add_row("parameters", f"{info['parameters']:,}")
     table.add_row("size", f"{info['bytes'] / 1e9:.2f} GB")
     table.add_row("dtypes", ", ".join(f"{k}: {v}" for k, v in info["dtypes"].items()))
+    quant = info["quantization"]
+    if quant:
+        table.add_row("quantization", quant["format"])
+        for scheme, count in quant["layers"].items():
+            table.add_row("  dequantized", f"{count} tensor(s) {scheme}")
+        if quant["folded"]:
+            table.add_row("  folded", f"{quant['folded']} scale tensor(s) into the weights")
+        if quant["dropped"]:
+            table.add_row("  dropped", f"{len(quant['dropped'])} tensor(s), e.g. {quant['dropped'][0]}: "
+                                       f"{quant['dropped_why']}")
+        for note in quant["notes"]:
+            table.add_row("  note", note)
+        table.add_row("  convert", "writes the dequantized weights (bf16 unless --dtype says otherwise)")
     for k, v in info["config"].items():
         table.add_row(f"config.{k}", str(v))
     out.table(table)

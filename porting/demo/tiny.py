@@ -11,7 +11,7 @@ import torch
 from porting.engine.mapping import Naming
 from porting.families import get_family
 from porting.families.flux2 import FAMILY as FLUX2
-from porting.tensors.checkpoint import ST_TO_TORCH
+from porting.tensors.dtypes import ST_TO_TORCH
 from porting.tensors.writer import Entry, write_shards
 
 TINY_FLUX2: Mapping[str, Any] = FLUX2.tiny_config

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import math
 import os
+import queue
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,14 +18,17 @@ import torch
 from porting import __version__
 from porting.errors import InputError, PlanError
 from porting.outputs import atomic_folder, check_output
-from porting.tensors.checkpoint import ST_TO_TORCH, Checkpoint, open_checkpoint
-from porting.tensors.writer import Entry, Segments, WeightsHasher, parse_size, write_shards
+from porting.tensors.checkpoint import Checkpoint, open_checkpoint
+from porting.tensors.dtypes import ST_TO_TORCH, itemsize
+from porting.tensors.quant.base import is_sidecar
+from porting.tensors.writer import Chunks, Entry, Segments, WeightsHasher, parse_size, write_shards
 
 from .detect import Detection, detect, load_base_config
 from .mapping import MappingTable, Naming
 from .plan import Plan, build_plan, torch_dtype_tag
 
 MANIFEST = "flux-port.json"  # written next to the weights; validate and publish read it
+BLOCK_ELEMENTS = 16 * 2**20  # computed (dequantized) tensors are produced this many float32 values at a time
 
 
 @dataclass
@@ -32,10 +38,16 @@ class ConvertResult:
     files: list[str] = field(default_factory=list)
     weights_sha256: str | None = None
     seconds: float = 0.0
+    quantization: dict[str, Any] | None = None  # the source's quantized layout, when it had one
+    extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"out": str(self.out) if self.out else None, "files": self.files,
-                "weights_sha256": self.weights_sha256, "seconds": round(self.seconds, 3), **self.plan.summary()}
+        d = {"out": str(self.out) if self.out else None, "files": self.files,
+             "weights_sha256": self.weights_sha256, "seconds": round(self.seconds, 3), **self.plan.summary()}
+        if self.quantization:
+            d["quantization"] = self.quantization
+            d["dequantized_from"] = self.quantization["label"]
+        return {**d, **self.extra}
 
 
 def prepare(src: str | Path, to: Naming = "diffusers", dtype: str = "keep",
@@ -48,8 +60,30 @@ def prepare(src: str | Path, to: Naming = "diffusers", dtype: str = "keep",
     ckpt = open_checkpoint(src)
     base = load_base_config(config) if config else None
     detection = detect(ckpt, base, tables)
-    plan = build_plan(ckpt, detection, to, torch_dtype_tag(dtype))
+    plan = build_plan(ckpt, detection, to, resolve_dtype(ckpt, dtype))
     return ckpt, detection, plan
+
+
+def resolve_dtype(ckpt: Checkpoint, dtype: str) -> str | None:
+    """The output dtype tag: `keep` keeps stored dtypes, except that dequantized weights default to bf16."""
+    tag = torch_dtype_tag(dtype)
+    if tag is None and ckpt.quantization is not None:
+        return "BF16"
+    return tag
+
+
+def stranded_sidecars(plan: Plan) -> PlanError | None:
+    """Quantization sidecars no reader consumed: dropping them would write raw quantized values as weights."""
+    keys = [k for k, _ in plan.unexpected if is_sidecar(k)]
+    if not keys:
+        return None
+    return PlanError(
+        f"{len(keys)} quantization tensor(s) are not part of any layout flux-port reads (e.g. {keys[0]!r}); "
+        "dropping them would leave quantized values behind as if they were the weights, so convert refuses, "
+        "with or without --strict. Nothing was written.",
+        hint="Check `port inspect` on the file: a scale without its layout marker (scaled_fp8, comfy_quant) or a "
+             "weight_scale next to a plain weight is not a layout flux-port can interpret.",
+        details="\n".join(f"  {k}" for k in keys[:40]), report=plan.summary())
 
 
 def strict_error(plan: Plan, src: str | Path) -> PlanError:
@@ -80,21 +114,31 @@ def iter_tensors(ckpt: Checkpoint, plan: Plan) -> Iterator[torch.Tensor | Segmen
     """Target tensors in plan order, one step at a time (peak memory: one rule group).
 
     A step that only moves rows along dim 0 and keeps the dtype yields `Segments` (byte ranges of the source files)
-    for the writer to copy file to file; any other step reads its sources and applies the operation in memory.
+    for the writer to copy file to file. A row-moving step with computed (dequantized) sources yields `Chunks`: the
+    same rows, computed a block at a time and cast to the output dtype. Any other step reads its sources and applies
+    the operation in memory.
     """
     for ps in plan.steps:
         infos = [ckpt.tensors[k] for k in ps.stored_sources]
+        shapes = [i.shape for i in infos]
+        computed = any(i.computed for i in infos)
         ranges = None
-        if all(i.dtype == ps.out_dtype for i in infos):
-            ranges = ps.step.op.byte_ranges([i.shape for i in infos], ST_TO_TORCH[ps.out_dtype].itemsize)
+        if not computed and all(i.dtype == ps.out_dtype for i in infos):
+            ranges = ps.step.op.byte_ranges(shapes, itemsize(ps.out_dtype))
         if ranges is not None:
             for parts in ranges:
                 yield Segments(tuple((infos[i].file, infos[i].start + off, n) for i, off, n in parts),
                                ", ".join(ps.stored_sources))
             continue
+        target = ST_TO_TORCH[ps.out_dtype]
+        rows = ps.step.op.byte_ranges(shapes, 1) if computed and all(len(s) >= 1 for s in shapes) else None
+        if rows is not None:  # element ranges of whole rows: computed block by block
+            for parts in rows:
+                blocks = prefetched(_row_blocks(ckpt, ps.stored_sources, shapes, parts, target))
+                yield Chunks(blocks, ", ".join(ps.stored_sources))
+            continue
         inputs = [ckpt.read(k) for k in ps.stored_sources]
         outputs = ps.step.op.apply(inputs)
-        target = ST_TO_TORCH[ps.out_dtype]
         for t in outputs:
             yield t.to(target).contiguous()
         del inputs, outputs
@@ -117,6 +161,57 @@ def check_unchanged(before: Mapping[Path, tuple[int, int, int]], after: Mapping[
                          hint="Convert again once nothing is writing to the source.")
 
 
+def prefetched(items: Iterator[Any], depth: int = 2) -> Iterator[Any]:
+    """`items`, produced on a second thread up to `depth` ahead (dequantizing overlaps with writing the last block;
+    numpy and torch release the GIL). Stops the producer if the consumer stops early."""
+    buffer: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+    end = object()
+
+    def put(item: Any) -> bool:
+        while not stop.is_set():
+            try:
+                buffer.put(item, timeout=0.2)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def produce() -> None:
+        try:
+            for item in items:
+                if not put(item):
+                    return
+            put(end)
+        except BaseException as e:  # handed to the consumer
+            put(e)
+
+    thread = threading.Thread(target=produce, name="flux-port-dequantize", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item = buffer.get()
+            if item is end:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        thread.join()
+
+
+def _row_blocks(ckpt: Checkpoint, keys: tuple[str, ...], shapes: list[tuple[int, ...]],
+                parts: list[tuple[int, int, int]], target: torch.dtype) -> Iterator[torch.Tensor]:
+    """The rows `parts` names ((input, element offset, element count) of whole rows), a block at a time."""
+    for i, offset, count in parts:
+        inner = math.prod(shapes[i][1:])
+        first, last = offset // inner, (offset + count) // inner
+        step = max(1, BLOCK_ELEMENTS // max(inner, 1))
+        for a in range(first, last, step):
+            yield ckpt.read(keys[i], (a, min(a + step, last)), dtype=target).contiguous()
+
+
 def convert(src: str | Path, out: str | Path | None, to: Naming = "diffusers", dtype: str = "keep",
             config: str | Path | None = None, max_shard_size: str | int = "5GB", strict: bool = True,
             dry_run: bool = False, force: bool = False,
@@ -127,10 +222,14 @@ def convert(src: str | Path, out: str | Path | None, to: Naming = "diffusers", d
     """Convert a checkpoint; with `strict`, refuse any plan that does not account for every key and shape."""
     started = time.perf_counter()
     ckpt, detection, plan = prepare(src, to, dtype, config, tables)
+    quant = ckpt.quantization.to_dict() if ckpt.quantization else None
     if strict and not plan.ok:
         raise strict_error(plan, src)
+    stranded = stranded_sidecars(plan)  # refused with --no-strict too
+    if stranded is not None:
+        raise stranded
     if dry_run or out is None:
-        return ConvertResult(plan, None, seconds=time.perf_counter() - started)
+        return ConvertResult(plan, None, seconds=time.perf_counter() - started, quantization=quant)
     out = Path(out)
     limit = parse_size(max_shard_size)
     check_output(out, force=force, verb="convert", inputs={"source": src, "--config": config})
@@ -154,6 +253,11 @@ def convert(src: str | Path, out: str | Path | None, to: Naming = "diffusers", d
             "variant": detection.variant, "dtype": dtype, "tensors": len(entries), "files": files,
             "weights_sha256": hasher.hexdigest(), "config": detection.config,
         }
+        if quant:
+            manifest["dtype"] = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}.get(str(resolve_dtype(ckpt, dtype)),
+                                                                                   dtype)
+            manifest["dequantized_from"] = quant["label"]
+            manifest["quantization"] = quant
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         check_unchanged(before, source_stamps(ckpt))
-    return ConvertResult(plan, out, files, hasher.hexdigest(), time.perf_counter() - started)
+    return ConvertResult(plan, out, files, hasher.hexdigest(), time.perf_counter() - started, quantization=quant)

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from porting.errors import MappingTableError
-from porting.tensors.checkpoint import ST_TO_TORCH, TORCH_TO_ST, Checkpoint
+from porting.tensors.checkpoint import Checkpoint
+from porting.tensors.dtypes import OPTION_TO_TAG, TORCH_TO_ST, nbytes
 
 from .detect import Detection
 from .mapping import Naming, Step
@@ -56,13 +57,7 @@ class Plan:
 
     @property
     def output_bytes(self) -> int:
-        total = 0
-        for _, shape, dtype in self.outputs():
-            n = ST_TO_TORCH[dtype].itemsize
-            for s in shape:
-                n *= s
-            total += n
-        return total
+        return sum(nbytes(shape, dtype) for _, shape, dtype in self.outputs())
 
     @property
     def output_count(self) -> int:
@@ -161,11 +156,9 @@ def build_plan(ckpt: Checkpoint, detection: Detection, target: Naming, dtype: st
 
 def torch_dtype_tag(name: str) -> str | None:
     """`keep` -> None, else the safetensors tag for bf16 / fp16 / fp32."""
-    table = {"keep": None, "bf16": "BF16", "bfloat16": "BF16", "fp16": "F16", "float16": "F16",
-             "fp32": "F32", "float32": "F32"}
-    if name not in table:
+    if name not in OPTION_TO_TAG:
         raise ValueError(name)
-    return table[name]
+    return OPTION_TO_TAG[name]
 
 
 __all__ = ["Plan", "PlannedStep", "build_plan", "torch_dtype_tag",

@@ -1,8 +1,9 @@
-"""Lazy, header-first access to safetensors checkpoints.
+"""Lazy, header-first access to checkpoints: the safetensors reader and the dispatch to the other readers.
 
-A checkpoint is a single `.safetensors` file, a sharded folder with a `*.safetensors.index.json`, or a diffusers
-model folder (`config.json` + `diffusion_pytorch_model*.safetensors`). Opening one reads headers only; tensor
-bytes are read one tensor (or one row range) at a time.
+A checkpoint is a single `.safetensors` or `.gguf` file, a sharded folder with a `*.safetensors.index.json`, or a
+diffusers model folder (`config.json` + `diffusion_pytorch_model*.safetensors`). Opening one reads headers only;
+tensor bytes are read one tensor (or one row range) at a time. Which reader opens a file follows from its first
+bytes (GGUF magic) and, for safetensors, from its header (quantization layouts, `porting.tensors.quant`).
 """
 
 from __future__ import annotations
@@ -11,43 +12,21 @@ import json
 import math
 import os
 import struct
-from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
 
 from porting.errors import InputError, UnsupportedFormatError
 
-# safetensors dtype tag -> torch dtype
-ST_TO_TORCH: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
-TORCH_TO_ST = {v: k for k, v in ST_TO_TORCH.items()}
+from .dtypes import ST_TO_TORCH, TORCH_TO_ST
+from .identity import hash_checkpoint
+from .reader import Checkpoint, TensorInfo
+
+__all__ = ["Checkpoint", "TensorInfo", "open_checkpoint", "read_header", "hash_checkpoint", "ST_TO_TORCH",
+           "TORCH_TO_ST", "GGUF_MAGIC"]
+
+GGUF_MAGIC = b"GGUF"
 
 PICKLE_SUFFIXES = {".ckpt", ".bin", ".pt", ".pth", ".pkl"}
 MAX_HEADER_BYTES = 100 * 1024 * 1024
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """Where one tensor lives and what it is, known from the header alone."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    file: Path
-    start: int  # absolute byte offset of the tensor data in `file`
-    nbytes: int
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return ST_TO_TORCH[self.dtype]
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
 
 
 def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
@@ -131,54 +110,6 @@ def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
     return out
 
 
-@dataclass
-class Checkpoint:
-    """A set of tensors spread over one or more safetensors files, addressed by key."""
-
-    path: Path
-    tensors: dict[str, TensorInfo]
-    files: list[Path]
-    config: dict | None = None  # config.json of a diffusers model folder
-    metadata: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors.values())
-
-    @property
-    def parameter_count(self) -> int:
-        return sum(t.numel for t in self.tensors.values())
-
-    def dtypes(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for t in self.tensors.values():
-            counts[t.dtype] = counts.get(t.dtype, 0) + 1
-        return dict(sorted(counts.items()))
-
-    def read(self, key: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
-        """Read one tensor, or rows [a, b) of dim 0, with plain file reads.
-
-        Plain reads instead of mmap keep resident memory at one tensor: mapped pages of a 18 GB file would
-        otherwise count towards the process RSS.
-        """
-        info = self.tensors[key]
-        start, nbytes, shape = info.start, info.nbytes, list(info.shape)
-        if rows is not None:
-            a, b = rows
-            row_bytes = info.nbytes // info.shape[0] if info.shape[0] else 0
-            start, nbytes, shape[0] = start + a * row_bytes, (b - a) * row_bytes, b - a
-        buf = torch.empty(nbytes, dtype=torch.uint8)  # uninitialised: no time spent zeroing what is read over
-        with open(info.file, "rb", buffering=0) as f:
-            f.seek(start)
-            view, got = memoryview(buf.numpy()), 0
-            while got < nbytes:
-                n = f.readinto(view[got:])
-                if not n:
-                    raise InputError(f"{info.file}: unexpected end of file while reading tensor {key!r}.")
-                got += n
-        return buf.view(info.torch_dtype).reshape(shape)
-
-
 def _index_files(folder: Path) -> list[Path]:
     return sorted(folder.glob("*.safetensors.index.json"))
 
@@ -190,9 +121,13 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
         raise InputError(f"{path}: no such file or folder.")
     if path.is_file():
         if path.name.endswith(".index.json"):
-            return _open_index(path)
+            return _decode(_open_index(path))
+        if _magic(path) == GGUF_MAGIC:
+            from .gguf_reader import open_gguf
+
+            return open_gguf(path)
         tensors, metadata = read_header(path)
-        return Checkpoint(path, tensors, [path], metadata=metadata)
+        return _decode(Checkpoint(path, tensors, [path], metadata=metadata))
     config = None
     if (path / "config.json").is_file():
         config = json.loads((path / "config.json").read_text())
@@ -202,7 +137,7 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     if indexes:
         ckpt = _open_index(indexes[0])
         ckpt.path, ckpt.config = path, config
-        return ckpt
+        return _decode(ckpt)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         pickles = [p.name for p in path.iterdir() if p.suffix.lower() in PICKLE_SUFFIXES]
@@ -213,7 +148,22 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
         raise InputError(f"{path}: {len(files)} .safetensors files and no index.json; pass the file to use.",
                          hint="Files: " + ", ".join(p.name for p in files))
     tensors, metadata = read_header(files[0])
-    return Checkpoint(path, tensors, files, config=config, metadata=metadata)
+    return _decode(Checkpoint(path, tensors, files, config=config, metadata=metadata))
+
+
+def _magic(path: Path) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4)
+    except OSError as e:
+        raise InputError(f"{path}: cannot read ({e.strerror}).") from e
+
+
+def _decode(ckpt: Checkpoint) -> Checkpoint:
+    """The same checkpoint seen through the quantization layout its header declares, if any."""
+    from .quant import decode
+
+    return decode(ckpt)
 
 
 def _open_index(index_path: Path) -> Checkpoint:
@@ -223,11 +173,13 @@ def _open_index(index_path: Path) -> Checkpoint:
         raise InputError(f"{index_path}: not a valid safetensors index (needs a 'weight_map').") from e
     folder = index_path.parent
     tensors: dict[str, TensorInfo] = {}
+    metadata: dict[str, str] = {}
     files = sorted({folder / f for f in weight_map.values()})
     for file in files:
         if not file.is_file():
             raise InputError(f"{index_path}: shard {file.name} listed in the index is missing.")
-        shard, _ = read_header(file)
+        shard, shard_metadata = read_header(file)
+        metadata.update(shard_metadata)
         for key, info in shard.items():
             if key in tensors:
                 raise InputError(f"{index_path}: tensor {key!r} is stored in two shards.")
@@ -238,15 +190,4 @@ def _open_index(index_path: Path) -> Checkpoint:
         extra = sorted(set(tensors) - listed)[:5]
         raise InputError(f"{index_path}: index and shards disagree "
                          f"(in index only: {missing}; in shards only: {extra}).")
-    return Checkpoint(index_path.parent, tensors, files)
-
-
-def hash_checkpoint(ckpt: Checkpoint, prefix: str = "") -> str:
-    """The weights identity that convert records (see `writer.WeightsHasher`), read tensor by tensor."""
-    from .writer import WeightsHasher
-
-    hasher = WeightsHasher()
-    for key, info in ckpt.tensors.items():
-        if key.startswith(prefix):
-            hasher.update(key[len(prefix):], ckpt.read(key), info.dtype)
-    return hasher.hexdigest()
+    return Checkpoint(index_path.parent, tensors, files, metadata=metadata)

@@ -24,7 +24,12 @@ import torch
 from porting.errors import InputError, InternalError, UsageError
 from porting.outputs import atomic_folder  # noqa: F401  (re-exported: where writers look for it)
 
-from .checkpoint import ST_TO_TORCH
+from .dtypes import ST_TO_TORCH
+from .dtypes import nbytes as _nbytes
+from .identity import WeightsHasher, tensor_bytes
+
+__all__ = ["Entry", "Segments", "Chunks", "WeightsHasher", "write_shards", "plan_shards", "shard_names", "parse_size",
+           "atomic_folder"]
 
 ALIGN = 8  # header padded so tensor data starts 8-byte aligned, as safetensors itself does
 PAGE = 4096
@@ -38,10 +43,7 @@ class Entry:
 
     @property
     def nbytes(self) -> int:
-        n = ST_TO_TORCH[self.dtype].itemsize
-        for s in self.shape:
-            n *= s
-        return n
+        return _nbytes(self.shape, self.dtype)
 
 
 def parse_size(text: str | int) -> int:
@@ -105,37 +107,6 @@ def _header_bytes(entries: list[Entry], metadata: dict[str, str] | None, page_re
     return struct.pack("<Q", len(raw)) + raw
 
 
-class WeightsHasher:
-    """Identity of a set of weights, independent of file layout and tensor order.
-
-    sha256 over the sorted lines `key|dtype|shape|sha256(bytes)`; `hash_checkpoint` recomputes it from files, so
-    validate and publish can prove they look at the weights convert wrote.
-    """
-
-    def __init__(self) -> None:
-        self._lines: dict[str, str] = {}
-        self._lock = threading.Lock()
-
-    def update(self, key: str, tensor: torch.Tensor, dtype: str) -> None:
-        self.add(key, dtype, tuple(tensor.shape), hashlib.sha256(_as_bytes(tensor)).hexdigest())
-
-    def add(self, key: str, dtype: str, shape: tuple[int, ...], digest: str) -> None:
-        """Record a tensor whose bytes were hashed elsewhere (e.g. by `SegmentHasher`)."""
-        with self._lock:
-            self._lines[key] = f"{key}|{dtype}|{list(shape)}|{digest}\n"
-
-    def hexdigest(self) -> str:
-        h = hashlib.sha256()
-        for key in sorted(self._lines):
-            h.update(self._lines[key].encode())
-        return h.hexdigest()
-
-
-def _as_bytes(tensor: torch.Tensor) -> memoryview:
-    t = tensor.detach().cpu().contiguous().reshape(-1)
-    return memoryview(t.view(torch.uint8).numpy())
-
-
 @dataclass(frozen=True)
 class Segments:
     """An output tensor whose bytes are byte ranges of source files, in order: `(file, offset, length)`.
@@ -151,6 +122,18 @@ class Segments:
     @property
     def nbytes(self) -> int:
         return sum(n for _, _, n in self.parts)
+
+
+@dataclass(frozen=True)
+class Chunks:
+    """An output tensor computed in consecutive row blocks (e.g. dequantized), written as the blocks come.
+
+    Keeps memory at one block for tensors that cannot be copied as bytes; hashed like `Segments`, from the output
+    file on the second thread.
+    """
+
+    blocks: Iterable[torch.Tensor]
+    source_key: str  # for error messages
 
 
 CHUNK = 8 * 2**20  # bytes per pread call (copy_file_range is asked for a whole tensor at once: large calls are faster)
@@ -287,13 +270,14 @@ class SegmentHasher:
                 os.close(fd)
 
 
-def write_shards(folder: Path, stem: str, entries: list[Entry], tensors: Iterable[torch.Tensor | Segments],
+def write_shards(folder: Path, stem: str, entries: list[Entry], tensors: Iterable[torch.Tensor | Segments | Chunks],
                  max_shard_bytes: int, metadata: dict[str, str] | None = None,
                  on_bytes: Callable[[int], None] | None = None,
                  hasher: WeightsHasher | None = None) -> list[str]:
     """Write `tensors` (yielded in the order of `entries`) as one file or shards plus the standard index.
 
-    An item is a tensor (written from memory) or `Segments` (copied file to file and hashed on a second thread).
+    An item is a tensor (written from memory), `Segments` (copied file to file and hashed on a second thread) or
+    `Chunks` (row blocks written from memory and hashed on the second thread).
     """
     shards = plan_shards(entries, max_shard_bytes)
     names = shard_names(stem, len(shards))
@@ -320,12 +304,29 @@ def write_shards(folder: Path, stem: str, entries: list[Entry], tensors: Iterabl
                         if hasher:
                             background = background or SegmentHasher(hasher)
                             background.submit(e.key, e.dtype, e.shape, folder / name, position, e.nbytes)
+                    elif isinstance(item, Chunks):
+                        position = os.lseek(out_fd, 0, os.SEEK_CUR)
+                        written = 0
+                        for block in item.blocks:
+                            if ST_TO_TORCH[e.dtype] != block.dtype or tuple(block.shape[1:]) != e.shape[1:]:
+                                raise InputError(f"internal: a block of tensor {e.key!r} came out as "
+                                                 f"{list(block.shape)} {block.dtype}, planned rows of "
+                                                 f"{list(e.shape)} {e.dtype}.")
+                            data = tensor_bytes(block)
+                            _write_all(out_fd, data)
+                            written += data.nbytes
+                        if written != e.nbytes:
+                            raise InputError(f"internal: tensor {e.key!r} came out as {written} bytes, planned "
+                                             f"{e.nbytes}.")
+                        if hasher:
+                            background = background or SegmentHasher(hasher)
+                            background.submit(e.key, e.dtype, e.shape, folder / name, position, e.nbytes)
                     else:
                         t = item
                         if tuple(t.shape) != e.shape or ST_TO_TORCH[e.dtype] != t.dtype:
                             raise InternalError(f"tensor {e.key!r} came out as {list(t.shape)} {t.dtype}, "
-                                            f"planned {list(e.shape)} {e.dtype}.")
-                        _write_all(out_fd, _as_bytes(t))
+                                                f"planned {list(e.shape)} {e.dtype}.")
+                        _write_all(out_fd, tensor_bytes(t))
                         if hasher:
                             hasher.update(e.key, t, e.dtype)
                     if on_bytes:

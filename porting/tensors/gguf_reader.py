@@ -1,0 +1,126 @@
+"""GGUF files (city96 ComfyUI-GGUF style: BFL names, `general.architecture = "flux"` for FLUX.1 and FLUX.2).
+
+Read with the `gguf` package: `GGUFReader` for the header, `gguf.quants.dequantize` for quantized tensors, a row
+range at a time through plain reads (no memory map of the data, so resident memory stays at one block). GGML
+stores shapes fastest-dimension first; torch shapes are the reverse. F32 / F16 / BF16 tensors are stored plain in
+row-major order, so they are byte ranges the writer can copy; every other type is computed (float32).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from porting.errors import InputError, UnsupportedQuantizationError
+
+from .dtypes import nbytes
+from .reader import Checkpoint, Quantization, TensorInfo
+
+PLAIN = {"F32": "F32", "F16": "F16", "BF16": "BF16"}  # GGML type name -> safetensors tag
+
+
+def _gguf() -> Any:
+    try:
+        import gguf
+    except ImportError as e:  # an optional dependency
+        raise InputError("reading GGUF files needs the gguf package.",
+                         hint="pip install 'flux-port[quant]'") from e
+    return gguf
+
+
+class GGUFDecoder:
+    def __init__(self, path: Path, entries: dict[str, tuple[Any, int, int, tuple[int, ...]]]) -> None:
+        self.path = path
+        self.entries = entries  # key -> (GGML type, data offset, stored bytes, torch shape)
+
+    def dequantize(self, key: str, rows: tuple[int, int] | None = None,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        import numpy as np
+
+        gguf = _gguf()
+        qtype, offset, stored, shape = self.entries[key]
+        n = shape[0] if shape else 1
+        a, b = rows or (0, n)
+        row_bytes = stored // n
+        buf = bytearray((b - a) * row_bytes)
+        with open(self.path, "rb", buffering=0) as f:
+            got = os.preadv(f.fileno(), [buf], offset + a * row_bytes)
+        if got != len(buf):
+            raise InputError(f"{self.path}: unexpected end of file while reading tensor {key!r}.")
+        raw = np.frombuffer(buf, dtype=np.uint8).reshape(b - a, row_bytes)
+        if qtype.name == "Q8_0":
+            return q8_0(raw, dtype).reshape(b - a, *shape[1:])
+        values = gguf.quants.dequantize(raw, qtype)
+        out = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(b - a, *shape[1:])
+        return out if dtype == torch.float32 else out.to(dtype)
+
+
+def q8_0(raw, dtype: torch.dtype) -> torch.Tensor:
+    """Q8_0 blocks (fp16 scale d, 32 int8 codes) -> d * code in float32 (exact), rounded once to `dtype`.
+
+    The same arithmetic as `gguf.quants.dequantize` (tests hold it bit for bit), in torch: about twice as fast,
+    which matters because Q8_0 is the common GGUF type for klein.
+    """
+    blocks = torch.from_numpy(raw).reshape(-1, 34)
+    scale = blocks[:, :2].contiguous().view(torch.float16).float()
+    out = torch.empty((blocks.shape[0], 32), dtype=torch.float32)
+    torch.mul(blocks[:, 2:].view(torch.int8), scale, out=out)
+    return (out if dtype == torch.float32 else out.to(dtype)).reshape(raw.shape[0], -1)
+
+
+def open_gguf(path: Path) -> Checkpoint:
+    gguf = _gguf()
+    try:
+        reader = gguf.GGUFReader(path)
+    except (ValueError, OSError) as e:
+        raise InputError(f"{path}: not a readable GGUF file ({e}).", hint="Check that the download finished.") from e
+    field = reader.get_field("general.architecture")
+    arch = field.contents() if field is not None else None
+    tensors: dict[str, TensorInfo] = {}
+    entries: dict[str, tuple[Any, int, int, tuple[int, ...]]] = {}
+    counts: dict[str, int] = {}
+    checked: set[Any] = set()
+    for t in reader.tensors:
+        shape = tuple(int(x) for x in reversed(t.shape.tolist()))
+        name = t.tensor_type.name
+        offset, stored = int(t.data_offset), int(t.n_bytes)
+        if name in PLAIN:
+            tag = PLAIN[name]
+            if nbytes(shape, tag) != stored:
+                raise InputError(f"{path}: tensor {t.name!r} {name} {list(shape)} should hold {nbytes(shape, tag)} "
+                                 f"bytes, the header gives {stored}.")
+            tensors[t.name] = TensorInfo(t.name, tag, shape, path, offset, stored)
+            continue
+        if t.tensor_type not in checked:
+            _check_supported(gguf, t, path)
+            checked.add(t.tensor_type)
+        tensors[t.name] = TensorInfo(t.name, "F32", shape, path, offset, nbytes(shape, "F32"), computed=True)
+        entries[t.name] = (t.tensor_type, offset, stored, shape)
+        counts[name] = counts.get(name, 0) + 1
+    end = max((e[1] + e[2] for e in entries.values()), default=0)
+    if end > path.stat().st_size:
+        raise InputError(f"{path}: file is truncated (tensor data ends at byte {end}).", hint="Download it again.")
+    notes = [f"general.architecture = {arch!r}" if arch else "no general.architecture (stable-diffusion.cpp style)"]
+    quant = Quantization("GGUF", counts, notes=notes)
+    stored_view = {k: TensorInfo(k, v.dtype, v.shape, v.file, v.start, v.nbytes) for k, v in tensors.items()}
+    for k, (qtype, offset, stored, shape) in entries.items():
+        stored_view[k] = TensorInfo(k, qtype.name, (stored,), path, offset, stored)  # dtype: the GGML type name
+    return Checkpoint(path, tensors, [path], metadata={"general.architecture": str(arch)} if arch else {},
+                      stored=stored_view, quantization=quant if counts else None,
+                      decoder=GGUFDecoder(path, entries), container="gguf")
+
+
+def _check_supported(gguf: Any, t: Any, path: Path) -> None:
+    """Dequantize one block of this type now, so an unsupported type is refused before anything is written."""
+    import numpy as np
+
+    _, size = gguf.GGML_QUANT_SIZES[t.tensor_type]
+    try:
+        gguf.quants.dequantize(np.zeros((1, size), dtype=np.uint8), t.tensor_type)
+    except NotImplementedError as e:
+        raise UnsupportedQuantizationError(
+            f"{path}: tensor {t.name!r} is GGML type {t.tensor_type.name}, which the gguf package cannot dequantize; "
+            "nothing was written.", hint="Use a file in a common type (Q8_0, Q4_K, Q5_K, F16, BF16).") from e

@@ -1,0 +1,287 @@
+"""What every quantized safetensors layout shares: per-layer schemes, the decoder, and the rewritten checkpoint.
+
+A layout module (one per producer's format) decides from the header which layers are quantized and with which
+scheme; this module turns that into a `Checkpoint` whose quantized weights are computed tensors (float32) and whose
+sidecar tensors (scales, markers) are gone from the key set, folded into the weights or reported as dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import torch
+
+from porting.errors import InputError
+
+from ..dtypes import nbytes
+from ..reader import Checkpoint, Quantization, TensorInfo, read_stored
+from . import kernels
+
+# Sidecar names that only mean something next to a quantized weight. A key ending in one of them that no layout
+# consumed must never be dropped silently (it would leave a raw quantized weight behind as if it were the weight).
+SIDECAR_NAMES = ("scale_weight", "scale_input", "weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale",
+                 "comfy_quant", "scaled_fp8", "qweight", "qzeros", "wscales", "wzeros", "smooth_factor",
+                 "smooth_orig", "proj_down", "proj_up", "wtscale")
+
+
+def is_sidecar(key: str) -> bool:
+    return key.rsplit(".", 1)[-1] in SIDECAR_NAMES
+
+
+class Parts:
+    """The stored tensors of one layer, by role (`weight`, `weight_scale`, ...), read on demand."""
+
+    def __init__(self, layer: "Layer", cache: dict[str, torch.Tensor]) -> None:
+        self.layer = layer
+        self._cache = cache
+
+    def info(self, role: str) -> TensorInfo:
+        return self.layer.parts[role]
+
+    def rows(self, role: str, rows: tuple[int, int]) -> torch.Tensor:
+        """Rows [a, b) of a part stored one row per output row (the weight, per-row scales)."""
+        return read_stored(self.layer.parts[role], rows)
+
+    def whole(self, role: str) -> torch.Tensor:
+        """A whole part, kept for the layer's next row block (scales)."""
+        if role not in self._cache:
+            self._cache[role] = read_stored(self.layer.parts[role])
+        return self._cache[role]
+
+
+class Scheme:
+    """How one kind of quantized weight is stored and dequantized."""
+
+    name: str
+    required: tuple[str, ...] = ()  # sidecar roles besides `weight`
+    optional: tuple[str, ...] = ()  # consumed when present
+
+    def shape(self, parts: Mapping[str, TensorInfo]) -> tuple[int, ...]:
+        return parts["weight"].shape
+
+    def check(self, parts: Mapping[str, TensorInfo]) -> str | None:
+        """A reason the stored shapes do not fit this scheme, or None."""
+        return None
+
+    def dequantize(self, parts: Parts, rows: tuple[int, int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows [a, b) dequantized in float32, rounded once to `dtype`."""
+        out = self.dequantize_f32(parts, rows)
+        return out if dtype == torch.float32 else out.to(dtype)
+
+    def dequantize_f32(self, parts: Parts, rows: tuple[int, int]) -> torch.Tensor:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Scaled(Scheme):
+    """weight * scale, the scale per tensor or per output row (fp8, int8 tensorwise / per-channel)."""
+
+    name: str
+    scale_role: str = "weight_scale"
+    per_row: bool | None = None  # None: either
+    weight_dtypes: tuple[str, ...] = ("F8_E4M3", "F8_E5M2", "I8")
+
+    @property
+    def required(self) -> tuple[str, ...]:  # type: ignore[override]
+        return (self.scale_role,)
+
+    def check(self, parts: Mapping[str, TensorInfo]) -> str | None:
+        w, s = parts["weight"], parts[self.scale_role]
+        if w.dtype not in self.weight_dtypes:
+            return f"weight is {w.dtype}, expected one of {', '.join(self.weight_dtypes)}"
+        rows = w.shape[0] if w.shape else 1
+        if s.numel == 1 and self.per_row is not True:
+            return None
+        if s.numel == rows and len(w.shape) == 2 and self.per_row is not False and s.shape in ((rows,), (rows, 1)):
+            return None
+        return f"scale {list(s.shape)} fits neither one scale per tensor nor one per row of weight {list(w.shape)}"
+
+    def dequantize(self, parts: Parts, rows: tuple[int, int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if parts.info(self.scale_role).numel == 1:
+            # one scale: each of the 256 codes has one dequantized value; a table lookup gives the same values
+            # as the float32 product rounded to `dtype`, several times faster
+            key = f"_table_{dtype}"
+            if key not in parts._cache:
+                codes = parts.info("weight").torch_dtype
+                parts._cache[key] = kernels.code_table(codes, parts.whole(self.scale_role), dtype)
+            return kernels.lookup(parts.rows("weight", rows), parts._cache[key])
+        return super().dequantize(parts, rows, dtype)
+
+    def dequantize_f32(self, parts: Parts, rows: tuple[int, int]) -> torch.Tensor:
+        w = parts.rows("weight", rows)
+        scale = parts.whole(self.scale_role).reshape(-1)[rows[0]:rows[1]]
+        return kernels.scaled(w, scale)
+
+
+@dataclass(frozen=True)
+class NVFP4(Scheme):
+    """Packed E2M1 pairs [N, K/2], E4M3 block-16 scales, fp32 global scale `weight_scale_2`."""
+
+    name: str
+    high_first: bool
+    swizzled: bool
+
+    required = ("weight_scale", "weight_scale_2")
+
+    def shape(self, parts: Mapping[str, TensorInfo]) -> tuple[int, ...]:
+        n, half_k = parts["weight"].shape
+        return (n, 2 * half_k)
+
+    def check(self, parts: Mapping[str, TensorInfo]) -> str | None:
+        w, s, s2 = parts["weight"], parts["weight_scale"], parts["weight_scale_2"]
+        if w.dtype != "U8" or len(w.shape) != 2:
+            return f"nvfp4 weight must be uint8 [N, K/2], is {w.dtype} {list(w.shape)}"
+        n, k = self.shape(parts)
+        if k % 16:
+            return f"K = {k} is not a multiple of the 16-element block"
+        if s2.numel != 1:
+            return f"weight_scale_2 must be one value, is {list(s2.shape)}"
+        want = ((-(-n // 128) * 128, -(-(k // 16) // 4) * 4) if self.swizzled else (n, k // 16))
+        if s.numel != want[0] * want[1]:
+            layout = "swizzled, padded to 128 x 4 tiles" if self.swizzled else "row-major"
+            return f"block scales {list(s.shape)} do not fit {layout} scales {list(want)} for a [{n}, {k}] weight"
+        return None
+
+    def _scales(self, parts: Parts) -> torch.Tensor:
+        key = "_unswizzled"
+        if key not in parts._cache:
+            n, k = self.shape(parts.layer.parts)
+            raw = parts.whole("weight_scale")
+            parts._cache[key] = (kernels.unswizzle_scales(raw, n, k // 16) if self.swizzled
+                                 else raw.reshape(n, k // 16)).float()
+        return parts._cache[key]
+
+    def dequantize_f32(self, parts: Parts, rows: tuple[int, int]) -> torch.Tensor:
+        a, b = rows
+        return kernels.nvfp4(parts.rows("weight", rows), self._scales(parts)[a:b], parts.whole("weight_scale_2"),
+                             self.high_first)
+
+
+@dataclass(frozen=True)
+class MXFP8(Scheme):
+    """fp8 weight [N, K], E8M0 block-32 scales in the swizzled layout."""
+
+    name: str
+
+    required = ("weight_scale",)
+
+    def check(self, parts: Mapping[str, TensorInfo]) -> str | None:
+        w, s = parts["weight"], parts["weight_scale"]
+        if len(w.shape) != 2 or w.shape[1] % 32:
+            return f"mxfp8 weight must be [N, K] with K a multiple of 32, is {list(w.shape)}"
+        n, k = w.shape
+        want = (-(-n // 128) * 128) * (-(-(k // 32) // 4) * 4)
+        if s.numel != want or s.dtype not in ("U8", "F8_E8M0"):
+            return f"block scales {s.dtype} {list(s.shape)} do not fit swizzled E8M0 scales for [{n}, {k}]"
+        return None
+
+    def dequantize_f32(self, parts: Parts, rows: tuple[int, int]) -> torch.Tensor:
+        key = "_unswizzled"
+        n, k = parts.info("weight").shape
+        if key not in parts._cache:
+            parts._cache[key] = kernels.unswizzle_scales(parts.whole("weight_scale").view(torch.uint8), n, k // 32)
+        a, b = rows
+        return kernels.mxfp8(parts.rows("weight", rows), parts._cache[key][a:b])
+
+
+@dataclass
+class Layer:
+    key: str  # the weight's key, as the engine will see it
+    scheme: Scheme
+    parts: dict[str, TensorInfo]  # role -> stored tensor ("weight" and the scheme's sidecars)
+    pre_quant_scale: TensorInfo | None = None
+
+
+class QuantDecoder:
+    """Dequantizes the layers of one checkpoint, a row block at a time; keeps one layer's scales."""
+
+    def __init__(self, layers: Mapping[str, Layer]) -> None:
+        self.layers = dict(layers)
+        self._current: tuple[str, dict[str, torch.Tensor]] | None = None
+
+    def dequantize(self, key: str, rows: tuple[int, int] | None = None,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        layer = self.layers[key]
+        if self._current is None or self._current[0] != key:
+            self._current = (key, {})
+        n = layer.scheme.shape(layer.parts)[0]
+        parts = Parts(layer, self._current[1])
+        if layer.pre_quant_scale is None:
+            return layer.scheme.dequantize(parts, rows or (0, n), dtype)
+        # the layer computes W (x * s): the same function as the plain weight W * s over the input columns
+        out = layer.scheme.dequantize(parts, rows or (0, n)) * read_stored(layer.pre_quant_scale).float().reshape(1, -1)
+        return out if dtype == torch.float32 else out.to(dtype)
+
+
+@dataclass
+class Found:
+    """What a layout module found in a header."""
+
+    format: str
+    layers: dict[str, Layer] = field(default_factory=dict)
+    consumed: set[str] = field(default_factory=set)  # stored keys folded into layers or markers
+    dropped: list[str] = field(default_factory=list)
+    dropped_why: str = ""
+    notes: list[str] = field(default_factory=list)
+
+
+def layer_parts(ckpt: Checkpoint, prefix: str, scheme: Scheme, found: Found,
+                dropped: tuple[str, ...] = ("input_scale",), where: str = "") -> Layer:
+    """Collect `<prefix>weight` and the scheme's sidecars; check shapes; record what is consumed and dropped."""
+    tensors = ckpt.tensors
+    weight_key = prefix + "weight"
+    if weight_key not in tensors:
+        raise InputError(f"{ckpt.path}: {where or scheme.name} sidecars for {prefix[:-1]!r} but no "
+                         f"{weight_key!r} tensor.", hint="The file is incomplete or not in the layout it declares.")
+    parts = {"weight": tensors[weight_key]}
+    for role in scheme.required:
+        if prefix + role not in tensors:
+            raise InputError(f"{ckpt.path}: {weight_key!r} is {scheme.name} but {prefix + role!r} is missing.",
+                             hint="The file is incomplete or not in the layout it declares.")
+        parts[role] = tensors[prefix + role]
+    for role in scheme.optional:
+        if prefix + role in tensors:
+            parts[role] = tensors[prefix + role]
+    why = scheme.check(parts)
+    if why:
+        raise InputError(f"{ckpt.path}: {weight_key!r} ({scheme.name}): {why}.",
+                         hint="The file does not follow the layout its header declares; flux-port will not guess.")
+    pqs = tensors.get(prefix + "pre_quant_scale")
+    if pqs is not None:
+        k = scheme.shape(parts)[-1]
+        if pqs.numel != k:
+            raise InputError(f"{ckpt.path}: {prefix}pre_quant_scale has {pqs.numel} values, the weight has {k} "
+                             "input columns.")
+        found.consumed.add(prefix + "pre_quant_scale")
+    found.consumed.update(p.name for p in parts.values())
+    for role in dropped:
+        if prefix + role in tensors:
+            found.consumed.add(prefix + role)
+            found.dropped.append(prefix + role)
+    layer = Layer(weight_key, scheme, parts, pqs)
+    found.layers[weight_key] = layer
+    return layer
+
+
+def rewrite(ckpt: Checkpoint, found: Found) -> Checkpoint:
+    """The checkpoint as plain weights: quantized weights computed, sidecars gone; stored layout kept for inspect."""
+    tensors: dict[str, TensorInfo] = {}
+    for key, info in ckpt.tensors.items():
+        layer = found.layers.get(key)
+        if layer is not None:
+            shape = layer.scheme.shape(layer.parts)
+            tensors[key] = TensorInfo(key, "F32", shape, info.file, info.start, nbytes(shape, "F32"), computed=True)
+        elif key not in found.consumed:
+            tensors[key] = info
+    counts: dict[str, int] = {}
+    for layer in found.layers.values():
+        counts[layer.scheme.name] = counts.get(layer.scheme.name, 0) + 1
+    folded = sorted(found.consumed - set(found.dropped) - set(found.layers))
+    quant = Quantization(found.format, counts, folded, sorted(found.dropped), found.dropped_why, found.notes)
+    return Checkpoint(ckpt.path, tensors, ckpt.files, ckpt.config, ckpt.metadata, stored=ckpt.tensors,
+                      quantization=quant, decoder=QuantDecoder(found.layers), container=ckpt.container)
+
+
+__all__ = ["Scheme", "Scaled", "NVFP4", "MXFP8", "Layer", "Found", "QuantDecoder", "layer_parts", "rewrite",
+           "is_sidecar", "SIDECAR_NAMES"]

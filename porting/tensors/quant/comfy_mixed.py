@@ -1,0 +1,94 @@
+"""ComfyUI's mixed-precision layout (`comfy/quant_ops.py`, quantized with comfy-kitchen).
+
+Declared per layer by a `<layer>.comfy_quant` uint8 tensor holding UTF-8 JSON (`{"format": "nvfp4", ...}`) or by
+the header's `_quantization_metadata` (`{"format_version": "1.0", "layers": {layer: {...}}}`); layers without one
+are plain. Formats:
+- `float8_e4m3fn`, `float8_e5m2`, `int8_tensorwise`: weight * `weight_scale`;
+- `nvfp4`: E2M1 pairs with the even element in the **high** nibble, E4M3 block-16 scales in cuBLAS's **swizzled**
+  tiled layout, times `weight_scale_2`;
+- `mxfp8`: fp8 weight times swizzled E8M0 block-32 scales.
+`pre_quant_scale` (input smoothing) is folded into the weight's columns; `input_scale` is dropped and reported.
+Rotated or codebook formats (ConvRot, SVDQuant, AWQ, W4A8) are refused: turning them into plain weights needs
+their exact inverse transforms, which flux-port does not implement.
+"""
+
+from __future__ import annotations
+
+import json
+
+from porting.errors import InputError, UnsupportedQuantizationError
+
+from ..reader import Checkpoint, read_stored
+from .base import MXFP8, NVFP4, Found, Scaled, Scheme, layer_parts
+
+NAME = "ComfyUI mixed precision"
+MARKER = ".comfy_quant"
+METADATA_KEY = "_quantization_metadata"
+
+SCHEMES: dict[str, Scheme] = {
+    "float8_e4m3fn": Scaled("float8_e4m3fn x weight_scale", per_row=False, weight_dtypes=("F8_E4M3",)),
+    "float8_e5m2": Scaled("float8_e5m2 x weight_scale", per_row=False, weight_dtypes=("F8_E5M2",)),
+    "int8_tensorwise": Scaled("int8_tensorwise x weight_scale", weight_dtypes=("I8",)),
+    "nvfp4": NVFP4("nvfp4 (ComfyUI: high nibble first, swizzled scales)", high_first=True, swizzled=True),
+    "mxfp8": MXFP8("mxfp8 (swizzled E8M0 scales)"),
+}
+REFUSED = {
+    "convrot": "ConvRot (Hadamard-rotated int8)", "convrot_w4a4": "ConvRot W4A4 (Hadamard-rotated int4)",
+    "svdquant_w4a4": "SVDQuant W4A4 (4-bit weights plus a low-rank branch)", "awq_w4a16": "AWQ W4A16",
+    "asym_w4a8_int8": "asymmetric W4A8 int8",
+}
+
+
+def claims(ckpt: Checkpoint) -> bool:
+    return METADATA_KEY in ckpt.metadata or any(k.endswith(MARKER) for k in ckpt.tensors)
+
+
+def _configs(ckpt: Checkpoint) -> dict[str, dict]:
+    """Layer prefix (ending in '.') -> its JSON config, from the header metadata and the comfy_quant tensors."""
+    configs: dict[str, dict] = {}
+    if METADATA_KEY in ckpt.metadata:
+        try:
+            layers = json.loads(ckpt.metadata[METADATA_KEY])["layers"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise InputError(f"{ckpt.path}: header metadata {METADATA_KEY} is not the expected JSON "
+                             "{\"layers\": {...}}.") from e
+        for name, conf in layers.items():
+            configs[name.rstrip(".") + "."] = conf
+    for key, info in ckpt.tensors.items():
+        if key.endswith(MARKER):
+            if info.dtype != "U8" or len(info.shape) != 1 or info.numel > 65536:
+                raise InputError(f"{ckpt.path}: {key!r} should be a small uint8 tensor of JSON, is {info.dtype} "
+                                 f"{list(info.shape)}.")
+            try:
+                conf = json.loads(bytes(read_stored(info).numpy()).decode("utf-8"))
+            except (UnicodeDecodeError, ValueError) as e:
+                raise InputError(f"{ckpt.path}: {key!r} does not hold JSON ({e}).") from e
+            configs[key[: -len(MARKER)] + "."] = conf
+    return configs
+
+
+def find(ckpt: Checkpoint) -> Found:
+    found = Found(NAME, dropped_why="input_scale is ComfyUI's activation scale for quantized matmuls on capable "
+                                    "GPUs; plain weights have no use for it (the port computes with unquantized "
+                                    "activations, a slightly more precise function)")
+    found.consumed.update(k for k in ckpt.tensors if k.endswith(MARKER))
+    refused: dict[str, list[str]] = {}
+    for prefix, conf in sorted(_configs(ckpt).items()):
+        fmt = conf.get("format") if isinstance(conf, dict) else None
+        if fmt in REFUSED or fmt not in SCHEMES:
+            refused.setdefault(str(fmt), []).append(prefix[:-1])
+            continue
+        layer_parts(ckpt, prefix, SCHEMES[fmt], found, where=f"{NAME} {fmt}")
+        if conf.get("full_precision_matrix_mult"):
+            note = "some layers declare full_precision_matrix_mult (ComfyUI computed them unquantized)"
+            if note not in found.notes:
+                found.notes.append(note)
+    if refused:
+        fmt, layers = sorted(refused.items())[0]
+        what = REFUSED.get(fmt, f"an unknown format {fmt!r}")
+        raise UnsupportedQuantizationError(
+            f"{ckpt.path}: {len(layers)} layer(s) are quantized as {NAME} {fmt!r}: {what} (e.g. {layers[0]!r}); "
+            "flux-port refuses it: turning it into plain weights needs that format's exact inverse transform, "
+            "which it does not implement. Nothing was written.",
+            hint="Use an fp8, nvfp4, mxfp8, int8 or bf16 release of the same model.")
+    return found

@@ -1,0 +1,157 @@
+"""The tensor-reader seam: what the engine sees of any checkpoint file, whatever its format.
+
+A reader describes tensors (key, dtype, shape) from headers alone and hands each one out in one of two ways:
+- a byte range of a file (`TensorInfo.byte_range`): the tensor is stored as-is, row-major, so the writer can copy it
+  file to file without reading it into memory;
+- a computed tensor (`TensorInfo.computed`): the reader's decoder produces it in float32, e.g. by dequantizing a
+  quantized weight with its scales, optionally a row range at a time so memory stays flat.
+
+`Checkpoint` is that view. Formats are modules that build one: `checkpoint.py` (safetensors), `quant/*` (quantized
+safetensors layouts, detected from the header), `gguf_reader.py` (GGUF). The engine never asks which format it is.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from porting.errors import InputError
+
+from .dtypes import ST_TO_TORCH
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor as the engine sees it: known from the header alone."""
+
+    name: str
+    dtype: str  # safetensors tag; float32 ("F32") for computed tensors
+    shape: tuple[int, ...]
+    file: Path
+    start: int  # absolute byte offset of the tensor data in `file` (for computed tensors: of its main stored part)
+    nbytes: int  # logical size in `dtype`
+    computed: bool = False  # True: no byte range; the checkpoint's decoder computes it
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return ST_TO_TORCH[self.dtype]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def byte_range(self) -> tuple[Path, int, int] | None:
+        """`(file, offset, length)` of the tensor's row-major bytes, or None when it has to be computed."""
+        return None if self.computed else (self.file, self.start, self.nbytes)
+
+
+class Decoder(Protocol):
+    """Computes the tensors a reader marks `computed`."""
+
+    def dequantize(self, key: str, rows: tuple[int, int] | None = None,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The tensor `key` (or rows [a, b) of dim 0): dequantized in float32, then rounded once to `dtype`."""
+        ...
+
+
+@dataclass
+class Quantization:
+    """What a quantized source holds and what reading it as plain weights does to it."""
+
+    format: str  # the file's layout, e.g. "ComfyUI scaled fp8"
+    layers: dict[str, int]  # per-tensor scheme -> how many tensors are dequantized with it
+    folded: list[str] = field(default_factory=list)  # sidecar tensors consumed by dequantization
+    dropped: list[str] = field(default_factory=list)  # sidecar tensors with no meaning for plain weights
+    dropped_why: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        schemes = ", ".join(f"{n} x {c}" for n, c in sorted(self.layers.items()))
+        return f"{self.format} ({schemes})" if schemes else self.format
+
+    @property
+    def tensor_count(self) -> int:
+        return sum(self.layers.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": self.format, "label": self.label, "layers": dict(sorted(self.layers.items())),
+                "dequantized_tensors": self.tensor_count, "folded": len(self.folded), "dropped": self.dropped,
+                "dropped_why": self.dropped_why, "notes": self.notes}
+
+
+@dataclass
+class Checkpoint:
+    """A set of tensors spread over one or more files, addressed by key: the reader the engine uses."""
+
+    path: Path
+    tensors: dict[str, TensorInfo]
+    files: list[Path]
+    config: dict | None = None  # config.json of a diffusers model folder
+    metadata: dict[str, str] = field(default_factory=dict)
+    stored: dict[str, TensorInfo] | None = None  # the tensors as stored on disk, when they differ (quantized)
+    quantization: Quantization | None = None
+    decoder: Decoder | None = None
+    container: str = "safetensors"
+
+    @property
+    def stored_tensors(self) -> dict[str, TensorInfo]:
+        return self.stored if self.stored is not None else self.tensors
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes on disk (quantized storage for quantized files)."""
+        return sum(t.nbytes for t in self.stored_tensors.values())
+
+    @property
+    def parameter_count(self) -> int:
+        return sum(t.numel for t in self.tensors.values())
+
+    def dtypes(self) -> dict[str, int]:
+        """Stored dtypes and how many tensors have each."""
+        counts: dict[str, int] = {}
+        for t in self.stored_tensors.values():
+            counts[t.dtype] = counts.get(t.dtype, 0) + 1
+        return dict(sorted(counts.items()))
+
+    def read(self, key: str, rows: tuple[int, int] | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """One tensor, or rows [a, b) of dim 0: stored bytes as they are, computed tensors from the decoder (float32).
+
+        With `dtype`, the result is cast to it (computed tensors: float32 values rounded once, decoders may take a
+        faster path to the same values).
+        """
+        info = self.tensors[key]
+        if info.computed:
+            if self.decoder is None:
+                raise InputError(f"internal: {key!r} is computed but {self.path} has no decoder.")
+            return self.decoder.dequantize(key, rows, dtype or torch.float32)
+        t = read_stored(info, rows)
+        return t if dtype is None else t.to(dtype)
+
+
+def read_stored(info: TensorInfo, rows: tuple[int, int] | None = None) -> torch.Tensor:
+    """Read a stored tensor, or rows [a, b) of dim 0, with plain file reads.
+
+    Plain reads instead of mmap keep resident memory at one tensor: mapped pages of a 18 GB file would otherwise
+    count towards the process RSS.
+    """
+    start, nbytes, shape = info.start, info.nbytes, list(info.shape)
+    if rows is not None:
+        a, b = rows
+        row_bytes = info.nbytes // info.shape[0] if info.shape[0] else 0
+        start, nbytes, shape[0] = start + a * row_bytes, (b - a) * row_bytes, b - a
+    buf = torch.empty(nbytes, dtype=torch.uint8)  # uninitialised: no time spent zeroing what is read over
+    with open(info.file, "rb", buffering=0) as f:
+        f.seek(start)
+        view, got = memoryview(buf.numpy()), 0
+        while got < nbytes:
+            n = f.readinto(view[got:])
+            if not n:
+                raise InputError(f"{info.file}: unexpected end of file while reading tensor {info.name!r}.")
+            got += n
+    return buf.view(info.torch_dtype).reshape(shape)
