@@ -12,6 +12,7 @@ from porting.errors import PlanError, PortError
 from . import _output
 from .convert_cmd import CONVERT_EXAMPLES, convert
 from .demo_cmd import demo
+from .export_cmd import EXPORT_EXAMPLES, export
 from .fetch_cmd import FETCH_EXAMPLES, RECIPES_EXAMPLES, fetch, recipes
 from .generate_cmd import GENERATE_EXAMPLES, generate
 from .inspect_cmd import INSPECT_EXAMPLES, inspect
@@ -30,6 +31,7 @@ app.command(epilog=VALIDATE_EXAMPLES)(validate)
 app.command()(demo)
 app.command(epilog=PUBLISH_EXAMPLES)(publish)
 app.command(epilog=GENERATE_EXAMPLES)(generate)
+app.command(epilog=EXPORT_EXAMPLES)(export)
 
 
 def report_error(err: PortError) -> None:
