@@ -9,6 +9,8 @@ folder and its transformer weights hash, which `port validate --runtime onnxrunt
 from __future__ import annotations
 
 import datetime as _dt
+import gc
+import importlib.metadata
 import json
 import logging
 import shutil
@@ -119,6 +121,13 @@ def check_fits(name: str, params: int, dtype: torch.dtype, available: int) -> in
     return need
 
 
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def _produced_opset(proto: Any) -> int:
     return next((int(o.version) for o in proto.opset_import if o.domain in ("", "ai.onnx")), -1)
 
@@ -207,6 +216,7 @@ def export_onnx(folder: str | Path, out: str | Path, *, dtype: str = "fp32", ops
                 if (staging / c / (MODEL_FILE + DATA_SUFFIX)).is_file() else 0,
                 export_s=round(time.perf_counter() - t0, 2), facts=traced.facts))
             del traced
+            gc.collect()  # the next component's weights should not sit next to this one's
         if kind == "pipeline":
             for name in COPIED:
                 if (folder / name).is_dir():
@@ -215,11 +225,7 @@ def export_onnx(folder: str | Path, out: str | Path, *, dtype: str = "fp32", ops
         produced = max(produced_opsets) if produced_opsets else opset
         if produced != opset:
             notices.append(f"asked for opset {opset}, the exporter produced opset {produced}")
-        onnx, ort = require("onnx"), None
-        try:
-            ort = require("onnxruntime")
-        except PortError:
-            pass
+        onnx = require("onnx")
         manifest = {
             "tool": "flux-port", "version": __version__, "format_version": 1, "kind": "onnx-export",
             "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -232,7 +238,7 @@ def export_onnx(folder: str | Path, out: str | Path, *, dtype: str = "fp32", ops
                            for r in results},
             "copied": copied,
             "environment": {"torch": torch.__version__, "onnx": onnx.__version__,
-                            "onnxruntime": getattr(ort, "__version__", None)},
+                            "onnxscript": _version("onnxscript"), "onnxruntime": _version("onnxruntime")},
             "notices": notices,
         }
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
