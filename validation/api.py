@@ -71,9 +71,10 @@ def validate(model: str | Path, *, device: str = "cpu", dtype: str | None = None
         raise PortError(f"--golden-dtype {golden_dtype} must be more precise than --dtype {dtype}.")
     ref = resolve_device(reference)
     source = WeightSource(weights_path, config)
-    if export is not None and source.weights_sha256() != export["weights_sha256"]:
+    weights = source.weights_sha256()
+    if export is not None and weights != export["weights_sha256"]:
         raise CheckFailed(f"{weights_path}: the source weights changed since the export (recorded "
-                          f"{export['weights_sha256'][:16]}..., now {source.weights_sha256()[:16]}...).",
+                          f"{export['weights_sha256'][:16]}..., now {weights[:16]}...).",
                           hint="Export again from the current weights.")
     inputs = build_inputs(source.config, resolution, text_len, timesteps, seeds, base, prompt)
     intrinsic_run = (torch_runner(source, ref, run_dtype) if intrinsic == "native" else
@@ -88,7 +89,7 @@ def validate(model: str | Path, *, device: str = "cpu", dtype: str | None = None
     if prepare_device_model is not None:
         prepare_device_model(runs.device.model)  # type: ignore[attr-defined]
     report = judge(runs, source, inputs, dtype=dtype, golden_dtype=golden_dtype, model=model, max_ratio=max_ratio,
-                   intrinsic=intrinsic, export=export, on_stage=on_stage)
+                   intrinsic=intrinsic, export=export, on_stage=on_stage, weights_sha256=weights)
     if out is not None:
         report.write(Path(out))
     return report
@@ -116,7 +117,7 @@ def _export_source(folder: Path, dtype: str | None) -> tuple[dict[str, Any], Pat
 
 def judge(runs: Runs, source: WeightSource, inputs: Inputs, *, dtype: str, golden_dtype: str, model: str | Path,
           max_ratio: float, intrinsic: str, export: dict[str, Any] | None = None,
-          on_stage: Callable[[str, int], None] | None = None) -> Report:
+          on_stage: Callable[[str, int], None] | None = None, weights_sha256: str | None = None) -> Report:
     """Run the lock-step comparison and apply the verdict rule; the same for every runner."""
     run_dtype = _dtype(dtype, "--dtype")
     dev, ref = runs.device.device, runs.golden.device
@@ -176,7 +177,7 @@ def judge(runs: Runs, source: WeightSource, inputs: Inputs, *, dtype: str, golde
         "model": {"path": str(Path(model).resolve()), "naming": source.detection.naming_label,
                   "variant": source.detection.variant, "table": table.name,
                   "config": {k: v for k, v in source.config.items() if not k.startswith("_")}},
-        "weights_sha256": source.weights_sha256(),
+        "weights_sha256": weights_sha256 or source.weights_sha256(),
         "device": str(dev), "dtype": dtype, "reference": str(ref), "golden_dtype": golden_dtype,
         "intrinsic": intrinsic if intrinsic == "native" else f"emulated ({dtype} rounding of weights, inputs and every "
                                                              "module output, float32 arithmetic)",
