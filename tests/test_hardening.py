@@ -236,3 +236,34 @@ def test_validate_hint_for_an_original_file_says_convert_first() -> None:
     hint = next_step_hint(Path("/x/ft.safetensors"), Path("/x/reports"), None)
     assert "port convert /x/ft.safetensors --out TRANSFORMER_DIR --strict" in hint
     assert next_step_hint(Path("/x"), Path("/x/reports"), "r1") == "publish it next: port publish r1"
+
+
+# --- publish gates on what the model computes ----------------------------------------------------------------------
+
+def test_a_config_edited_after_validation_is_not_published(port: dict, tmp_path: Path) -> None:
+    import shutil
+
+    from porting.errors import CheckFailed
+
+    from .tinyport import write_report
+
+    transformer = tmp_path / "transformer"
+    shutil.copytree(port["transformer"], transformer)
+    report = write_report(tmp_path / "reports", port["weights"])
+    config = json.loads((transformer / "config.json").read_text())
+    config["rope_theta"] = 10000  # same weights, another function
+    (transformer / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckFailed, match=r"config.json changed since .* \(rope_theta\)"):
+        publish(port["base"], transformer, tmp_path / "pub", report=report)
+    assert not (tmp_path / "pub").exists()
+
+
+def test_an_onnxruntime_report_does_not_publish_the_torch_transformer(port: dict, tmp_path: Path) -> None:
+    from porting.errors import CheckFailed
+
+    from .tinyport import report_doc
+
+    doc = {**report_doc(port["weights"]), "runtime": "onnxruntime"}
+    (tmp_path / "report.json").write_text(json.dumps(doc))
+    with pytest.raises(CheckFailed, match="validated a onnxruntime export, not this torch transformer"):
+        publish(port["base"], port["transformer"], tmp_path / "pub", report=tmp_path / "report.json")

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +22,20 @@ from porting.engine.convert import convert  # noqa: E402
 OTHER_WEIGHTS = "0" * 64
 
 
-def report_doc(weights: str, verdict: str = "pass") -> dict[str, Any]:
+@lru_cache(maxsize=None)
+def tiny_transformer_config() -> str:
+    """config.json as port convert writes it for TINY_FLUX2 (what the tiny transformers here were validated with)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src = write_random_checkpoint(Path(tmp) / "t.safetensors", TINY_FLUX2, seed=0)
+        convert(src, Path(tmp) / "out", strict=True)
+        return (Path(tmp) / "out" / "config.json").read_text()
+
+
+def report_doc(weights: str, verdict: str = "pass", config: dict[str, Any] | None = None) -> dict[str, Any]:
     """A report.json as port validate writes it (the fields publish relies on)."""
+    config = config if config is not None else json.loads(tiny_transformer_config())
     return {
+        "model": {"config": {k: v for k, v in config.items() if not k.startswith("_")}},
         "tool": "flux-port", "version": "0.1.0", "weights_sha256": weights, "verdict": verdict, "device": "cpu",
         "dtype": "bf16", "reference": "cpu", "golden_dtype": "fp32",
         "inputs": {"resolution": 64, "text_len": 16, "timesteps": [1.0, 0.5], "seeds": [0]},
@@ -34,9 +47,9 @@ def report_doc(weights: str, verdict: str = "pass") -> dict[str, Any]:
     }
 
 
-def write_report(folder: Path, weights: str, verdict: str = "pass") -> Path:
+def write_report(folder: Path, weights: str, verdict: str = "pass", config: dict[str, Any] | None = None) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "report.json").write_text(json.dumps(report_doc(weights, verdict), indent=2))
+    (folder / "report.json").write_text(json.dumps(report_doc(weights, verdict, config), indent=2))
     (folder / "report.md").write_text(f"# validation report\n\nverdict: {verdict}\n")
     return folder / "report.json"
 

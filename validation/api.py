@@ -9,19 +9,21 @@ from typing import Any, Callable, Sequence
 import torch
 
 from porting import __version__
-from porting.devices import device_facts, resolve_device
-from porting.errors import PortError
+from porting.devices import resolve_device
+from porting.errors import CheckFailed, InputError, PortError
 from porting.outputs import check_output
 
 from .compare import GROWTH_FLAG, Runs, lockstep
-from .inputs import build_inputs
+from .inputs import Inputs, build_inputs
 from .metrics import compare, error_floor, error_ratio
 from .report import Report, original_name
-from .staged import StagedFlux2
+from .runners.base import Runner
+from .runners.torch_staged import torch_runner
 from .weights import WeightSource, WeightTransform
 
 GROWTH_FLAG_TEXT = (f"flag a block when the device's accumulated error grows more than {GROWTH_FLAG}x faster "
                     "through it than the reference's")
+RUNTIMES = ("torch", "onnxruntime")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
 
 
@@ -31,36 +33,98 @@ def _dtype(name: str, option: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def validate(model: str | Path, *, device: str = "cpu", dtype: str = "bf16", reference: str = "cpu",
-             golden_dtype: str = "fp32", out: Path | None = None, resolution: int = 512, text_len: int = 512,
+def validate(model: str | Path, *, device: str = "cpu", dtype: str | None = None, reference: str = "cpu",
+             golden_dtype: str | None = None, out: Path | None = None, resolution: int = 512, text_len: int = 512,
              timesteps: Sequence[float] = (1.0, 0.5, 0.1), seeds: Sequence[int] = (0,),
              base: Path | None = None, prompt: str | None = None, max_ratio: float = 2.0,
              config: Path | None = None, intrinsic: str = "native",
              device_weight_transform: WeightTransform | None = None,
              prepare_device_model: Callable[[torch.nn.Module], None] | None = None,
-             on_stage: Callable[[str, int], None] | None = None) -> Report:
+             on_stage: Callable[[str, int], None] | None = None,
+             runtime: str = "torch", provider: str = "CPUExecutionProvider") -> Report:
     """Run golden, intrinsic reference and device under test in lock-step and judge the device.
 
-    `device_weight_transform` and `prepare_device_model` act on the device-side model only (fault injection,
+    `runtime="torch"`: `model` is a transformer (folder or file) run on `device` in `dtype` (default bf16).
+    `runtime="onnxruntime"`: `model` is an exported ONNX transformer folder run with `provider`; the golden and the
+    intrinsic run use the source weights its export manifest names, `dtype` is the export's, and the golden defaults
+    to fp64 for an fp32 export (an fp32 golden would make the intrinsic fp32 error zero).
+    `device_weight_transform` and `prepare_device_model` act on the device-side torch model only (fault injection,
     or hooks for a custom attention backend).
     """
+    if runtime not in RUNTIMES:
+        raise PortError(f"--runtime {runtime!r}: choose one of {', '.join(RUNTIMES)}.")
+    if intrinsic not in ("native", "emulated"):
+        raise PortError(f"--intrinsic {intrinsic!r}: use native or emulated.")
+    export: dict[str, Any] | None = None
+    weights_path: str | Path = model
+    if runtime == "onnxruntime":
+        if device_weight_transform is not None or prepare_device_model is not None:
+            raise PortError("weight transforms and model hooks act on a torch model; the onnxruntime runner has none.")
+        from porting.export.ort import check_provider
+
+        check_provider(provider)  # before any heavy loading: a missing provider is a usage error
+        export, weights_path = _export_source(Path(model), dtype)
+        dtype = export["dtype"]
+    dtype = dtype or "bf16"
+    golden_dtype = golden_dtype or ("fp64" if runtime == "onnxruntime" and dtype == "fp32" else "fp32")
     run_dtype, gold_dtype = _dtype(dtype, "--dtype"), _dtype(golden_dtype, "--golden-dtype")
     if gold_dtype.itemsize <= run_dtype.itemsize and dtype != "fp32":
         raise PortError(f"--golden-dtype {golden_dtype} must be more precise than --dtype {dtype}.")
-    if intrinsic not in ("native", "emulated"):
-        raise PortError(f"--intrinsic {intrinsic!r}: use native or emulated.")
     if out is not None:
         check_output(Path(out), verb="validate", replace="owned", inputs={"model": model})
-    dev, ref = resolve_device(device), resolve_device(reference)
-    source = WeightSource(model, config)
+    ref = resolve_device(reference)
+    source = WeightSource(weights_path, config)
+    weights = source.weights_sha256()
+    if export is not None and weights != export["weights_sha256"]:
+        raise CheckFailed(f"{weights_path}: the source weights changed since the export (recorded "
+                          f"{export['weights_sha256'][:16]}..., now {weights[:16]}...).",
+                          hint="Export again from the current weights.")
     inputs = build_inputs(source.config, resolution, text_len, timesteps, seeds, base, prompt)
-    intrinsic_run = (StagedFlux2(source, ref, run_dtype) if intrinsic == "native" else
-                     StagedFlux2(source, ref, torch.float32, emulate=run_dtype))
-    runs = Runs(StagedFlux2(source, ref, gold_dtype), intrinsic_run,
-                StagedFlux2(source, dev, run_dtype, device_weight_transform))
+    intrinsic_run = (torch_runner(source, ref, run_dtype) if intrinsic == "native" else
+                     torch_runner(source, ref, torch.float32, emulate=run_dtype))
+    if runtime == "onnxruntime":
+        from .runners.onnxruntime import OrtRunner
+
+        device_run: Runner = OrtRunner(Path(model), provider, run_dtype)
+    else:
+        device_run = torch_runner(source, resolve_device(device), run_dtype, device_weight_transform)
+    runs = Runs(torch_runner(source, ref, gold_dtype), intrinsic_run, device_run)
     if prepare_device_model is not None:
-        prepare_device_model(runs.device.model)
-    total = len(runs.golden.stage_names())
+        prepare_device_model(runs.device.model)  # type: ignore[attr-defined]
+    report = judge(runs, source, inputs, dtype=dtype, golden_dtype=golden_dtype, model=model, max_ratio=max_ratio,
+                   intrinsic=intrinsic, export=export, on_stage=on_stage, weights_sha256=weights)
+    if out is not None:
+        report.write(Path(out), inputs={"model": model})
+    return report
+
+
+def _export_source(folder: Path, dtype: str | None) -> tuple[dict[str, Any], Path]:
+    """The export manifest's facts and the source transformer it names, checked."""
+    from porting.export.onnx import find_manifest
+
+    root, manifest = find_manifest(folder)
+    if folder.resolve() != (root / "transformer").resolve():
+        raise PortError(f"{folder}: onnxruntime validation judges the transformer; pass {root / 'transformer'}.")
+    if "transformer" not in manifest.get("components", {}):
+        raise InputError(f"{root}: this export has no transformer component.")
+    src = (manifest.get("source") or {}).get("transformer")
+    if not src or not Path(src).is_dir():
+        raise InputError(f"{root}: the source transformer {src} the export names is not there; the golden runs on it.",
+                         hint="Keep the source folder where it was exported from, or export again.")
+    if dtype is not None and dtype != manifest["dtype"]:
+        raise PortError(f"--dtype {dtype}: this export is {manifest['dtype']}; leave --dtype out for onnxruntime.")
+    facts = {"folder": str(root.resolve()), "dtype": manifest["dtype"], "opset": manifest.get("opset"),
+             "weights_sha256": manifest["source"]["weights_sha256"], "source": src}
+    return facts, Path(src)
+
+
+def judge(runs: Runs, source: WeightSource, inputs: Inputs, *, dtype: str, golden_dtype: str, model: str | Path,
+          max_ratio: float, intrinsic: str, export: dict[str, Any] | None = None,
+          on_stage: Callable[[str, int], None] | None = None, weights_sha256: str | None = None) -> Report:
+    """Run the lock-step comparison and apply the verdict rule; the same for every runner."""
+    run_dtype = _dtype(dtype, "--dtype")
+    dev, ref = runs.device.device, runs.golden.device
+    total = len(runs.golden.stage_names()) + (0 if runs.device.localises else 1)
     rows, outputs = lockstep(runs, inputs.state,
                              (lambda s: on_stage(s, total)) if on_stage else None)
     table = source.detection.table
@@ -84,6 +148,8 @@ def validate(model: str | Path, *, device: str = "cpu", dtype: str = "bf16", ref
                  or r["teacher_forced"]["device"]["nonfinite"]]
     if nonfinite:
         reasons.append(f"NaN/Inf on the device, first in {nonfinite[0]}")
+    elif overall_dev["nonfinite"]:
+        reasons.append(f"NaN/Inf in the device's output ({overall_dev['nonfinite']} element(s))")
     if ratio > max_ratio:
         reasons.append(f"final output error {overall_dev['rel_l2']:.3%} is {ratio:.2f}x the intrinsic {dtype} error "
                        f"{overall_int['rel_l2']:.3%} (limit {max_ratio}x)")
@@ -100,11 +166,11 @@ def validate(model: str | Path, *, device: str = "cpu", dtype: str = "bf16", ref
     growth = [r["stage"] for r in rows if r["growth_flag"]]
 
     known = []
-    facts_dev, facts_ref = device_facts(dev), device_facts(ref)
-    if facts_dev["rope_freqs_dtype"] != facts_ref["rope_freqs_dtype"]:
+    facts_dev, facts_ref = runs.device.facts(), runs.golden.facts()
+    if facts_dev.get("rope_freqs_dtype", facts_ref["rope_freqs_dtype"]) != facts_ref["rope_freqs_dtype"]:
         known.append(f"diffusers computes RoPE frequencies in {facts_dev['rope_freqs_dtype']} on {dev.type} but in "
                      f"{facts_ref['rope_freqs_dtype']} on {ref.type}; both then cast cos/sin to float32.")
-    if dev.type == "npu":
+    if getattr(dev, "type", None) == "npu":
         known.append("attention may run through torch_npu.npu_fusion_attention (diffusers _native_npu backend) "
                      "instead of PyTorch SDPA; ACL_PRECISION_MODE and HF32 settings are recorded in environment.")
 
@@ -115,24 +181,29 @@ def validate(model: str | Path, *, device: str = "cpu", dtype: str = "bf16", ref
                   "variant": source.detection.variant, "table": table.name,
                   "config": {k: v for k, v in source.config.items() if not k.startswith("_")},
                   **source.provenance()},
-        "weights_sha256": source.weights_sha256(),
+        "weights_sha256": weights_sha256 or source.weights_sha256(),
         "device": str(dev), "dtype": dtype, "reference": str(ref), "golden_dtype": golden_dtype,
         "intrinsic": intrinsic if intrinsic == "native" else f"emulated ({dtype} rounding of weights, inputs and every "
                                                              "module output, float32 arithmetic)",
+        "runtime": runs.device.runtime,
+        "localisation": {"per_block": runs.device.localises,
+                         "note": None if runs.device.localises else runs.device.localisation_note},
         "environment": {"device": facts_dev, "reference": facts_ref},
         "inputs": inputs.description, "cases": inputs.cases,
         "rule": {"metric": "relative L2 error against the golden", "max_ratio": max_ratio,
                  "denominator_floor": error_floor(run_dtype), "growth_flag": GROWTH_FLAG_TEXT,
                  "statement": f"pass iff no NaN/Inf, the final output's error is at most {max_ratio}x the intrinsic "
-                              f"{dtype} error (same model in {dtype} on {ref}), and no block's teacher-forced error "
-                              f"exceeds {max_ratio}x its intrinsic error"},
+                              f"{dtype} error (same model in {dtype} on {ref})"
+                              + (f", and no block's teacher-forced error exceeds {max_ratio}x its intrinsic error"
+                                 if runs.device.localises else " (final output only: no per-block check)")},
         "output": {"device": overall_dev, "intrinsic": overall_int, "ratio": ratio},
         "summary": summary, "blocks": rows, "blame": blame, "growth_flags": growth,
         "known_differences": known,
         "verdict": "fail" if reasons else "pass", "reasons": reasons,
     }
-    report = Report(data)
-    if out is not None:
-        report.write(Path(out), inputs={"model": model})
-    return report
+    if export is not None:
+        data["export"] = export
+        known.append("onnxruntime fuses, reorders and re-implements operations (its own GEMM and attention kernels), "
+                     "so its error differs from torch's in the same dtype; the ratio rule judges that difference.")
+    return Report(data)
 

@@ -3,6 +3,9 @@
 For every stage each model runs twice: on its own previous output (accumulated error) and on the golden's input
 (teacher-forced: the stage's own error). Errors are relative L2 against the golden; a stage's ratio is the
 device's error over the intrinsic error of the same dtype on the reference device.
+
+A device runner that cannot stop between blocks (`localises = False`, e.g. an ONNX graph) is compared on the final
+output only: the golden and intrinsic runs still stream stage by stage, and no per-block rows are produced.
 """
 
 from __future__ import annotations
@@ -14,21 +17,36 @@ from typing import Any, Callable
 import torch
 
 from .metrics import compare, error_ratio
-from .staged import StagedFlux2, cast_state, stage_input, stage_output
+from .runners.base import WHOLE, Runner, forward_all
+from .staged import cast_state, stage_input, stage_output
 
 GROWTH_FLAG = 1.5  # device error grows this much faster than the reference's through one block
 
 
 @dataclass
 class Runs:
-    golden: StagedFlux2
-    intrinsic: StagedFlux2
-    device: StagedFlux2
+    golden: Runner
+    intrinsic: Runner
+    device: Runner
+
+
+def whole_output(runs: Runs, inputs: dict[str, Any],
+                 on_stage: Callable[[str], None] | None = None) -> dict[str, torch.Tensor]:
+    """The three final outputs, for a device runner without stage boundaries."""
+    golden = forward_all(runs.golden, cast_state(inputs, runs.golden.dtype, runs.golden.device), on_stage)
+    intrinsic = forward_all(runs.intrinsic, inputs)
+    (device,) = runs.device.run(WHOLE, [inputs])
+    if on_stage:
+        on_stage(WHOLE)
+    return {"golden": golden, "intrinsic": intrinsic, "device": device["out"]}
 
 
 def lockstep(runs: Runs, inputs: dict[str, Any],
              on_stage: Callable[[str], None] | None = None) -> tuple[list[dict[str, Any]], dict[str, torch.Tensor]]:
-    """Per-stage metrics and the three final outputs (golden, intrinsic, device)."""
+    """Per-stage metrics and the three final outputs (golden, intrinsic, device); no rows for a whole-graph
+    device runner."""
+    if not runs.device.localises:
+        return [], whole_output(runs, inputs, on_stage)
     dtype = runs.device.dtype
     golden_state = cast_state(inputs, runs.golden.dtype, runs.golden.device)
     intrinsic_state, device_state = inputs, inputs

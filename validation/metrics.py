@@ -13,8 +13,14 @@ ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0
 SMALL_VALUE = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-14, torch.float64: 2.0**-14}
 
 
+# float32's floor follows msprobe's fp32 denominator floor (2^-14) rather than its unit roundoff: accumulation error
+# through a deep network is orders of magnitude above 2^-24, so two correct fp32 implementations (torch and
+# onnxruntime's kernels) differ by far more than the roundoff-based floor, and a ratio against it means nothing.
+FLOOR_BASE = {**ROUNDOFF, torch.float32: 2.0**-14}
+
+
 def error_floor(dtype: torch.dtype) -> float:
-    return ROUNDOFF.get(dtype, 2.0**-8) / 4
+    return FLOOR_BASE.get(dtype, 2.0**-8) / 4
 
 
 def compare(candidate: torch.Tensor, golden: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> dict[str, float]:

@@ -90,9 +90,13 @@ def to_markdown(d: dict[str, Any]) -> str:
     for row in d["summary"]:
         lines.append(f"| {row['name']} | {_pct(row['device_error'])} | {_pct(row['intrinsic_error'])} | "
                      f"{_ratio(row['ratio'])} | {row['cosine']:.6f} |")
-    lines += ["", "## Per block (teacher-forced: each block fed the golden inputs)", "",
-              "| stage | original | device rel-L2 | intrinsic rel-L2 | ratio | accumulated ratio | flag |",
-              "|---|---|---|---|---|---|---|"]
+    localisation = d.get("localisation") or {"per_block": True}
+    if not localisation["per_block"]:
+        lines += ["", "## Per block", "", f"Not available: {localisation['note']}."]
+    else:
+        lines += ["", "## Per block (teacher-forced: each block fed the golden inputs)", "",
+                  "| stage | original | device rel-L2 | intrinsic rel-L2 | ratio | accumulated ratio | flag |",
+                  "|---|---|---|---|---|---|---|"]
     for b in d["blocks"]:
         tf = b["teacher_forced"]
         flag = "BLAME" if d["blame"] and d["blame"]["stage"] == b["stage"] else ("growth" if b["growth_flag"] else "")
@@ -121,4 +125,7 @@ def terminal_table(d: dict[str, Any], max_rows: int = 80) -> Table:
     for row in d["summary"]:
         table.add_row(f"output {row['name']}", "", _pct(row["device_error"]), _pct(row["intrinsic_error"]),
                       _ratio(row["ratio"]), "", "")
+    localisation = d.get("localisation") or {"per_block": True}
+    if not localisation["per_block"]:
+        table.caption = f"no per-block rows: {localisation['note']}"
     return table

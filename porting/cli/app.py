@@ -15,6 +15,7 @@ from .bench_cmd import BENCH_EXAMPLES, bench
 from .compare_cmd import COMPARE_EXAMPLES, compare
 from .convert_cmd import CONVERT_EXAMPLES, convert
 from .demo_cmd import demo
+from .export_cmd import EXPORT_EXAMPLES, export
 from .fetch_cmd import FETCH_EXAMPLES, RECIPES_EXAMPLES, fetch, recipes
 from .generate_cmd import GENERATE_EXAMPLES, generate
 from .inspect_cmd import INSPECT_EXAMPLES, inspect
@@ -35,6 +36,7 @@ app.command(epilog=PUBLISH_EXAMPLES)(publish)
 app.command(epilog=GENERATE_EXAMPLES)(generate)
 app.command(epilog=COMPARE_EXAMPLES)(compare)
 app.command(epilog=BENCH_EXAMPLES)(bench)
+app.command(epilog=EXPORT_EXAMPLES)(export)
 
 
 # typer vendors click; its ClickException (unknown option, bad value) is reached through a public subclass

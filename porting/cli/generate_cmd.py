@@ -20,6 +20,7 @@ Examples:
   port generate ./my-klein-ft --prompt "a red fox in the snow" --device npu:0 --steps 4 --output fox.png
   port generate ./my-klein-ft --prompt "a red fox" --device cuda --size 768x1024 --cpu-offload model
   port generate ./my-klein-ft --prompt "make it winter" --image ref.png --device cuda --output edit.png
+  port generate ./my-klein-ft-onnx --prompt "a red fox" --provider CPUExecutionProvider   (port export's folder)
 """
 
 
@@ -43,6 +44,8 @@ def summary_table(r: GenerateResult) -> Table:
     table.add_row("image", f"{r.output} ({r.width}x{r.height})")
     table.add_row("pipeline", f"{r.pipeline} on {r.device} ({r.dtype}" + (f", {r.cpu_offload} offload)"
                                                                            if r.cpu_offload else ")"))
+    if r.transformer_runtime != "torch":
+        table.add_row("transformer", f"{r.transformer_runtime} (ONNX export; the rest in torch)")
     table.add_row("load", f"{r.load_s:.2f} s")
     table.add_row("denoising", f"{r.denoise_s:.2f} s for {r.steps} step(s), {r.s_per_it:.3f} s/it")
     table.add_row("total call", f"{r.total_s:.2f} s (text encoding, denoising, decoding)")
@@ -69,6 +72,8 @@ def generate(
                                                       "cpu.")] = None,
     guidance_scale: Annotated[Optional[float], typer.Option("--guidance-scale", help="CFG scale (base and dev "
                                                             "models; distilled models ignore it).")] = None,
+    provider: Annotated[str, typer.Option("--provider", help="onnxruntime execution provider, for an ONNX export "
+                                          "folder (port export).")] = "CPUExecutionProvider",
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -79,6 +84,6 @@ def generate(
     result = run_generate(folder, prompt, device=device, steps=steps, seed=seed, size=size, output=output,
                           cpu_offload=cpu_offload.value if cpu_offload else None, images=image or [],
                           dtype=dtype.value if dtype else None, guidance_scale=guidance_scale,
-                          progress=not out.quiet, on_status=out.status)
+                          progress=not out.quiet, on_status=out.status, provider=provider)
     out.document(result.to_dict())
     out.table(summary_table(result))

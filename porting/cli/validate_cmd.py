@@ -20,6 +20,7 @@ Examples:
   port validate Flux2-Klein-9B-True-bf16.safetensors --device cuda --resolution 1024 --seeds 0,1
   port validate ./transformer --device npu:0 --base ./FLUX.2-klein-9B --prompt "a red fox in snow"
   port validate flux2-klein-9b-true-v1 --device npu:0 --prompt "a red fox in snow"   (a recipe's workspace)
+  port validate ./klein-onnx/transformer --runtime onnxruntime --provider CUDAExecutionProvider
 """
 
 
@@ -29,8 +30,10 @@ def validate(
     device: Annotated[str, typer.Option(
         "--device", help="Device under test: cpu, cuda[:N], npu[:N], mps, xpu[:N].")] = "cpu",
     reference: Annotated[str, typer.Option("--reference", help="Where the golden and intrinsic runs happen.")] = "cpu",
-    dtype: Annotated[str, typer.Option("--dtype", help="dtype on the device: bf16, fp16 or fp32.")] = "bf16",
-    golden_dtype: Annotated[str, typer.Option("--golden-dtype", help="fp32, or fp64 to judge fp32 runs.")] = "fp32",
+    dtype: Annotated[Optional[str], typer.Option("--dtype", help="dtype on the device: bf16, fp16 or fp32 (default "
+                                                 "bf16; with onnxruntime, the export's).")] = None,
+    golden_dtype: Annotated[Optional[str], typer.Option("--golden-dtype", help="fp32, or fp64 to judge fp32 runs "
+                                                        "(default fp32; fp64 for an fp32 ONNX export).")] = None,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Folder for report.json and report.md "
                                                 "(default: reports/ next to MODEL).")] = None,
     resolution: Annotated[int, typer.Option("--resolution", help="Image side in pixels.")] = 512,
@@ -46,6 +49,11 @@ def validate(
     intrinsic: Annotated[str, typer.Option(
         "--intrinsic", help="native: run --dtype on the reference device; emulated: "
                             "float32 arithmetic with --dtype rounding (fast on CPUs without bf16).")] = "native",
+    runtime: Annotated[str, typer.Option("--runtime", help="torch (MODEL is a transformer) or onnxruntime (MODEL is "
+                                         "an exported DIR/transformer).")] = "torch",
+    provider: Annotated[str, typer.Option("--provider", help="onnxruntime execution provider: CPUExecutionProvider, "
+                                          "CUDAExecutionProvider, CANNExecutionProvider, ...")] =
+    "CPUExecutionProvider",
     workspace: WorkspaceOpt = None,
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -88,7 +96,7 @@ def validate(
                               out=out, resolution=resolution, text_len=text_len,
                               timesteps=timestep_list, seeds=seed_list, base=base, prompt=prompt,
                               max_ratio=max_ratio, config=config, intrinsic=intrinsic,
-                              on_stage=on_stage)
+                              on_stage=on_stage, runtime=runtime, provider=provider)
     finally:
         if progress:
             progress.stop()
@@ -101,8 +109,14 @@ def validate(
     output.table(terminal_table(data))
     output.status(f"report: {out / 'report.json'} and {out / 'report.md'}")
     if report.verdict != "pass":
+        where = ("the first bad block is where to look" if data["localisation"]["per_block"] else
+                 "an ONNX graph gives no per-block rows; validate the source weights with --runtime torch to "
+                 "locate a bad block")
         raise CheckFailed("Validation failed: " + "; ".join(data["reasons"]) + ".",
-                          hint=f"See {out / 'report.md'}; the first bad block is where to look.")
+                          hint=f"See {out / 'report.md'}; {where}.")
+    if runtime == "onnxruntime":
+        output.hint(f"run it: port generate {Path(data['export']['folder'])} --prompt TEXT")
+        return
     output.hint(next_step_hint(model, out, recipe.name if recipe is not None else None))
 
 

@@ -48,6 +48,7 @@ class GenerateResult:
     total_s: float
     peak_memory_bytes: int
     peak_memory_kind: str  # "device allocator" or "process RSS"
+    transformer_runtime: str = "torch"  # or "onnxruntime:<provider>" for an ONNX export folder
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -174,11 +175,19 @@ def save_png(image: Any, output: Path) -> None:
 def generate(folder: str | Path, prompt: str, *, device: str = "cpu", steps: int | None = None, seed: int = 0,
              size: str | int = 1024, output: str | Path = "image.png", cpu_offload: str | None = None,
              images: Sequence[str | Path] = (), dtype: str | None = None, guidance_scale: float | None = None,
-             progress: bool = True, on_status: Callable[[str], None] | None = None) -> GenerateResult:
-    """Generate one image from a published folder and write it as PNG to `output`."""
+             progress: bool = True, on_status: Callable[[str], None] | None = None,
+             provider: str = "CPUExecutionProvider") -> GenerateResult:
+    """Generate one image from a published folder and write it as PNG to `output`.
+
+    An ONNX export folder (`port export`) runs its transformer in onnxruntime with `provider`; the other components
+    come from the source pipeline folder its manifest names and run in torch.
+    """
+    from porting.export.ort_pipeline import export_source
+
     folder, output = Path(folder), Path(output)
     say = on_status or (lambda text: None)
-    index = read_model_index(folder)
+    onnx_source = export_source(folder)
+    index = read_model_index(onnx_source or folder)
     dev = resolve_device(device)
     if cpu_offload is not None:
         if cpu_offload not in OFFLOAD_MODES:
@@ -186,6 +195,8 @@ def generate(folder: str | Path, prompt: str, *, device: str = "cpu", steps: int
         if dev.type == "cpu":
             raise PortError("--cpu-offload moves weights between CPU and an accelerator; it needs --device cuda or "
                             "npu:N.")
+        if onnx_source is not None:
+            raise PortError("--cpu-offload moves torch weights; the ONNX transformer runs in onnxruntime.")
     dtype_name = dtype or ("fp32" if dev.type == "cpu" else "bf16")
     if dtype_name not in DTYPES:
         raise PortError(f"--dtype {dtype_name!r}: choose one of {', '.join(DTYPES)}.")
@@ -204,7 +215,13 @@ def generate(folder: str | Path, prompt: str, *, device: str = "cpu", steps: int
     say(f"loading {index.get('_class_name')} from {folder} on {dev} ({dtype_name}"
         + (f", {cpu_offload} offload" if cpu_offload else "") + ")")
     started = time.perf_counter()
-    pipe = load_pipeline(folder, dev, DTYPES[dtype_name], cpu_offload)
+    if onnx_source is not None:
+        from porting.export.ort_pipeline import load_onnx_pipeline
+
+        say(f"transformer: onnxruntime {provider} on {folder / 'transformer'}; the rest: torch from {onnx_source}")
+        pipe = load_onnx_pipeline(folder, DTYPES[dtype_name], provider).to(dev)
+    else:
+        pipe = load_pipeline(folder, dev, DTYPES[dtype_name], cpu_offload)
     pipe.set_progress_bar_config(disable=not progress)
     load_s = time.perf_counter() - started
 
@@ -255,4 +272,5 @@ def generate(folder: str | Path, prompt: str, *, device: str = "cpu", steps: int
         seed=seed, device=str(dev), dtype=dtype_name, cpu_offload=cpu_offload,
         reference_images=[str(p) for p in images], load_s=round(load_s, 3), denoise_s=round(denoise_s, 3),
         s_per_it=round(denoise_s / steps, 4), total_s=round(total_s, 3), peak_memory_bytes=peak,
-        peak_memory_kind=kind)
+        peak_memory_kind=kind,
+        transformer_runtime=f"onnxruntime:{provider}" if onnx_source is not None else "torch")

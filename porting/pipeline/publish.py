@@ -169,8 +169,16 @@ def check_consistency(base: Path, base_index: dict[str, Any], cfg: dict[str, Any
     return notices
 
 
-def check_report(report: Path | None, weights: str) -> Gate:
-    """Read a validate report (a report.json or the folder holding it) and judge it for these weights."""
+def config_differences(validated: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """Config fields (diffusers bookkeeping `_...` aside) whose value differs between validation and now."""
+    a = {k: v for k, v in validated.items() if not k.startswith("_")}
+    b = {k: v for k, v in current.items() if not k.startswith("_")}
+    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+
+
+def check_report(report: Path | None, weights: str, config: dict[str, Any] | None = None) -> Gate:
+    """Read a validate report (a report.json or the folder holding it) and judge it for these weights and, when
+    given, this config.json: a config edited after validation (rope_theta, say) computes something else."""
     if report is None:
         return Gate("missing", "no validation report was given")
     path = report / "report.json" if report.is_dir() else report
@@ -186,6 +194,17 @@ def check_report(report: Path | None, weights: str) -> Gate:
     if recorded != weights:
         return Gate("mismatch", f"{path} validated other weights ({str(recorded)[:16]}...; this transformer is "
                                 f"{weights[:16]}...)", path, data)
+    if data.get("runtime", "torch") != "torch":
+        return Gate("mismatch", f"{path} validated a {data.get('runtime')} export, not this torch transformer",
+                    path, data)
+    if config is not None:
+        validated = (data.get("model") or {}).get("config")
+        if not isinstance(validated, dict):
+            return Gate("mismatch", f"{path} does not record the config it validated (an older report)", path, data)
+        changed = config_differences(validated, config)
+        if changed:
+            return Gate("mismatch", f"transformer/config.json changed since {path} was written "
+                                    f"({', '.join(changed[:5])})", path, data)
     if data.get("verdict") != "pass":
         return Gate("fail", f"{path} has verdict {data.get('verdict')!r}", path, data)
     return Gate("pass", f"{path}: verdict pass on {data.get('device')} {data.get('dtype')}", path, data)
@@ -195,8 +214,8 @@ def refusal(gate: Gate, transformer: Path) -> CheckFailed:
     hints = {
         "missing": f"Validate first: port validate {transformer} --device npu:0 (it writes "
                    f"{transformer.parent / 'reports'}/report.json, which publish then finds), or pass --report.",
-        "mismatch": f"The report belongs to other weights: validate this transformer ({transformer}) and pass "
-                    "its report.",
+        "mismatch": f"The report belongs to other weights or another config: validate this transformer "
+                    f"({transformer}) as it is now and pass its report.",
         "fail": "Read report.md for the blamed block; a failing port must not be published.",
         "unreadable": "Run port validate again to write a fresh report.json.",
     }
@@ -477,7 +496,7 @@ def publish(base: str | Path, transformer: str | Path, out: str | Path, *, repor
     if report is None and (transformer.parent / "reports" / "report.json").is_file():
         report = transformer.parent / "reports"  # where port validate writes by default (and the workspace layout)
         say(f"using the validation report in {report}")
-    gate = check_report(Path(report) if report is not None else None, weights)
+    gate = check_report(Path(report) if report is not None else None, weights, cfg)
     if not gate.passed and not skip_validation:
         raise refusal(gate, transformer)
     if not gate.passed:

@@ -1,0 +1,182 @@
+"""Benchmark `port export --format onnx` at real size, and one onnxruntime CPU transformer step against torch's.
+
+    flock /work/bench.lock python bench/export_onnx.py                    # klein-4B shapes, fp16
+    flock /work/bench.lock python bench/export_onnx.py --torch-dtypes fp16,bf16 --workdir /work/scratch/issue12/b
+
+A synthetic transformer folder with klein-4B's shapes (diffusers naming, bf16, 7.75 GB, `fill="tiled"` weights as
+in bench/convert.py) is generated first; its generation is not measured. Then, each as a child process timed with
+wall-clock and its peak RSS (GNU time's %M):
+
+  (a) `port export SRC --format onnx --out OUT --dtype fp16 --components transformer --json`;
+  (b) one transformer step at 256x256 (256 image tokens, 512 text tokens, batch 1) in onnxruntime's CPU provider
+      on the export: session load, then the step;
+  (c) the same step in torch (`Flux2Transformer2DModel.from_pretrained(..., dtype)` on CPU) for each of
+      --torch-dtypes; the outputs are compared with onnxruntime's (relative L2).
+
+Not part of CI. Needs about 2.2 x 7.75 GB of free disk in --workdir; everything is deleted afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+GIB = 2**30
+
+STEP_INPUTS = textwrap.dedent("""
+    import torch
+    from diffusers import Flux2KleinPipeline
+    def step_inputs(cfg, dtype, side=16, text=512):
+        gen = torch.Generator().manual_seed(0)
+        ctx = torch.randn(1, text, cfg["joint_attention_dim"], generator=gen)
+        return {"hidden_states": torch.randn(1, side * side, cfg["in_channels"], generator=gen).to(dtype),
+                "encoder_hidden_states": ctx.to(dtype), "timestep": torch.full((1,), 0.5).to(dtype),
+                "img_ids": Flux2KleinPipeline._prepare_latent_ids(torch.empty(1, 1, side, side)),
+                "txt_ids": Flux2KleinPipeline._prepare_text_ids(ctx)}
+""")
+
+ORT_SCRIPT = STEP_INPUTS + textwrap.dedent("""
+    import json, sys, time
+    import numpy as np, onnxruntime as ort
+    folder, cfg_path, out = sys.argv[1:4]
+    cfg = json.load(open(cfg_path))
+    t0 = time.perf_counter()
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    session = ort.InferenceSession(folder + "/model.onnx", sess_options=options, providers=["CPUExecutionProvider"])
+    load = time.perf_counter() - t0
+    dtype = torch.float16 if session.get_inputs()[0].type == "tensor(float16)" else torch.float32
+    feed = {k: v.numpy() for k, v in step_inputs(cfg, dtype).items()}
+    t0 = time.perf_counter()
+    (y,) = session.run(None, feed)
+    step = time.perf_counter() - t0
+    np.save(out, y.astype(np.float32))
+    print(json.dumps({"load_s": load, "step_s": step, "finite": bool(np.isfinite(y).all())}))
+""")
+
+TORCH_SCRIPT = STEP_INPUTS + textwrap.dedent("""
+    import json, sys, time
+    import numpy as np
+    from diffusers import Flux2Transformer2DModel
+    folder, dtype_name, out = sys.argv[1:4]
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
+    t0 = time.perf_counter()
+    model = Flux2Transformer2DModel.from_pretrained(folder, dtype=dtype).eval()
+    load = time.perf_counter() - t0
+    x = step_inputs(dict(model.config), dtype)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        y = model(**x, return_dict=False)[0]
+    step = time.perf_counter() - t0
+    np.save(out, y.float().numpy())
+    print(json.dumps({"load_s": load, "step_s": step, "finite": bool(torch.isfinite(y).all())}))
+""")
+
+
+def measure(cmd: list[str], log: Path) -> tuple[float, float, int]:
+    """(wall seconds, peak RSS GiB, exit code) of `cmd` run under GNU time."""
+    rss_file = log.with_suffix(".rss")
+    wrapped = ["/usr/bin/time", "-f", "%M", "-o", str(rss_file)] + cmd
+    with open(log, "wb") as out:
+        start = time.perf_counter()
+        code = subprocess.call(wrapped, stdout=out, stderr=subprocess.STDOUT)
+        wall = time.perf_counter() - start
+    kib = int(rss_file.read_text().split()[-1]) if rss_file.exists() else 0
+    return wall, kib * 1024 / GIB, code
+
+
+def last_json(log: Path) -> dict:
+    text = log.read_text()
+    return json.loads(text[text.index("{"):]) if "{" in text else {}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=["klein-4b", "klein-9b", "tiny"], default="klein-4b",
+                        help="tiny: a smoke test of this script")
+    parser.add_argument("--dtype", choices=["fp16", "fp32"], default="fp16")
+    parser.add_argument("--opset", type=int, default=18)
+    parser.add_argument("--torch-dtypes", default="fp16,bf16", help="torch steps to compare with (comma-separated)")
+    parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--keep", action="store_true")
+    args = parser.parse_args(argv)
+
+    from porting.demo.tiny import REAL_FLUX2, TINY_FLUX2, write_random_checkpoint
+
+    config = TINY_FLUX2 if args.model == "tiny" else REAL_FLUX2[args.model]
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="flux-port-onnx-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    print(f"load average before: {os.getloadavg()}")
+    src, out = work / "transformer", work / "onnx"
+    results: dict[str, dict] = {}
+    try:
+        start = time.perf_counter()
+        write_random_checkpoint(src / "diffusion_pytorch_model.safetensors", config, "diffusers", "BF16", seed=0,
+                                fill="tiled")
+        (src / "config.json").write_text(json.dumps(config))
+        size = sum(f.stat().st_size for f in src.glob("*.safetensors"))
+        print(f"generated {args.model} shapes, bf16, {size / 1e9:.2f} GB in {time.perf_counter() - start:.1f} s "
+              "(not measured)")
+        port = [sys.executable, "-m", "porting"]
+        wall, rss, code = measure(port + ["export", str(src), "--format", "onnx", "--out", str(out), "--dtype",
+                                          args.dtype, "--opset", str(args.opset), "--components", "transformer",
+                                          "--json", "--force"], work / "export.log")
+        doc = last_json(work / "export.log")
+        results["export"] = {"wall": wall, "rss": rss, "code": code}
+        if code != 0:
+            print((work / "export.log").read_text()[-3000:], file=sys.stderr)
+            _report(results)
+            return 1
+        data = out / "transformer" / "model.onnx.data"
+        results["export"].update({"data_gb": data.stat().st_size / 1e9, "opset": doc.get("opset_produced"),
+                                  "inner_s": doc.get("seconds")})
+        cfg_path = work / "config-only.json"
+        cfg_path.write_text(json.dumps({k: v for k, v in config.items() if not k.startswith("_")}))
+        wall, rss, code = measure([sys.executable, "-c", ORT_SCRIPT, str(out / "transformer"), str(cfg_path),
+                                   str(work / "ort.npy")], work / "ort.log")
+        results["onnxruntime CPU"] = {"wall": wall, "rss": rss, "code": code, **last_json(work / "ort.log")}
+        if code != 0:
+            print((work / "ort.log").read_text()[-3000:], file=sys.stderr)
+        for name in [d for d in args.torch_dtypes.split(",") if d]:
+            log = work / f"torch-{name}.log"
+            wall, rss, code = measure([sys.executable, "-c", TORCH_SCRIPT, str(src), name,
+                                       str(work / f"torch-{name}.npy")], log)
+            row = {"wall": wall, "rss": rss, "code": code, **last_json(log)}
+            if code == 0 and (work / "ort.npy").exists():
+                import numpy as np
+
+                a, b = np.load(work / "ort.npy").astype(np.float64), np.load(work / f"torch-{name}.npy")
+                row["rel_l2_vs_ort"] = float(np.linalg.norm(a - b) / np.linalg.norm(b))
+            elif code != 0:
+                print(log.read_text()[-3000:], file=sys.stderr)
+            results[f"torch {name}"] = row
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    print(f"load average after: {os.getloadavg()}")
+    _report(results)
+    return 0
+
+
+def _report(results: dict[str, dict]) -> None:
+    print()
+    for name, r in results.items():
+        parts = [f"wall {r['wall']:8.1f} s", f"peak RSS {r['rss']:6.2f} GiB", f"exit {r['code']}"]
+        for key, fmt in (("data_gb", "external data {:.2f} GB"), ("opset", "opset {}"),
+                         ("load_s", "load {:.1f} s"), ("step_s", "step {:.2f} s"),
+                         ("rel_l2_vs_ort", "rel-L2 vs onnxruntime {:.2e}"), ("finite", "finite {}")):
+            if r.get(key) is not None:
+                parts.append(fmt.format(r[key]))
+        print(f"{name + ':':<18} " + "   ".join(parts))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

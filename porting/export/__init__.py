@@ -1,0 +1,1 @@
+"""Exports of a diffusers folder to other runtimes' formats (ONNX first)."""

@@ -1,0 +1,248 @@
+"""`port export FOLDER --format onnx`: a diffusers folder to one ONNX folder per component.
+
+Each component is traced with `torch.onnx.export(dynamo=True)` with the batch and sequence axes dynamic, checked by
+path with `onnx.checker` and saved as `model.onnx` + `model.onnx.data` (weights always external: klein-4B in fp32 is
+15.5 GB, far above protobuf's 2 GB). Tokenizer and scheduler are copied. `flux-port-export.json` names the source
+folder and its transformer weights hash, which `port validate --runtime onnxruntime` uses as the golden's weights.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import gc
+import importlib.metadata
+import json
+import logging
+import shutil
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from porting import __version__
+from porting.errors import InputError, PortError
+from porting.tensors.checkpoint import hash_checkpoint, open_checkpoint
+from porting.tensors.writer import atomic_folder
+
+from .onnx_components import COMPONENTS, COPIED, Traceable, gib, nbytes
+from .ort import MODEL_FILE, require
+
+MANIFEST = "flux-port-export.json"
+DATA_SUFFIX = ".data"
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+DEFAULT_OPSET = 18  # the widest execution-provider support; 23 adds fused Attention and RMSNormalization
+# peak RSS of an export: bench/export_onnx.py measured 15.1 GiB for klein-4B shapes in fp16 (7.2 GiB of weights),
+# i.e. about twice the weights (the loaded model plus the source file's mapped pages and the bytes being written)
+# plus the interpreter with torch, diffusers and the exporter
+MEMORY_FACTOR = 2.0
+MEMORY_OVERHEAD = int(1.5 * 2**30)
+BF16_REFUSAL = ("--dtype bf16: onnxruntime's CPU execution provider has no bf16 kernels (bf16 Mul fails to load), "
+                "so a bf16 export cannot be validated or run on CPU.")
+
+
+@dataclass
+class ComponentResult:
+    name: str
+    inputs: list[str]
+    outputs: list[str]
+    dynamic_axes: dict[str, dict[int, str]]
+    params: int
+    onnx_bytes: int
+    data_bytes: int
+    export_s: float
+    facts: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ExportResult:
+    out: str
+    dtype: str
+    opset_requested: int
+    opset_produced: int
+    source: str
+    weights_sha256: str | None
+    components: list[ComponentResult]
+    copied: list[str]
+    notices: list[str]
+    seconds: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def find_manifest(path: Path) -> tuple[Path, dict[str, Any]]:
+    """The export manifest for an export folder or one of its component folders."""
+    path = Path(path)
+    for folder in (path, path.parent):
+        if (folder / MANIFEST).is_file():
+            try:
+                return folder, json.loads((folder / MANIFEST).read_text())
+            except ValueError as e:
+                raise InputError(f"{folder / MANIFEST}: not valid JSON ({e}).") from e
+    raise InputError(f"{path}: no {MANIFEST} here or in the folder above; not written by port export.",
+                     hint="Export first: port export FOLDER --format onnx --out DIR, then use DIR/transformer.")
+
+
+def _layout(folder: Path) -> tuple[dict[str, Path], str]:
+    """Component source folders of a pipeline folder, or of a lone transformer folder."""
+    if (folder / "model_index.json").is_file():
+        return {name: folder / c.source for name, c in COMPONENTS.items() if (folder / c.source).is_dir()}, "pipeline"
+    if (folder / "config.json").is_file():
+        cfg = json.loads((folder / "config.json").read_text())
+        if cfg.get("_class_name") == "Flux2Transformer2DModel":
+            return {"transformer": folder}, "transformer"
+    raise InputError(f"{folder}: neither a diffusers pipeline folder (model_index.json) nor a Flux2 transformer "
+                     "folder (config.json).", hint="Point at a published folder (port publish --out) or a "
+                                                   "converted transformer (port convert --out).")
+
+
+def estimate_bytes(params: int, dtype: torch.dtype) -> int:
+    """Expected peak memory of exporting a component of `params` parameters in `dtype`."""
+    return int(MEMORY_FACTOR * nbytes(params, dtype)) + MEMORY_OVERHEAD
+
+
+def available_memory() -> int:
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def check_fits(name: str, params: int, dtype: torch.dtype, available: int) -> int:
+    need = estimate_bytes(params, dtype)
+    if need > available:
+        raise PortError(
+            f"{name}: exporting {params / 1e9:.2f} B parameters in {str(dtype).removeprefix('torch.')} needs about "
+            f"{gib(need)} of memory ({gib(nbytes(params, dtype))} of weights x {MEMORY_FACTOR} + {gib(MEMORY_OVERHEAD)}"
+            f"), {gib(available)} is available.",
+            hint="Export in fp16 (half the weights), on a machine with more memory, or one component at a time "
+                 "with --components.")
+    return need
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _produced_opset(proto: Any) -> int:
+    return next((int(o.version) for o in proto.opset_import if o.domain in ("", "ai.onnx")), -1)
+
+
+def _dims(traced: Traceable) -> dict[str, dict[int, Any]]:
+    from torch.export import Dim
+
+    made: dict[str, Any] = {}
+    return {k: {axis: made.setdefault(name, Dim(name)) for axis, name in axes.items()}
+            for k, axes in traced.dynamic.items()}
+
+
+def export_component(traced: Traceable, dest: Path, opset: int) -> int:
+    """Trace, save with external data, check by path; returns the opset actually produced.
+
+    The exporter's onnxscript optimiser is off: it folds Linear weights' transposes into new initializers named
+    `val_N` (the diffusers names are lost), and on the tiny klein it made onnxruntime's output less accurate
+    (2.5e-6 against 9e-7 relative L2) and slower; onnxruntime applies its own graph optimisations at load time.
+    """
+    onnx = require("onnx")
+    require("onnxscript")
+    dest.mkdir(parents=True, exist_ok=True)
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(traced.module, (), kwargs=traced.example, dynamo=True, opset_version=opset,
+                                    dynamic_shapes=_dims(traced), input_names=traced.inputs,
+                                    output_names=traced.outputs, verbose=False, optimize=False)
+    produced = _produced_opset(program.model_proto)
+    program.save(str(dest / MODEL_FILE), external_data=True)
+    del program
+    onnx.checker.check_model(str(dest / MODEL_FILE))  # by path: works past protobuf's 2 GB
+    return produced
+
+
+def export_onnx(folder: str | Path, out: str | Path, *, dtype: str = "fp32", opset: int = DEFAULT_OPSET,
+                components: Sequence[str] | None = None, force: bool = False,
+                available_bytes: int | None = None,
+                on_status: Callable[[str], None] | None = None) -> ExportResult:
+    """Export the components of `folder` into `out` (atomically: nothing is left behind on failure)."""
+    started = time.perf_counter()
+    folder, out = Path(folder), Path(out)
+    say = on_status or (lambda text: None)
+    if dtype == "bf16":
+        raise PortError(BF16_REFUSAL, hint="Use --dtype fp16 (half the size, runs on every provider) or fp32.")
+    if dtype not in DTYPES:
+        raise PortError(f"--dtype {dtype!r}: choose fp32 or fp16.")
+    if opset < 18:
+        say(f"note: torch's dynamo exporter writes opset 18 at the least; --opset {opset} will give 18")
+    require("onnx")
+    require("onnxscript")
+    torch_dtype = DTYPES[dtype]
+    sources, kind = _layout(folder)
+    wanted = list(components) if components else list(sources)
+    unknown = [c for c in wanted if c not in COMPONENTS]
+    if unknown:
+        raise PortError(f"--components {','.join(unknown)}: unknown; choose from {', '.join(COMPONENTS)}.")
+    missing = [c for c in wanted if c not in sources]
+    if missing:
+        raise InputError(f"{folder}: no {', '.join(COMPONENTS[c].source + '/' for c in missing)} folder to export "
+                         f"{', '.join(missing)} from.")
+    available = available_memory() if available_bytes is None else available_bytes
+    params = {c: COMPONENTS[c].count_params(sources[c]) for c in wanted}
+    for c in wanted:  # refuse before any tracing
+        check_fits(c, params[c], torch_dtype, available)
+
+    weights = None
+    if "transformer" in sources:
+        say(f"hashing the transformer weights in {sources['transformer']}")
+        weights = hash_checkpoint(open_checkpoint(sources["transformer"]))
+    notices: list[str] = []
+    results: list[ComponentResult] = []
+    produced_opsets: set[int] = set()
+    copied: list[str] = []
+    with atomic_folder(out, force=force, verb="export", inputs={"source": folder}) as staging:
+        for c in wanted:
+            say(f"exporting {c} ({params[c] / 1e6:.1f} M parameters, {dtype}, opset {opset})")
+            t0 = time.perf_counter()
+            traced = COMPONENTS[c].load(sources[c], torch_dtype)
+            produced = export_component(traced, staging / c, opset)
+            produced_opsets.add(produced)
+            results.append(ComponentResult(
+                name=c, inputs=traced.inputs, outputs=traced.outputs, dynamic_axes=traced.dynamic, params=params[c],
+                onnx_bytes=(staging / c / MODEL_FILE).stat().st_size,
+                data_bytes=(staging / c / (MODEL_FILE + DATA_SUFFIX)).stat().st_size
+                if (staging / c / (MODEL_FILE + DATA_SUFFIX)).is_file() else 0,
+                export_s=round(time.perf_counter() - t0, 2), facts=traced.facts))
+            del traced
+            gc.collect()  # the next component's weights should not sit next to this one's
+        if kind == "pipeline":
+            for name in COPIED:
+                if (folder / name).is_dir():
+                    shutil.copytree(folder / name, staging / name)
+                    copied.append(name)
+        produced = max(produced_opsets) if produced_opsets else opset
+        if produced != opset:
+            notices.append(f"asked for opset {opset}, the exporter produced opset {produced}")
+        onnx = require("onnx")
+        manifest = {
+            "tool": "flux-port", "version": __version__, "format_version": 1, "kind": "onnx-export",
+            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "source": {"folder": str(folder.resolve()), "layout": kind,
+                       "transformer": str(sources["transformer"].resolve()) if "transformer" in sources else None,
+                       "weights_sha256": weights},
+            "dtype": dtype, "opset": {"requested": opset, "produced": produced},
+            "components": {r.name: {"file": f"{r.name}/{MODEL_FILE}", "inputs": r.inputs, "outputs": r.outputs,
+                                    "dynamic_axes": r.dynamic_axes, "params": r.params, **r.facts}
+                           for r in results},
+            "copied": copied,
+            "environment": {"torch": torch.__version__, "onnx": onnx.__version__,
+                            "onnxscript": _version("onnxscript"), "onnxruntime": _version("onnxruntime")},
+            "notices": notices,
+        }
+        (staging / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return ExportResult(out=str(out), dtype=dtype, opset_requested=opset, opset_produced=produced,
+                        source=str(folder), weights_sha256=weights, components=results, copied=copied,
+                        notices=notices, seconds=round(time.perf_counter() - started, 2))

@@ -1,0 +1,73 @@
+"""onnxruntime access shared by `port validate --runtime onnxruntime` and `port generate`: the optional-extra check,
+provider checks that name the package to install, and sessions over an exported component folder."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any
+
+from porting.errors import DeviceError, InputError
+
+ONNX_EXTRA_HINT = "pip install 'flux-port[onnx]'"
+MODEL_FILE = "model.onnx"
+# the PyPI package that brings each execution provider (the default `onnxruntime` wheel has CPU only)
+PROVIDER_PACKAGES = {
+    "CPUExecutionProvider": "onnxruntime",
+    "CUDAExecutionProvider": "onnxruntime-gpu",
+    "TensorrtExecutionProvider": "onnxruntime-gpu",
+    "CANNExecutionProvider": "onnxruntime-cann",
+    "VitisAIExecutionProvider": "onnxruntime-vitisai (AMD Ryzen AI software)",
+    "DmlExecutionProvider": "onnxruntime-directml",
+    "OpenVINOExecutionProvider": "onnxruntime-openvino",
+    "CoreMLExecutionProvider": "onnxruntime (macOS wheel)",
+    "QNNExecutionProvider": "onnxruntime-qnn",
+}
+
+
+def require(module: str) -> Any:
+    """Import one of the `[onnx]` extra's modules, or say which extra brings it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise DeviceError(f"{module} is not installed; ONNX export and onnxruntime runs need it.",
+                          hint=f"Install the extra: {ONNX_EXTRA_HINT}") from e
+
+
+def check_provider(provider: str) -> None:
+    ort = require("onnxruntime")
+    available = ort.get_available_providers()
+    if provider in available:
+        return
+    package = PROVIDER_PACKAGES.get(provider)
+    if package is None:
+        raise DeviceError(f"--provider {provider}: not an onnxruntime execution provider flux-port knows "
+                          f"(installed: {', '.join(available)}).",
+                          hint="Use one of: " + ", ".join(PROVIDER_PACKAGES) + ".")
+    raise DeviceError(f"--provider {provider} is not available in this onnxruntime {ort.__version__} "
+                      f"(installed providers: {', '.join(available)}).",
+                      hint=f"Install {package} in place of the onnxruntime package "
+                           f"(pip uninstall onnxruntime && pip install {package}), then run again.")
+
+
+def model_path(folder: Path) -> Path:
+    path = Path(folder) / MODEL_FILE
+    if not path.is_file():
+        raise InputError(f"{folder}: no {MODEL_FILE}; not a component folder written by port export.",
+                         hint="Export one first: port export FOLDER --format onnx --out DIR.")
+    return path
+
+
+def open_session(folder: Path, provider: str = "CPUExecutionProvider") -> Any:
+    """An InferenceSession on `folder/model.onnx` (external data next to it) with only `provider` (plus CPU for
+    the operators the provider does not take, as onnxruntime itself falls back)."""
+    check_provider(provider)
+    ort = require("onnxruntime")
+    options = ort.SessionOptions()
+    options.log_severity_level = 3  # warnings about CPU fallbacks would bury the tool's own output
+    providers = [provider] if provider == "CPUExecutionProvider" else [provider, "CPUExecutionProvider"]
+    try:
+        return ort.InferenceSession(str(model_path(folder)), sess_options=options, providers=providers)
+    except Exception as e:  # onnxruntime raises its own exception types for bad graphs and missing data files
+        raise InputError(f"{folder}: onnxruntime cannot load {MODEL_FILE}: {e}",
+                         hint="Export it again with port export; the .onnx.data file must sit next to it.") from e

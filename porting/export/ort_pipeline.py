@@ -1,0 +1,112 @@
+"""An exported folder as a diffusers pipeline: the transformer runs in onnxruntime, the other components stay torch
+(loaded from the source pipeline folder the export manifest names).
+
+`OrtTransformer` stands in for `Flux2Transformer2DModel` inside the pipeline: it offers what the FLUX.2 pipelines
+use of their transformer (`config.in_channels`, `dtype`, `cache_context`, the forward keywords) and feeds the
+exported graph's named inputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from porting.errors import InputError, PortError
+
+from .onnx import MANIFEST, find_manifest
+from .ort import open_session
+
+NUMPY_DTYPES = {"tensor(float)": torch.float32, "tensor(float16)": torch.float16}
+
+
+class OrtTransformer(nn.Module):
+    def __init__(self, folder: Path, config: dict[str, Any], provider: str = "CPUExecutionProvider") -> None:
+        super().__init__()
+        self.session = open_session(folder, provider)
+        self.input_names = [i.name for i in self.session.get_inputs()]
+        first = self.session.get_inputs()[0]
+        self._dtype = NUMPY_DTYPES.get(first.type, torch.float32)
+        self.config = SimpleNamespace(**config)
+        self.provider = provider
+        self.register_buffer("_anchor", torch.zeros((), dtype=self._dtype), persistent=False)  # .to() has a target
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._anchor.device
+
+    @contextlib.contextmanager
+    def cache_context(self, name: str) -> Iterator[None]:
+        yield
+
+    def forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, timestep: torch.Tensor,
+                img_ids: torch.Tensor, txt_ids: torch.Tensor, guidance: torch.Tensor | None = None,
+                joint_attention_kwargs: dict[str, Any] | None = None, return_dict: bool = False,
+                **unused: Any) -> tuple[torch.Tensor]:
+        if unused.get("kv_cache_mode") is not None:
+            raise PortError("the ONNX transformer has no KV cache; generate with the torch transformer instead.")
+        given = {"hidden_states": hidden_states, "encoder_hidden_states": encoder_hidden_states,
+                 "timestep": timestep, "img_ids": img_ids, "txt_ids": txt_ids, "guidance": guidance}
+        feed = {}
+        for name in self.input_names:
+            value = given[name]
+            if value is None:
+                raise PortError(f"the exported transformer needs {name!r}, which the pipeline did not pass.")
+            value = value.to(self._dtype) if value.is_floating_point() else value
+            feed[name] = value.detach().cpu().contiguous().numpy()
+        (out,) = self.session.run(None, feed)
+        return (torch.from_numpy(out).to(hidden_states.device),)
+
+
+def export_source(folder: Path) -> Path | None:
+    """The source pipeline folder of an ONNX export folder; None when `folder` is not an export."""
+    if not (Path(folder) / MANIFEST).is_file():
+        return None
+    _, manifest = find_manifest(folder)
+    src = manifest.get("source") or {}
+    if src.get("layout") != "pipeline":
+        raise InputError(f"{folder}: exported from a lone transformer folder; generating needs the text encoder, VAE "
+                         "and scheduler of a pipeline.", hint="Export a published folder (port publish --out).")
+    if "transformer" not in manifest.get("components", {}):
+        raise InputError(f"{folder}: this export has no transformer component to run.")
+    path = Path(src["folder"])
+    if not (path / "model_index.json").is_file():
+        raise InputError(f"{folder}: the source pipeline {path} the export names is gone; its text encoder and VAE "
+                         "run in torch.", hint="Keep the source folder, or export again.")
+    return path
+
+
+def load_onnx_pipeline(folder: Path, dtype: torch.dtype, provider: str = "CPUExecutionProvider") -> Any:
+    """The source pipeline with its transformer replaced by the exported graph."""
+    from diffusers import DiffusionPipeline
+    from diffusers.utils import logging as diffusers_logging
+
+    source = export_source(folder)
+    if source is None:
+        raise InputError(f"{folder}: no {MANIFEST}; not written by port export.")
+    config = {k: v for k, v in json.loads((source / "transformer" / "config.json").read_text()).items()
+              if not k.startswith("_")}
+    transformer = OrtTransformer(Path(folder) / "transformer", config, provider)
+    level = diffusers_logging.get_verbosity()
+    diffusers_logging.set_verbosity_error()  # "expected Flux2Transformer2DModel" is the point of the seam
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch_dtype.*", category=FutureWarning)
+            # diffusers refuses a non-ModelMixin object as a component at load time, so load without a
+            # transformer and put the graph in its place
+            pipe = DiffusionPipeline.from_pretrained(source, transformer=None, local_files_only=True,
+                                                     torch_dtype=dtype)
+            pipe.transformer = transformer
+    finally:
+        diffusers_logging.set_verbosity(level)
+    return pipe

@@ -1,0 +1,62 @@
+"""The onnxruntime runner: an exported transformer (`port export --format onnx`) run whole in one session.
+
+Per-block localisation is not available: the graph has no stage boundaries a caller can stop at and feed, so the
+report judges the final output only and says so.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from porting.export.ort import check_provider, model_path, open_session, require
+
+from .base import WHOLE, State
+
+# validation state key -> the graph input names port export gives (diffusers' forward names)
+FEEDS = {"x": "hidden_states", "ctx": "encoder_hidden_states", "timestep": "timestep", "img_ids": "img_ids",
+         "txt_ids": "txt_ids", "guidance": "guidance"}
+NO_LOCALISATION = ("per-block localisation is not available through an ONNX graph: onnxruntime runs the exported "
+                   "transformer as one graph with no block boundaries to stop at or feed, so only the final output "
+                   "is judged; to find a bad block, validate the source weights with the torch runner")
+
+
+class OrtRunner:
+    runtime = "onnxruntime"
+    localises = False
+    localisation_note = NO_LOCALISATION
+
+    def __init__(self, folder: Path, provider: str, dtype: torch.dtype) -> None:
+        check_provider(provider)
+        self.folder, self.provider, self.dtype = Path(folder), provider, dtype
+        self.device = f"onnxruntime:{provider}"
+        self.session = open_session(self.folder, provider)
+        self.inputs = [i.name for i in self.session.get_inputs()]
+
+    def stage_names(self) -> list[str]:
+        return [WHOLE]
+
+    def _feed(self, state: State) -> dict[str, np.ndarray]:
+        feed = {}
+        for key, name in FEEDS.items():
+            if name not in self.inputs:
+                continue
+            value = state[key]
+            value = value.to(self.dtype) if value.is_floating_point() else value
+            feed[name] = value.detach().cpu().contiguous().numpy()
+        return feed
+
+    def run(self, stage: str, states: list[State]) -> list[State]:
+        if stage != WHOLE:
+            raise ValueError(f"the onnxruntime runner has the single stage {WHOLE!r}, not {stage!r}")
+        return [{"out": torch.from_numpy(self.session.run(None, self._feed(s))[0])} for s in states]
+
+    def facts(self) -> dict[str, Any]:
+        ort = require("onnxruntime")
+        return {"runtime": "onnxruntime", "onnxruntime": ort.__version__, "provider": self.provider,
+                "session_providers": self.session.get_providers(),
+                "available_providers": ort.get_available_providers(), "model": str(model_path(self.folder)),
+                "inputs": self.inputs}
