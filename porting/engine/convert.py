@@ -100,8 +100,14 @@ def convert(src: str | Path, out: str | Path | None, to: Naming = "diffusers", d
             dry_run: bool = False, force: bool = False,
             on_start: Callable[[int], None] | None = None,
             on_bytes: Callable[[int], None] | None = None,
-            tables: Mapping[str, MappingTable] | None = None) -> ConvertResult:
-    """Convert a checkpoint; with `strict`, refuse any plan that does not account for every key and shape."""
+            tables: Mapping[str, MappingTable] | None = None,
+            tensors: Callable[[Checkpoint, Plan], Iterator[torch.Tensor | Segments]] | None = None,
+            manifest_extra: Mapping[str, Any] | None = None) -> ConvertResult:
+    """Convert a checkpoint; with `strict`, refuse any plan that does not account for every key and shape.
+
+    `tensors` replaces `iter_tensors` as the source of the target tensors (e.g. `port merge` adds adapter deltas on
+    the way); `manifest_extra` adds fields to the manifest.
+    """
     started = time.perf_counter()
     ckpt, detection, plan = prepare(src, to, dtype, config, tables)
     if strict and not plan.ok:
@@ -116,7 +122,7 @@ def convert(src: str | Path, out: str | Path | None, to: Naming = "diffusers", d
     if on_start:
         on_start(plan.output_bytes)
     with atomic_folder(out, force=force) as staging:
-        files = write_shards(staging, stem, entries, iter_tensors(ckpt, plan), limit,
+        files = write_shards(staging, stem, entries, (tensors or iter_tensors)(ckpt, plan), limit,
                              metadata={"format": "pt"}, on_bytes=on_bytes, hasher=hasher)
         if to == "diffusers":
             cfg = {**detection.config, "_class_name": detection.table.diffusers_class}
@@ -127,7 +133,7 @@ def convert(src: str | Path, out: str | Path | None, to: Naming = "diffusers", d
             "tool": "flux-port", "version": __version__, "source": str(Path(src).resolve()),
             "source_naming": detection.naming_label, "table": detection.table.name, "to": to,
             "variant": detection.variant, "dtype": dtype, "tensors": len(entries), "files": files,
-            "weights_sha256": hasher.hexdigest(), "config": detection.config,
+            "weights_sha256": hasher.hexdigest(), "config": detection.config, **(manifest_extra or {}),
         }
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return ConvertResult(plan, out, files, hasher.hexdigest(), time.perf_counter() - started)

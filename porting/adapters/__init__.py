@@ -1,0 +1,5 @@
+"""Adapters (LoRA, LyCORIS LoKr / LoHa, ComfyUI full differences) for the models the mapping tables describe.
+
+`naming` reads adapter keys into modules of a mapping table, `delta` computes weight differences, `merge` adds them
+to a base checkpoint, `transform` and `convert` carry adapters between namings, `describe` is `port inspect`.
+"""
