@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -12,7 +13,7 @@ from porting.engine.convert import ConvertResult
 from porting.engine.convert import convert as run_convert
 from porting.errors import PortError
 
-from . import _output
+from . import _adapter, _output
 from ._options import Direction, DtypeChoice, ForceOpt, JsonOpt, OptionalOutDirOpt, QuietOpt, WorkspaceOpt
 from ._recipe import as_recipe, base_config, finetune_file
 
@@ -23,7 +24,14 @@ Examples:
   port convert ./transformer --to original --out ./bfl
   port convert ft.safetensors --dry-run --json
   port convert flux2-klein-9b-true-v1          (a recipe fetched with port fetch: finetune/ -> transformer/)
+  port convert my-lora.safetensors --out ./lora            (an adapter: diffusers / peft naming)
+  port convert ./lora/pytorch_lora_weights.safetensors --to original --lora-style kohya --out ./comfy
 """
+
+
+class LoraStyle(str, Enum):
+    bfl = "bfl"
+    kohya = "kohya"
 
 
 def summary_table(result: ConvertResult) -> Table:
@@ -55,18 +63,26 @@ def convert(
     strict: Annotated[bool, typer.Option("--strict/--no-strict", help="Refuse unless every key and shape is "
                                          "accounted for.")] = True,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan, write nothing.")] = False,
+    lora_style: Annotated[Optional[LoraStyle], typer.Option("--lora-style", help="Adapters with --to original: "
+                                                            "BFL (diffusion_model.*.lora_A) or kohya keys.")] = None,
+    materialise: Annotated[bool, typer.Option("--materialise", help="Adapters: write the exact delta of modules "
+                                              "that have no exact factors in the target naming.")] = False,
     force: ForceOpt = False,
     workspace: WorkspaceOpt = None,
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
-    """Convert FLUX.2 / FLUX.1 transformer weights between original (BFL) and diffusers naming."""
+    """Convert FLUX.2 / FLUX.1 transformer weights (or a LoRA / LyCORIS adapter) between original (BFL) and
+    diffusers naming."""
     output = _output.use(json_mode=json_, quiet=quiet)
     recipe = as_recipe(src, workspace)
     if recipe is not None:
         src = finetune_file(recipe)
         out = out or recipe.transformer
         config = config or base_config(recipe)
+    if _adapter.is_adapter(src):
+        style = lora_style.value if lora_style else None
+        return _adapter.convert(output, src, out, to.value, style, materialise, config, dry_run, force)
     if out is None and not dry_run:
         raise PortError("port convert needs --out DIR (or --dry-run to only print the plan).")
     with output.bytes_progress("converting") as (on_start, on_bytes):
