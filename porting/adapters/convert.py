@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from porting import __version__
-from porting.engine.mapping import Naming
+from porting.engine.mapping import MappingTable, Naming
 from porting.engine.plan import table_sizes
 from porting.errors import PortError
 from porting.tensors.writer import atomic_folder
@@ -138,9 +138,10 @@ def key_tensors(f: Factors, style: Style) -> dict[str, torch.Tensor]:
 
 def convert_adapter(src: str | Path, out: str | Path | None, to: Naming = "diffusers", style: Style | None = None,
                     materialise: bool = False, config: Mapping[str, Any] | None = None,
-                    force: bool = False) -> AdapterConvertResult:
+                    force: bool = False, table: MappingTable | None = None) -> AdapterConvertResult:
+    """Rewrite the adapter at `src` for `to` naming; `table` replaces the built-in mapping table of its family."""
     started = time.perf_counter()
-    adapter = read_adapter(src)
+    adapter = read_adapter(src, table)
     if adapter.unknown:
         lines = "\n".join(f"  {k}: {why}" for k, why in adapter.unknown[:40])
         raise PortError(f"{src}: {len(adapter.unknown)} adapter key(s) cannot be read; nothing was written.",

@@ -71,8 +71,7 @@ def naming_config(table: MappingTable) -> dict[str, Any]:
 
 @lru_cache(maxsize=None)
 def module_index(table_name: str) -> ModuleIndex:
-    table = builtin_tables()[table_name]
-    return build_index(table)
+    return build_index(builtin_tables()[table_name])
 
 
 def build_index(table: MappingTable) -> ModuleIndex:
@@ -202,7 +201,12 @@ def read_adapter(path: str | Path, table: MappingTable | None = None) -> Adapter
     path = Path(path)
     ckpt = open_checkpoint(path)
     keys = sorted(ckpt.tensors)
-    index = build_index(table) if table is not None else _best_table(keys)
+    if table is None:
+        index = _best_table(keys)
+    elif builtin_tables().get(table.name) is table:
+        index = module_index(table.name)
+    else:
+        index = build_index(table)
     modules: dict[str, ModuleAdapter] = {}
     unknown: list[tuple[str, str]] = []
     seen: dict[tuple[str, str], int] = {}
