@@ -176,3 +176,63 @@ def test_negative_control_without_the_final_adaln_b_swap_fails(world, tmp_path):
         assert (err < TOL) == ok, f"{name}: rel L2 {err:.3g}"
         if not ok:
             assert err > 100 * TOL
+
+
+def test_sparse_rank_3r_kohya_qkv_converts_exactly(world, tmp_path):
+    """Three rank-r LoRAs stacked in one kohya qkv (block-diagonal up [3D, 3r]) become three rank-r LoRAs."""
+    from .lorakit import Part, write_adapter
+
+    d, r = TINY2.hidden, 2
+    gen = torch.Generator().manual_seed(18)
+    down = torch.randn(3 * r, d, generator=gen) / d ** 0.5
+    up = torch.block_diag(*(torch.randn(d, r, generator=gen) for _ in range(3)))
+    part = Part("double_blocks.1.img_attn.qkv", "lora", {"down": down, "up": up}, alpha=3.0)
+    adapter = write_adapter(tmp_path / "sparse.safetensors", BY_NAME["kohya"], [part])
+    convert_adapter(adapter, tmp_path / "lora")
+    file = tmp_path / "lora" / "pytorch_lora_weights.safetensors"
+    tensors = load_file(str(file))
+    for proj in ("to_q", "to_k", "to_v"):
+        assert tensors[f"transformer.transformer_blocks.1.attn.{proj}.lora_A.weight"].shape == (r, d)
+    model = load_strict(Flux2Transformer2DModel, world["diffusers"])
+    model.load_lora_adapter(str(file), prefix="transformer")
+    assert_oracle(world, bfl_deltas([part], world["state"], False), model)
+
+
+def test_lokr_on_fused_qkv_is_refused_unless_materialised(world, tmp_path, capsys):
+    """kron(w1, w2) with w1 of 4 rows on a [3D, D] qkv has no exact q/k/v factors: refused with the reason;
+    --materialise writes the exact delta instead, which diffusers loads and which matches the reference."""
+    from .lorakit import Part, write_adapter
+
+    d = TINY2.hidden
+    gen = torch.Generator().manual_seed(19)
+    part = Part("double_blocks.0.img_attn.qkv", "lokr",
+                {"w1": torch.randn(4, 4, generator=gen), "w2": 0.05 * torch.randn(3 * d // 4, d // 4, generator=gen)})
+    adapter = write_adapter(tmp_path / "lokr.safetensors", BY_NAME["bfl-lokr"], [part])
+    run = run_port(capsys, "convert", adapter, "--out", tmp_path / "refused")
+    assert run.code == 2 and not (tmp_path / "refused").exists()
+    assert "double_blocks.0.img_attn.qkv" in run.msg and "Kronecker" in run.msg and "--materialise" in run.msg
+    run = run_port(capsys, "convert", adapter, "--out", tmp_path / "lora", "--materialise", "--json")
+    assert run.code == 0, run.err
+    file = tmp_path / "lora" / "pytorch_lora_weights.safetensors"
+    model = load_strict(Flux2Transformer2DModel, world["diffusers"])
+    model.load_lora_adapter(str(file), prefix="transformer")
+    assert wrapped_modules(model) == {f"transformer_blocks.0.attn.{p}" for p in ("to_q", "to_k", "to_v")}
+    assert_oracle(world, bfl_deltas([part], world["state"], False), model)
+
+
+@pytest.mark.parametrize("style", ["bfl", "kohya"])
+def test_back_to_original_naming_merges_the_same(world, tmp_path, capsys, style):
+    """diffusers -> original (kohya or BFL keys): q/k/v LoRAs fuse back onto one qkv; merging it gives the
+    reference output."""
+    adapter, parts = adapter_for(tmp_path / "peft.safetensors", BY_NAME["peft-transformer"], world["state"], seed=20)
+    run = run_port(capsys, "convert", adapter, "--to", "original", "--lora-style", style, "--out", tmp_path / "orig",
+                   "--quiet")
+    assert run.code == 0, run.err
+    back = tmp_path / "orig" / "peft.safetensors"
+    keys = load_file(str(back))
+    head = {"kohya": "lora_unet_double_blocks_0_img_attn_qkv.", "bfl": "diffusion_model.double_blocks.0.img_attn.qkv."}
+    assert any(k.startswith(head[style]) for k in keys)
+    run = run_port(capsys, "merge", world["base"], back, "--out", tmp_path / "merged", "--to", "diffusers", "--quiet")
+    assert run.code == 0, run.err
+    model = load_strict(Flux2Transformer2DModel, tmp_path / "merged")
+    assert_oracle(world, bfl_deltas(parts, world["state"], True), model)
