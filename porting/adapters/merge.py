@@ -177,7 +177,7 @@ def merge(base: str | Path, adapters: list[tuple[str | Path, float]], out: str |
     """Merge `adapters` [(file, strength)] into `base`; write it in the base's naming, or `to`."""
     ckpt = open_checkpoint(base)
     detection = detect(ckpt)
-    read = [(read_adapter(path, detection.table), float(strength)) for path, strength in adapters]
+    read = [(read_adapter(path), float(strength)) for path, strength in adapters]
     placement = Placement(ckpt, detection, read)
     if placement.leftovers:
         raise mismatch_error(base, placement.leftovers)

@@ -262,6 +262,8 @@ def read_adapter(path: str | Path, table: MappingTable | None = None) -> Adapter
         if missing:
             unknown.append((sorted(m.keys.values())[0], f"{m.kind} factors for {m.param} lack "
                                                         f"{' and '.join('/'.join(g) for g in missing)}"))
+            m.kind = "incomplete"
+    modules = {tag: m for tag, m in modules.items() if m.kind != "incomplete"}
     style, prefix = max(seen, key=seen.get) if seen else ("dotted", "")
     return Adapter(path, ckpt, index.table, naming, style, prefix,
                    {m.param: m for m in modules.values()}, unknown, _peft_scale(ckpt.metadata, path))
