@@ -16,9 +16,10 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, Sequence
 
 from porting import __version__
+from porting.adapters.publishing import adapter_sources, card_section, check_adapters
 from porting.engine.convert import MANIFEST as CONVERT_MANIFEST
 from porting.engine.detect import config_mismatches
 from porting.errors import CheckFailed, DiskSpaceError, InputError, PortError
@@ -404,7 +405,7 @@ def validation_section(gate: Gate, skip_validation: bool) -> list[str]:
 
 def publish(base: str | Path, transformer: str | Path, out: str | Path, *, report: str | Path | None = None,
             link: str = "hardlink", skip_validation: bool = False, variant: str | None = None,
-            base_model: str | None = None, force: bool = False,
+            base_model: str | None = None, force: bool = False, adapters: Sequence[str | Path] = (),
             on_status: Callable[[str], None] | None = None,
             on_start: Callable[[int], None] | None = None, on_bytes: Callable[[int], None] | None = None,
             hardlink: Callable[[Path, Path], None] = os.link) -> PublishResult:
@@ -433,6 +434,7 @@ def publish(base: str | Path, transformer: str | Path, out: str | Path, *, repor
     weights, cfg, convert_manifest = transformer_identity(transformer)
     variant = variant or infer_variant(base_index, cfg)
     notices = check_consistency(base, base_index, cfg, variant)
+    carried = check_adapters([Path(a) for a in adapters], cfg)  # converted adapters placed under adapters/NAME/
     if report is None and (transformer.parent / "reports" / "report.json").is_file():
         report = transformer.parent / "reports"  # where port validate writes by default (and the workspace layout)
         say(f"using the validation report in {report}")
@@ -449,6 +451,7 @@ def publish(base: str | Path, transformer: str | Path, out: str | Path, *, repor
     sources: list[tuple[Path, Path]] = [(f, Path(name) / f.relative_to(base / name))
                                         for name in base_components(base_index) for f in _files_under(base / name)]
     sources += [(f, Path("transformer") / f.relative_to(transformer)) for f in _files_under(transformer)]
+    sources += adapter_sources(carried)
     total = sum(src.stat().st_size for src, _ in sources)
     if link == "copy":
         free = shutil.disk_usage(out.resolve().parent if out.parent.exists() else Path.cwd()).free
@@ -482,7 +485,7 @@ def publish(base: str | Path, transformer: str | Path, out: str | Path, *, repor
                     files[name] = {"how": "copy"}
         card = model_card(name=out.name, base_model=base_model, base=base, variant=variant, weights=weights,
                           gate=gate, skip_validation=skip_validation, convert_manifest=convert_manifest)
-        (staging / "README.md").write_text(card)
+        (staging / "README.md").write_text(card + card_section(out.name, carried))
         files["README.md"] = {"how": "written"}
         say("hashing every file for manifest.json")
         for rel, info in files.items():
