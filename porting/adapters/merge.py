@@ -61,10 +61,11 @@ class _Group:
 
 
 def _sum(contributions: list[Contribution], shape: Shape) -> torch.Tensor:
-    total = torch.zeros(shape, dtype=torch.float32)
+    total = None
     for adapter, m, strength in contributions:
-        total += delta(adapter, m, strength)
-    return total
+        d = delta(adapter, m, strength)
+        total = d if total is None else total.add_(d)
+    return total if total is not None else torch.zeros(shape, dtype=torch.float32)
 
 
 class Placement:
@@ -153,7 +154,7 @@ class Placement:
                 weight = ckpt.read(stored)
                 d = self.take(param, tuple(weight.shape))
                 if d is not None:
-                    weight = (weight.to(torch.float32) + d).to(weight.dtype)
+                    weight = d.add_(weight).to(weight.dtype)  # float32 sum, one rounding to the base dtype
                 inputs.append(weight)
             for t in ps.step.op.apply(inputs):
                 yield t.to(ST_TO_TORCH[ps.out_dtype]).contiguous()
