@@ -25,12 +25,11 @@ from porting.engine.plan import table_sizes
 from porting.errors import PortError
 from porting.tensors.writer import atomic_folder
 
+from . import LORA_FILE, MANIFEST
 from .naming import Adapter, naming_config, read_adapter
 from .transform import Factors, NotSplittable, as_full_rank_lora, baked, carry, materialised, unsized
 
 Style = Literal["diffusers", "bfl", "kohya"]
-LORA_FILE = "pytorch_lora_weights.safetensors"  # the name diffusers' load_lora_weights(folder) looks for
-MANIFEST = "flux-port-adapter.json"
 
 ROLE_KEYS = {
     "lora": {"down": "lora_A.weight", "up": "lora_B.weight"},

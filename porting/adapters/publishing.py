@@ -12,7 +12,7 @@ from typing import Any, Mapping, Sequence
 
 from porting.errors import InputError
 
-from .convert import LORA_FILE, MANIFEST
+from . import LORA_FILE, MANIFEST
 
 
 def adapter_name(folder: Path) -> str:
