@@ -91,3 +91,18 @@ def test_strength_suffix():
     assert parse_strength("style.safetensors") == (Path("style.safetensors"), 1.0)
     assert parse_strength("C:/loras/a.safetensors") == (Path("C:/loras/a.safetensors"), 1.0)
     assert parse_strength("a.safetensors:-1") == (Path("a.safetensors"), -1.0)
+
+
+def test_converted_adapter_keeps_the_adapter_dtype(base, tmp_path, capsys):
+    """A bf16 kohya file (its alphas are float32 scalars) converts to a bf16 diffusers file without alphas."""
+    from safetensors.torch import load_file
+
+    from .lorakit import make_parts, weight_shapes
+
+    parts = make_parts(weight_shapes(base["state"], False), ["img_in", "double_blocks.0.img_attn.qkv"], "lora",
+                       alpha=1.5)
+    adapter = write_adapter(tmp_path / "bf16.safetensors", BY_NAME["kohya"], parts, dtype=torch.bfloat16)
+    assert run_port(capsys, "convert", adapter, "--out", tmp_path / "lora", "--quiet").code == 0
+    out = load_file(str(tmp_path / "lora" / "pytorch_lora_weights.safetensors"))
+    assert len(out) == 8 and all(t.dtype == torch.bfloat16 for t in out.values())
+    assert not any("alpha" in k for k in out)

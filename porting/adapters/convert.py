@@ -159,7 +159,8 @@ def convert_adapter(src: str | Path, out: str | Path | None, to: Naming = "diffu
     if out is None:
         result.seconds = time.perf_counter() - started
         return result
-    dtype = next(iter(adapter.ckpt.tensors.values())).torch_dtype
+    factor_keys = [k for m in adapter.modules.values() for r, k in m.keys.items() if r != "alpha"]
+    dtype = adapter.ckpt.tensors[factor_keys[0]].torch_dtype if factor_keys else torch.float32  # not the alphas'
     tensors: dict[str, torch.Tensor] = {}
     for f in factors:
         for key, t in key_tensors(f, style).items():
