@@ -8,8 +8,6 @@ alpha / rank where rank is that of the factored half (w2's if both are; no scali
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from porting.errors import InputError
@@ -102,6 +100,3 @@ def delta(adapter: Adapter, m: ModuleAdapter, strength: float = 1.0) -> torch.Te
         raise InputError(f"{adapter.path}: {m.param}: difference came out {list(out.shape)}.")
     return out
 
-
-def numel(shape: Shape) -> int:
-    return math.prod(shape)

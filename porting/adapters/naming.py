@@ -135,9 +135,6 @@ class Adapter:
         downup = any(k.endswith(".lora_down.weight") for k in self.ckpt.tensors)
         return "BFL with lora_down/lora_up" if downup else "BFL / ai-toolkit (lora_A/lora_B)"
 
-    def stored_keys(self) -> list[str]:
-        return sorted(k for m in self.modules.values() for k in m.keys.values())
-
 
 def _split_factor(key: str) -> tuple[str, str] | None:
     for suffix in sorted([*FACTORS, *UNSUPPORTED], key=len, reverse=True):
