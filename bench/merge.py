@@ -17,13 +17,27 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from convert import drop_from_page_cache, measure, resident_share, timed_sync  # noqa: E402  (bench/convert.py)
+from convert import drop_from_page_cache, resident_share, timed_sync  # noqa: E402  (bench/convert.py)
+
+GIB = 2**30
+
+
+def measure(cmd: list[str], log: Path) -> dict[str, float]:
+    """Run `cmd` under GNU time: wall, user and system CPU seconds, peak RSS (GiB), exit code."""
+    stats = log.with_suffix(".time")
+    with open(log, "wb") as out:
+        code = subprocess.run(["/usr/bin/time", "-f", "%e %U %S %M", "-o", str(stats)] + cmd, stdout=out,
+                              stderr=subprocess.STDOUT).returncode
+    wall, user, system, kib = stats.read_text().split()[-4:]
+    return {"wall": float(wall), "user": float(user), "sys": float(system), "rss": int(kib) * 1024 / GIB,
+            "code": code}
 
 
 def write_lora(path: Path, shapes: dict[str, tuple[int, ...]], rank: int) -> int:
@@ -45,8 +59,10 @@ def write_lora(path: Path, shapes: dict[str, tuple[int, ...]], rank: int) -> int
     return len(tensors) // 3
 
 
-def spot_check(base: Path, lora: Path, out: Path, key: str, rank: int) -> float:
-    """max |merged - (W + alpha / r * up @ down)| for one tensor, computed here with safetensors alone."""
+def spot_check(base: Path, lora: Path, out: Path, key: str, rank: int) -> tuple[float, float]:
+    """For one tensor, recomputed here with safetensors alone as bf16(W + alpha / r * up @ down): the largest
+    difference in bf16 ulps of the value and the share of elements that are bit-equal."""
+    import torch
     from safetensors import safe_open
 
     stem = "lora_unet_" + key[: -len(".weight")].replace(".", "_")
@@ -58,7 +74,10 @@ def spot_check(base: Path, lora: Path, out: Path, key: str, rank: int) -> float:
     for file in sorted(out.glob("*.safetensors")):
         with safe_open(str(file), "pt") as f:
             if key in f.keys():
-                return (f.get_tensor(key).float() - want.float()).abs().max().item()
+                got = f.get_tensor(key)
+                ulp = torch.finfo(torch.bfloat16).eps * want.float().abs().clamp_min(1e-30)
+                ulps = ((got.float() - want.float()).abs() / ulp).max().item()
+                return ulps, (got == want).float().mean().item()
     raise AssertionError(f"{key} not in the output")
 
 
@@ -95,18 +114,20 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [sys.executable, "-m", "porting", "merge", str(base), str(lora), "--out", str(out), "--json", "--force"]
         if args.to != "keep":
             cmd += ["--to", args.to]
-        wall, rss, code = measure(cmd, work / "merge.log")
+        r = measure(cmd, work / "merge.log")
         log = (work / "merge.log").read_text()
-        if code != 0:
+        if r["code"] != 0:
             print(log[-3000:], file=sys.stderr)
             return 1
         doc = json.loads(log[log.index("{"):])
         sync = timed_sync()
-        err = spot_check(base, lora, out, "double_blocks.3.img_attn.proj.weight", args.rank) if args.to == "keep" \
-            else float("nan")
-        print(f"\nmerge: wall {wall:.2f} s (merge itself {doc['seconds']:.2f} s), then sync {sync:.2f} s, "
-              f"throughput {size / wall / 1e6:.0f} MB/s, peak RSS {rss:.2f} GiB, {doc['target_tensors']} tensors "
-              f"written; spot check max |diff| {err:.3g} (bf16 rounding of the same float32 sum: 0)")
+        print(f"\nmerge: wall {r['wall']:.2f} s (merge itself {doc['seconds']:.2f} s), CPU user {r['user']:.1f} s + "
+              f"sys {r['sys']:.1f} s, then sync {sync:.2f} s, throughput {size / r['wall'] / 1e6:.0f} MB/s, "
+              f"peak RSS {r['rss']:.2f} GiB, {doc['target_tensors']} tensors written")
+        if args.to == "keep":
+            ulps, equal = spot_check(base, lora, out, "double_blocks.3.img_attn.proj.weight", args.rank)
+            print(f"spot check double_blocks.3.img_attn.proj.weight: {equal:.4%} bit-equal to bf16(W + s * B @ A) "
+                  f"recomputed here, largest difference {ulps:.2f} bf16 ulp")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0

@@ -1,9 +1,10 @@
 """`port merge BASE ADAPTER[:STRENGTH]...`: add adapter deltas to a base checkpoint, one rule group at a time.
 
 Every adapter key must land on a base tensor, with the base's shape, or nothing is written: the silent drop of
-unmatched keys is the bug users meet elsewhere. Deltas are summed in float32, added to the weight in float32 and
-cast back to the base's dtype once. The output is written by `port convert`'s engine (strict plan, shards,
-manifest), in the base's naming or, with `to="diffusers"`, converted on the way.
+unmatched keys is the bug users meet elsewhere. Each delta is added to the weight in float32 (a LoRA as one
+`addmm`: W += s * B @ A), adapter after adapter, and the sum is cast back to the base's dtype once. The output
+is written by `port convert`'s engine (strict plan, shards, manifest), in the base's naming or, with
+`to="diffusers"`, converted on the way.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from porting.errors import PlanError
 from porting.tensors.checkpoint import ST_TO_TORCH, Checkpoint, open_checkpoint
 from porting.tensors.writer import Segments
 
-from .delta import Shape, delta, delta_shape
+from .delta import Shape, delta, delta_shape, read32, scale
 from .naming import Adapter, ModuleAdapter, read_adapter
 
 
@@ -132,16 +133,15 @@ class Placement:
     def __contains__(self, param: str) -> bool:
         return param in self.direct or param in self.via
 
-    def take(self, param: str, shape: Shape) -> torch.Tensor | None:
-        """The summed float32 delta for one base tensor (computed once, released once taken)."""
-        out = None
-        if param in self.direct:
-            out = _sum(self.direct.pop(param), shape)
+    def add_into(self, param: str, weight: torch.Tensor) -> None:
+        """Add every delta that lands on `param` to its float32 weight, in place (each delta used once)."""
+        for adapter, m, strength in self.direct.pop(param, []):
+            if m.kind == "lora":  # W += s * B @ A in one BLAS call, no separate delta buffer
+                weight.addmm_(read32(adapter, m, "up"), read32(adapter, m, "down"), alpha=strength * scale(adapter, m))
+            else:
+                weight.add_(delta(adapter, m, strength))
         if param in self.via:
-            group = self.via.pop(param)
-            d = group.compute().pop(param)
-            out = d if out is None else out + d
-        return out
+            weight.add_(self.via.pop(param).compute().pop(param))
 
     def tensors(self, ckpt: Checkpoint, plan: Plan) -> Iterator[torch.Tensor | Segments]:
         """`iter_tensors` with the deltas added: untouched rule groups still go file to file."""
@@ -152,9 +152,10 @@ class Placement:
             inputs = []
             for param, stored in zip(ps.step.sources, ps.stored_sources):
                 weight = ckpt.read(stored)
-                d = self.take(param, tuple(weight.shape))
-                if d is not None:
-                    weight = d.add_(weight).to(weight.dtype)  # float32 sum, one rounding to the base dtype
+                if param in self:
+                    merged = weight.to(torch.float32)
+                    self.add_into(param, merged)
+                    weight = merged.to(weight.dtype)  # one rounding to the base dtype
                 inputs.append(weight)
             for t in ps.step.op.apply(inputs):
                 yield t.to(ST_TO_TORCH[ps.out_dtype]).contiguous()
