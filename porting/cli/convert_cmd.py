@@ -81,6 +81,8 @@ def convert(
         out = out or recipe.transformer
         config = config or base_config(recipe)
     if _adapter.is_adapter(src):
+        if dtype != DtypeChoice.keep:
+            raise PortError("--dtype applies to weights; a converted adapter keeps its factors' dtype.")
         style = lora_style.value if lora_style else None
         return _adapter.convert(output, src, out, to.value, style, materialise, config, dry_run, force)
     if out is None and not dry_run:
