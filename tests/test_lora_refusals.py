@@ -106,3 +106,14 @@ def test_converted_adapter_keeps_the_adapter_dtype(base, tmp_path, capsys):
     out = load_file(str(tmp_path / "lora" / "pytorch_lora_weights.safetensors"))
     assert len(out) == 8 and all(t.dtype == torch.bfloat16 for t in out.values())
     assert not any("alpha" in k for k in out)
+
+
+def test_dry_runs_write_nothing_and_dtype_is_refused(base, tmp_path, capsys):
+    adapter, parts = adapter_for(tmp_path / "k.safetensors", BY_NAME["kohya"], base["state"])
+    run = run_port(capsys, "convert", adapter, "--dry-run", "--json")
+    # 8 BFL modules; the two fused qkv become three modules each
+    assert run.code == 0 and json.loads(run.out)["modules_out"] == len(parts) + 4
+    run = run_port(capsys, "merge", base["file"], adapter, "--out", tmp_path / "merged", "--dry-run", "--json")
+    assert run.code == 0 and json.loads(run.out)["ok"] and leftovers(tmp_path / "merged") == []
+    run = run_port(capsys, "convert", adapter, "--out", tmp_path / "lora", "--dtype", "bf16")
+    assert run.code == 2 and "--dtype" in run.msg and not (tmp_path / "lora").exists()
