@@ -153,12 +153,17 @@ class Placement:
             for param, stored in zip(ps.step.sources, ps.stored_sources):
                 weight = ckpt.read(stored)
                 if param in self:
+                    dtype = weight.dtype
                     merged = weight.to(torch.float32)
+                    del weight  # peak memory: the float32 sum and its cast, not the read as well
                     self.add_into(param, merged)
-                    weight = merged.to(weight.dtype)  # one rounding to the base dtype
+                    weight = merged.to(dtype)  # one rounding to the base dtype
+                    del merged
                 inputs.append(weight)
-            for t in ps.step.op.apply(inputs):
-                yield t.to(ST_TO_TORCH[ps.out_dtype]).contiguous()
+            outputs = ps.step.op.apply(inputs)
+            del inputs, weight
+            while outputs:  # hand each tensor over; nothing of this group stays referenced here
+                yield outputs.pop(0).to(ST_TO_TORCH[ps.out_dtype]).contiguous()
 
 
 def mismatch_error(base: str | Path, leftovers: list[tuple[str, str]]) -> AdapterMismatchError:
