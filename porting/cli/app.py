@@ -19,6 +19,7 @@ from .export_cmd import EXPORT_EXAMPLES, export
 from .fetch_cmd import FETCH_EXAMPLES, RECIPES_EXAMPLES, fetch, recipes
 from .generate_cmd import GENERATE_EXAMPLES, generate
 from .inspect_cmd import INSPECT_EXAMPLES, inspect
+from .merge_cmd import MERGE_EXAMPLES, merge
 from .publish_cmd import PUBLISH_EXAMPLES, publish
 from .validate_cmd import VALIDATE_EXAMPLES, validate
 
@@ -30,6 +31,7 @@ app.command(epilog=FETCH_EXAMPLES)(fetch)
 app.command(epilog=RECIPES_EXAMPLES)(recipes)
 app.command(epilog=INSPECT_EXAMPLES)(inspect)
 app.command(epilog=CONVERT_EXAMPLES)(convert)
+app.command(epilog=MERGE_EXAMPLES)(merge)
 app.command(epilog=VALIDATE_EXAMPLES)(validate)
 app.command()(demo)
 app.command(epilog=PUBLISH_EXAMPLES)(publish)

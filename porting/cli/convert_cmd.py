@@ -11,7 +11,7 @@ from rich.table import Table
 
 from porting.errors import PortError
 
-from . import _output
+from . import _adapter, _output
 from ._options import Direction, DtypeChoice, ForceOpt, JsonOpt, OptionalOutDirOpt, QuietOpt, WorkspaceOpt
 from ._recipe import as_recipe, base_config, finetune_file, raise_unfetched_recipe
 
@@ -27,6 +27,8 @@ Examples:
   port convert klein-fp8_scaled.safetensors --out ./transformer      (dequantized to bf16)
   port convert ./transformer --to original --quantize gguf-q8_0 --out ./gguf
   port convert flux2-klein-9b-true-v1          (a recipe fetched with port fetch: finetune/ -> transformer/)
+  port convert my-lora.safetensors --out ./lora            (an adapter: diffusers / peft naming)
+  port convert ./lora/pytorch_lora_weights.safetensors --to original --lora-style kohya --out ./comfy
 """
 
 
@@ -34,6 +36,11 @@ class QuantizeChoice(str, Enum):
     fp8_scaled = "fp8-scaled"
     gguf_q8_0 = "gguf-q8_0"
     gguf_q4_0 = "gguf-q4_0"
+
+
+class LoraStyle(str, Enum):
+    bfl = "bfl"
+    kohya = "kohya"
 
 
 def summary_table(result: ConvertResult) -> Table:
@@ -78,12 +85,17 @@ def convert(
         "--quantize", help="With --to original: write one quantized file for ComfyUI (fp8-scaled) or "
                            "ComfyUI-GGUF / llama.cpp-style runtimes (gguf-q8_0, gguf-q4_0), reread and "
                            "report its error.")] = None,
+    lora_style: Annotated[Optional[LoraStyle], typer.Option("--lora-style", help="Adapters with --to original: "
+                                                            "BFL (diffusion_model.*.lora_A) or kohya keys.")] = None,
+    materialise: Annotated[bool, typer.Option("--materialise", help="Adapters: write the exact delta of modules "
+                                              "that have no exact factors in the target naming.")] = False,
     force: ForceOpt = False,
     workspace: WorkspaceOpt = None,
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
-    """Convert FLUX.2 / FLUX.1 transformer weights between original (BFL) and diffusers naming."""
+    """Convert FLUX.2 / FLUX.1 transformer weights (or a LoRA / LyCORIS adapter) between original (BFL) and
+    diffusers naming."""
     output = _output.use(json_mode=json_, quiet=quiet)
     recipe = as_recipe(src, workspace)
     if recipe is not None:
@@ -92,6 +104,11 @@ def convert(
         config = config or base_config(recipe)
     elif not src.exists():
         raise_unfetched_recipe(src)
+    if _adapter.is_adapter(src):
+        if dtype != DtypeChoice.keep:
+            raise PortError("--dtype applies to weights; a converted adapter keeps its factors' dtype.")
+        style = lora_style.value if lora_style else None
+        return _adapter.convert(output, src, out, to.value, style, materialise, config, dry_run, force)
     if out is None and not dry_run:
         raise PortError("port convert needs --out DIR (or --dry-run to only print the plan).")
     if quantize is not None and (to != Direction.original or dry_run):

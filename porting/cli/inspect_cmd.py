@@ -8,13 +8,14 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from . import _output
+from . import _adapter, _output
 from ._options import JsonOpt
 
 INSPECT_EXAMPLES = """\b
 Examples:
   port inspect flux-2-klein-9b.safetensors
   port inspect ./my-finetune/ --json
+  port inspect my-lora.safetensors             (an adapter: naming, ranks, alphas, which base it fits)
 """
 
 
@@ -39,6 +40,8 @@ def inspect(path: Annotated[Path, typer.Argument(
             json_: JsonOpt = False) -> None:
     """Show naming, family, variant, dtypes, counts and the inferred diffusers config (reads headers only)."""
     out = _output.use(json_mode=json_)
+    if _adapter.is_adapter(path):
+        return _adapter.inspect(out, path)
     info = describe(path)
     out.document(info)
     table = Table(title=f"{path}", show_header=False)

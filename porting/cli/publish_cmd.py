@@ -80,6 +80,8 @@ def publish(
                                              "hardlink falls back to copy across filesystems.")] = LinkChoice.hardlink,
     variant: Annotated[Optional[VariantChoice], typer.Option("--variant", help="Pipeline class; default: the "
                                                              "base's.")] = None,
+    adapter: Annotated[Optional[list[Path]], typer.Option("--adapter", help="A folder port convert wrote for an "
+                                                          "adapter; placed under adapters/NAME/ (repeatable).")] = None,
     base_model: Annotated[Optional[str], typer.Option("--base-model", help="Hub id of the base for the model card "
                                                       "(e.g. black-forest-labs/FLUX.2-klein-4B).")] = None,
     workspace: Annotated[Optional[Path], typer.Option("--workspace", help="Workspace root (FLUX_PORT_HOME, "
@@ -114,6 +116,7 @@ def publish(
 
         result = run_publish(base, transformer, out, report=report, link=link.value, skip_validation=skip_validation,
                              variant=variant.value if variant else None, base_model=base_model, force=force,
+                             adapters=adapter or (),
                              on_status=output.status, on_start=on_start, on_bytes=on_bytes)
     if recipe is not None:
         from porting.hub.workspace import record_step

@@ -218,8 +218,14 @@ def convert(src: str | Path, out: str | Path | None, to: Naming = "diffusers", d
             on_start: Callable[[int], None] | None = None,
             on_bytes: Callable[[int], None] | None = None,
             tables: Mapping[str, MappingTable] | None = None,
+            tensors: Callable[[Checkpoint, Plan], Iterator[torch.Tensor | Segments]] | None = None,
+            manifest_extra: Mapping[str, Any] | None = None,
             on_notice: Callable[[str], None] | None = None) -> ConvertResult:
-    """Convert a checkpoint; with `strict`, refuse any plan that does not account for every key and shape."""
+    """Convert a checkpoint; with `strict`, refuse any plan that does not account for every key and shape.
+
+    `tensors` replaces `iter_tensors` as the source of the target tensors (e.g. `port merge` adds adapter deltas on
+    the way); `manifest_extra` adds fields to the manifest.
+    """
     started = time.perf_counter()
     ckpt, detection, plan = prepare(src, to, dtype, config, tables)
     quant = ckpt.quantization.to_dict() if ckpt.quantization else None
@@ -241,7 +247,7 @@ def convert(src: str | Path, out: str | Path | None, to: Naming = "diffusers", d
     before = source_stamps(ckpt)
     with atomic_folder(out, force=force, verb="convert", inputs={"source": src, "--config": config},
                        on_notice=on_notice) as staging:
-        files = write_shards(staging, stem, entries, iter_tensors(ckpt, plan), limit,
+        files = write_shards(staging, stem, entries, (tensors or iter_tensors)(ckpt, plan), limit,
                              metadata={"format": "pt"}, on_bytes=on_bytes, hasher=hasher)
         if to == "diffusers":
             cfg = {**detection.config, "_class_name": detection.table.diffusers_class}
@@ -251,7 +257,7 @@ def convert(src: str | Path, out: str | Path | None, to: Naming = "diffusers", d
             "tool": "flux-port", "version": __version__, "format_version": 1, "source": str(Path(src).resolve()),
             "source_naming": detection.naming_label, "table": detection.table.name, "to": to,
             "variant": detection.variant, "dtype": dtype, "tensors": len(entries), "files": files,
-            "weights_sha256": hasher.hexdigest(), "config": detection.config,
+            "weights_sha256": hasher.hexdigest(), "config": detection.config, **(manifest_extra or {}),
         }
         if quant:
             manifest["dtype"] = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}.get(str(resolve_dtype(ckpt, dtype)),

@@ -18,10 +18,11 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, Sequence
 
 from porting import __version__
 from porting._files import read_json_object
+from porting.adapters.publishing import adapter_sources, card_section, check_adapters
 from porting.engine.convert import MANIFEST as CONVERT_MANIFEST
 from porting.errors import CheckFailed, DiskSpaceError, InputError, PortError, UnsupportedFormatError, UsageError
 from porting.families import Family, PipelineVariant, pipeline_variants
@@ -464,7 +465,7 @@ def validation_section(gate: Gate, skip_validation: bool) -> list[str]:
 
 def publish(base: str | Path, transformer: str | Path, out: str | Path, *, report: str | Path | None = None,
             link: str = "hardlink", skip_validation: bool = False, variant: str | None = None,
-            base_model: str | None = None, force: bool = False,
+            base_model: str | None = None, force: bool = False, adapters: Sequence[str | Path] = (),
             on_status: Callable[[str], None] | None = None,
             on_start: Callable[[int], None] | None = None, on_bytes: Callable[[int], None] | None = None,
             hardlink: Callable[[Path, Path], None] = os.link) -> PublishResult:
@@ -483,7 +484,8 @@ def publish(base: str | Path, transformer: str | Path, out: str | Path, *, repor
         variant_spec(variant)
     if base_model is not None:
         check_base_model(base_model)
-    inputs = {"base": base, "transformer": transformer, "report": report}
+    inputs = {"base": base, "transformer": transformer, "report": report,
+              **{f"adapter {Path(a).name}": a for a in adapters}}
     check_output(out, force=force, verb="publish", inputs=inputs)
     base_index = read_base(base)
     if not transformer.is_dir():
@@ -493,6 +495,7 @@ def publish(base: str | Path, transformer: str | Path, out: str | Path, *, repor
     weights, cfg, convert_manifest = transformer_identity(transformer)
     variant = variant or infer_variant(base_index, cfg)
     notices = check_consistency(base, base_index, cfg, variant)
+    carried = check_adapters([Path(a) for a in adapters], cfg)  # converted adapters placed under adapters/NAME/
     if report is None and (transformer.parent / "reports" / "report.json").is_file():
         report = transformer.parent / "reports"  # where port validate writes by default (and the workspace layout)
         say(f"using the validation report in {report}")
@@ -512,6 +515,7 @@ def publish(base: str | Path, transformer: str | Path, out: str | Path, *, repor
     refuse_pickles([src for src, _ in sources])
     sources += [(f, Path("transformer") / f.relative_to(transformer))
                 for f in files_within(transformer, transformer)]
+    sources += adapter_sources(carried)
     total = sum(src.stat().st_size for src, _ in sources)
     if link == "copy":
         free = shutil.disk_usage(out.resolve().parent if out.parent.exists() else Path.cwd()).free
@@ -544,7 +548,7 @@ def publish(base: str | Path, transformer: str | Path, out: str | Path, *, repor
                           gate=gate, skip_validation=skip_validation, convert_manifest=convert_manifest)
         from .cardtables import card_markdown, report_roots  # latest compare / bench tables of these weights
         card += card_markdown(weights, report_roots(transformer))
-        (staging / "README.md").write_text(card)
+        (staging / "README.md").write_text(card + card_section(out.name, carried))
         files["README.md"] = {"how": "written"}
         say("hashing every file for manifest.json")
         for rel, info in files.items():

@@ -1,0 +1,144 @@
+"""Benchmark `port merge` of a klein-9B-shaped base with a rank-64 LoRA on every linear layer.
+
+    python bench/merge.py                          # klein-9B shapes, bf16 base (~18.2 GB), kohya LoRA rank 64
+    python bench/merge.py --model klein-4b --rank 16
+    python bench/merge.py --to diffusers           # merge and convert in one pass
+
+The base is synthetic with the real shapes (`porting.demo.tiny.write_random_checkpoint(fill="tiled")`, original
+naming, bf16); the LoRA (kohya naming, bf16, alpha = rank / 2) covers every 2-d weight of the base. Their
+generation is not measured. Then `port merge BASE LORA --out DIR --json` runs as a child process, timed with the
+wall clock and its own peak RSS (GNU time), after the base's cached pages were dropped (see bench/convert.py).
+A spot check after the timing recomputes one merged tensor independently. Needs about 2.1 x the base size free
+under --workdir; everything is deleted afterwards. Not part of CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from convert import drop_from_page_cache, resident_share, timed_sync  # noqa: E402  (bench/convert.py)
+
+GIB = 2**30
+
+
+def measure(cmd: list[str], log: Path) -> dict[str, float]:
+    """Run `cmd` under GNU time: wall, user and system CPU seconds, peak RSS (GiB), exit code."""
+    stats = log.with_suffix(".time")
+    with open(log, "wb") as out:
+        code = subprocess.run(["/usr/bin/time", "-f", "%e %U %S %M", "-o", str(stats)] + cmd, stdout=out,
+                              stderr=subprocess.STDOUT).returncode
+    wall, user, system, kib = stats.read_text().split()[-4:]
+    return {"wall": float(wall), "user": float(user), "sys": float(system), "rss": int(kib) * 1024 / GIB,
+            "code": code}
+
+
+def write_lora(path: Path, shapes: dict[str, tuple[int, ...]], rank: int) -> int:
+    """A kohya LoRA on every 2-d weight; returns its module count."""
+    import torch
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = {}
+    for key, shape in shapes.items():
+        if len(shape) != 2 or not key.endswith(".weight"):
+            continue
+        stem = "lora_unet_" + key[: -len(".weight")].replace(".", "_")
+        out, inp = shape
+        tensors[stem + ".lora_down.weight"] = (torch.randn(rank, inp, generator=gen) / inp ** 0.5).bfloat16()
+        tensors[stem + ".lora_up.weight"] = (0.01 * torch.randn(out, rank, generator=gen)).bfloat16()
+        tensors[stem + ".alpha"] = torch.tensor(rank / 2)
+    save_file(tensors, str(path))
+    return len(tensors) // 3
+
+
+def spot_check(base: Path, lora: Path, out: Path, key: str, rank: int) -> tuple[float, float]:
+    """For one tensor, recomputed here with safetensors alone as bf16(W + alpha / r * up @ down): the largest
+    difference in bf16 ulps of the value and the share of elements that are bit-equal."""
+    import torch
+    from safetensors import safe_open
+
+    stem = "lora_unet_" + key[: -len(".weight")].replace(".", "_")
+    with safe_open(str(base), "pt") as f:
+        w = f.get_tensor(key)
+    with safe_open(str(lora), "pt") as f:
+        up, down = f.get_tensor(stem + ".lora_up.weight"), f.get_tensor(stem + ".lora_down.weight")
+    want = (w.float() + (rank / 2) / rank * (up.float() @ down.float())).to(w.dtype)
+    for file in sorted(out.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            if key in f.keys():
+                got = f.get_tensor(key)
+                ulp = torch.finfo(torch.bfloat16).eps * want.float().abs().clamp_min(1e-30)
+                ulps = ((got.float() - want.float()).abs() / ulp).max().item()
+                return ulps, (got == want).float().mean().item()
+    raise AssertionError(f"{key} not in the output")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=["klein-4b", "klein-9b", "flux2-dev"], default="klein-9b")
+    parser.add_argument("--rank", type=int, default=64)
+    parser.add_argument("--to", choices=["keep", "diffusers"], default="keep")
+    parser.add_argument("--workdir", type=Path, default=None)
+    args = parser.parse_args(argv)
+
+    from porting.demo.tiny import REAL_FLUX2, model_shapes, write_random_checkpoint
+
+    config = REAL_FLUX2[args.model]
+    shapes = model_shapes(config, "original")
+    size = sum(2 * _numel(s) for s in shapes.values())
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="flux-port-bench-merge-"))
+    work.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(work).free
+    print(f"flux-port merge benchmark: {args.model} shapes, bf16, {len(shapes)} tensors, {size / 1e9:.2f} GB, "
+          f"rank-{args.rank} LoRA, in {work} ({free / 1e9:.0f} GB free)")
+    if free < 2.1 * size:
+        print(f"not enough free disk: need {2.1 * size / 1e9:.1f} GB", file=sys.stderr)
+        return 2
+    base, lora, out = work / f"{args.model}.safetensors", work / "lora.safetensors", work / "merged"
+    try:
+        start = time.perf_counter()
+        write_random_checkpoint(base, config, "original", "BF16", seed=0, fill="tiled")
+        modules = write_lora(lora, shapes, args.rank)
+        print(f"generated base and a {modules}-module LoRA ({lora.stat().st_size / 1e6:.0f} MB) in "
+              f"{time.perf_counter() - start:.1f} s (not measured)")
+        drop_from_page_cache(base, lora)
+        print(f"merge: base resident in page cache before the run: {resident_share(base)}")
+        cmd = [sys.executable, "-m", "porting", "merge", str(base), str(lora), "--out", str(out), "--json", "--force"]
+        if args.to != "keep":
+            cmd += ["--to", args.to]
+        r = measure(cmd, work / "merge.log")
+        log = (work / "merge.log").read_text()
+        if r["code"] != 0:
+            print(log[-3000:], file=sys.stderr)
+            return 1
+        doc = json.loads(log[log.index("{"):])
+        sync = timed_sync()
+        print(f"\nmerge: wall {r['wall']:.2f} s (merge itself {doc['seconds']:.2f} s), CPU user {r['user']:.1f} s + "
+              f"sys {r['sys']:.1f} s, then sync {sync:.2f} s, throughput {size / r['wall'] / 1e6:.0f} MB/s, "
+              f"peak RSS {r['rss']:.2f} GiB, {doc['target_tensors']} tensors written")
+        if args.to == "keep":
+            ulps, equal = spot_check(base, lora, out, "double_blocks.3.img_attn.proj.weight", args.rank)
+            print(f"spot check double_blocks.3.img_attn.proj.weight: {equal:.4%} bit-equal to bf16(W + s * B @ A) "
+                  f"recomputed here, largest difference {ulps:.2f} bf16 ulp")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+if __name__ == "__main__":
+    sys.exit(main())

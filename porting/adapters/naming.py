@@ -1,0 +1,268 @@
+"""Read an adapter file's keys as (module of a mapping table, factor) pairs, in every common naming.
+
+No second list of names: a module is a parameter key of a weight mapping table (mappings/*.toml) without its last
+component (`double_blocks.0.img_attn.qkv.weight` -> `double_blocks.0.img_attn.qkv`), in either of the table's
+namings. An adapter key is that module written one of two ways, followed by a factor suffix:
+
+- dotted, behind a tool prefix: `diffusion_model.` (BFL / ai-toolkit / ComfyUI), `transformer.` (diffusers),
+  `base_model.model.` (peft), `model.diffusion_model.` or none:
+  `diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight`;
+- underscored, behind a head: `lora_unet_` (kohya / musubi-tuner), `lycoris_` (LyCORIS), `lora_transformer_`:
+  `lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Mapping
+
+from porting.engine.mapping import MappingTable, Naming
+from porting.errors import InputError, UnsupportedFormatError
+from porting.families import builtin_tables
+from porting.tensors.checkpoint import Checkpoint, open_checkpoint
+
+# factor suffix -> (adapter kind, role). `alpha` belongs to whichever kind the module has.
+FACTORS: dict[str, tuple[str, str]] = {
+    "lora_down.weight": ("lora", "down"), "lora_up.weight": ("lora", "up"),
+    "lora_A.weight": ("lora", "down"), "lora_B.weight": ("lora", "up"),
+    "lokr_w1": ("lokr", "w1"), "lokr_w1_a": ("lokr", "w1_a"), "lokr_w1_b": ("lokr", "w1_b"),
+    "lokr_w2": ("lokr", "w2"), "lokr_w2_a": ("lokr", "w2_a"), "lokr_w2_b": ("lokr", "w2_b"),
+    "hada_w1_a": ("loha", "w1_a"), "hada_w1_b": ("loha", "w1_b"),
+    "hada_w2_a": ("loha", "w2_a"), "hada_w2_b": ("loha", "w2_b"),
+    "diff": ("diff", "diff"), "diff_b": ("diff", "diff_b"),
+    "alpha": ("", "alpha"),
+}
+UNSUPPORTED = {"dora_scale": "DoRA magnitude vectors", "lokr_t2": "Tucker-factored LoKr (lokr_t2)",
+               "hada_t1": "Tucker-factored LoHa (hada_t1)", "hada_t2": "Tucker-factored LoHa (hada_t2)",
+               "lora_mid.weight": "LoCon middle (convolution) factors"}
+# roles each kind needs (one of each group)
+REQUIRED = {"lora": (("down",), ("up",)), "lokr": (("w1", "w1_a"), ("w2", "w2_a")),
+            "loha": (("w1_a",), ("w1_b",), ("w2_a",), ("w2_b",)), "diff": (("diff", "diff_b"),)}
+PAIRS = {"w1_a": "w1_b", "w1_b": "w1_a", "w2_a": "w2_b", "w2_b": "w2_a"}  # LoKr factored halves
+
+DOT_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "base_model.model.", "transformer.", "")
+UNDERSCORE_HEADS = ("lora_unet_", "lycoris_", "lora_transformer_")
+WIDE = 256  # block count used to name modules before the base's real depth is known
+
+
+@dataclass(frozen=True)
+class ModuleIndex:
+    """Every module of one table in both namings, dotted and underscored, with its parameter keys."""
+
+    table: MappingTable
+    dotted: Mapping[str, tuple[Naming, str]]
+    underscored: Mapping[str, tuple[Naming, str]]
+    params: Mapping[tuple[Naming, str], Mapping[str, str]]  # (naming, module) -> {"weight": key, ...}
+
+
+def naming_config(table: MappingTable) -> dict[str, Any]:
+    """A config under which `table.expand` lists every key name: many blocks, every optional rule, unit sizes."""
+    config: dict[str, Any] = {f: WIDE for f in table.blocks.values()}
+    for rule in table.rules:
+        if rule.when:
+            config[rule.when] = True
+        for size in (rule.op or {}).get("sizes", ()):
+            if isinstance(size, str):
+                config[size] = 1
+    return config
+
+
+@lru_cache(maxsize=None)
+def module_index(table_name: str) -> ModuleIndex:
+    return build_index(builtin_tables()[table_name])
+
+
+def build_index(table: MappingTable) -> ModuleIndex:
+    dotted: dict[str, tuple[Naming, str]] = {}
+    params: dict[tuple[Naming, str], dict[str, str]] = {}
+    for step in table.expand(naming_config(table), "original"):
+        for naming, keys in (("original", step.sources), ("diffusers", step.targets)):
+            for key in keys:
+                module, _, param = key.rpartition(".")
+                dotted.setdefault(module, (naming, module))
+                params.setdefault((naming, module), {})[param] = key
+    underscored = {m.replace(".", "_"): v for m, v in dotted.items()}
+    return ModuleIndex(table, dotted, underscored, params)
+
+
+@dataclass
+class ModuleAdapter:
+    """The adapter factors for one parameter of the model, in the adapter's naming."""
+
+    param: str  # parameter key, e.g. `double_blocks.0.img_attn.qkv.weight`
+    kind: str  # lora, lokr, loha, diff
+    keys: dict[str, str] = field(default_factory=dict)  # role -> key stored in the file
+    alpha: float | None = None
+
+    @property
+    def module(self) -> str:
+        return self.param.rpartition(".")[0]
+
+
+@dataclass
+class Adapter:
+    path: Path
+    ckpt: Checkpoint
+    table: MappingTable
+    naming: Naming
+    style: str  # "dotted" or "underscored"
+    prefix: str  # the tool prefix or head in front of the module names
+    modules: dict[str, ModuleAdapter]  # by parameter key
+    unknown: list[tuple[str, str]]  # (stored key, why it was not understood)
+    metadata_scale: float | None = None  # peft `lora_alpha / r` from the file's metadata, when it has one
+
+    @property
+    def kinds(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for m in self.modules.values():
+            out[m.kind] = out.get(m.kind, 0) + 1
+        return dict(sorted(out.items()))
+
+    @property
+    def format(self) -> str:
+        """The producer family as users name it."""
+        kinds = set(self.kinds)
+        if self.prefix == "lycoris_" or kinds & {"lokr", "loha"}:
+            return "LyCORIS " + "/".join(sorted(k for k in kinds if k != "diff")) if kinds - {"diff"} else "LyCORIS"
+        if kinds == {"diff"}:
+            return "ComfyUI full difference (.diff)"
+        if self.style == "underscored":
+            return "kohya / musubi-tuner"
+        if self.naming == "diffusers":
+            return "diffusers / peft"
+        downup = any(k.endswith(".lora_down.weight") for k in self.ckpt.tensors)
+        return "BFL with lora_down/lora_up" if downup else "BFL / ai-toolkit (lora_A/lora_B)"
+
+
+def _split_factor(key: str) -> tuple[str, str] | None:
+    for suffix in sorted([*FACTORS, *UNSUPPORTED], key=len, reverse=True):
+        if key.endswith("." + suffix):
+            return key[: -len(suffix) - 1], suffix
+    return None
+
+
+def _resolve(stem: str, index: ModuleIndex) -> tuple[Naming, str, str, str] | None:
+    """(naming, module, style, prefix) for a key stem, or None."""
+    for head in UNDERSCORE_HEADS:
+        if stem.startswith(head) and stem[len(head):] in index.underscored:
+            naming, module = index.underscored[stem[len(head):]]
+            return naming, module, "underscored", head
+    for prefix in DOT_PREFIXES:
+        if stem.startswith(prefix) and stem[len(prefix):] in index.dotted:
+            naming, module = index.dotted[stem[len(prefix):]]
+            return naming, module, "dotted", prefix
+    return None
+
+
+def looks_like_adapter(ckpt: Checkpoint) -> bool:
+    """Headers only: most keys end in an adapter factor suffix."""
+    keys = list(ckpt.tensors)
+    hits = sum(1 for k in keys if _split_factor(k) is not None)
+    return bool(keys) and hits * 2 > len(keys)
+
+
+def _peft_scale(metadata: Mapping[str, str], path: Path) -> float | None:
+    """`lora_alpha / r` (or / sqrt(r) with rsLoRA) from diffusers' `lora_adapter_metadata`, if present."""
+    raw = metadata.get("lora_adapter_metadata")
+    if not raw:
+        return None
+    try:
+        meta = json.loads(raw)
+    except ValueError as e:
+        raise InputError(f"{path}: metadata 'lora_adapter_metadata' is not JSON ({e}).") from e
+    meta = {k.removeprefix("transformer."): v for k, v in meta.items()}
+    if meta.get("alpha_pattern") or meta.get("rank_pattern"):
+        raise UnsupportedFormatError(f"{path}: peft metadata with per-module alpha_pattern / rank_pattern is not "
+                                     "supported yet.", hint="Fold the scales into lora_B and drop the metadata.")
+    if "lora_alpha" not in meta or "r" not in meta:
+        return None
+    r = float(meta["r"])
+    return float(meta["lora_alpha"]) / (r ** 0.5 if meta.get("use_rslora") else r)
+
+
+def _best_table(keys: list[str]) -> ModuleIndex:
+    # FLUX.2 first: a LoRA on modules both families share (qkv, linear1) is read as FLUX.2
+    names = sorted(builtin_tables(), key=lambda n: (n != "flux2", n))
+    scored = []
+    for name in names:
+        index = module_index(name)
+        hits = sum(1 for k in keys if (s := _split_factor(k)) and _resolve(s[0], index))
+        scored.append((hits, -names.index(name), index))
+    return max(scored, key=lambda t: (t[0], t[1]))[2]
+
+
+def read_adapter(path: str | Path, table: MappingTable | None = None) -> Adapter:
+    """Open an adapter file (headers, plus its scalar alphas) and sort its keys into modules."""
+    path = Path(path)
+    ckpt = open_checkpoint(path)
+    keys = sorted(ckpt.tensors)
+    if table is None:
+        index = _best_table(keys)
+    elif builtin_tables().get(table.name) is table:
+        index = module_index(table.name)
+    else:
+        index = build_index(table)
+    modules: dict[str, ModuleAdapter] = {}
+    unknown: list[tuple[str, str]] = []
+    seen: dict[tuple[str, str], int] = {}
+    alphas: dict[str, str] = {}
+    for key in keys:
+        split = _split_factor(key)
+        if split is None:
+            unknown.append((key, "not an adapter factor (no lora_A/B, lora_down/up, lokr_, hada_, diff suffix)"))
+            continue
+        stem, suffix = split
+        if suffix in UNSUPPORTED:
+            unknown.append((key, f"{UNSUPPORTED[suffix]} are not supported"))
+            continue
+        found = _resolve(stem, index)
+        if found is None:
+            unknown.append((key, f"module {stem!r} is not a {index.table.name} module in any naming"))
+            continue
+        naming, module, style, prefix = found
+        seen[(style, prefix)] = seen.get((style, prefix), 0) + 1
+        kind, role = FACTORS[suffix]
+        names = index.params[(naming, module)]
+        if role == "alpha":
+            alphas[f"{naming}:{module}"] = key
+            continue
+        param = names.get("bias") if role == "diff_b" else names.get("weight", next(iter(names.values())))
+        if param is None:
+            unknown.append((key, f"module {module!r} has no bias in {index.table.name}"))
+            continue
+        entry = modules.setdefault(f"{naming}:{param}", ModuleAdapter(param, kind))
+        if entry.kind != kind:
+            unknown.append((key, f"module {module!r} mixes {entry.kind} and {kind} factors"))
+            continue
+        entry.keys[role] = key
+    namings = {k.split(":", 1)[0] for k in modules}
+    if len(namings) > 1:
+        raise InputError(f"{path}: adapter mixes original and diffusers module names.",
+                         hint="Split it into one file per naming.")
+    naming: Naming = namings.pop() if namings else "original"
+    for tag, key in alphas.items():
+        _, module = tag.split(":", 1)
+        targets = [m for m in modules.values() if m.module == module and m.kind != "diff"]
+        if not targets:
+            unknown.append((key, "alpha without factors for its module"))
+            continue
+        value = float(ckpt.read(key).float().reshape(-1)[0])
+        for m in targets:
+            m.alpha = value
+            m.keys["alpha"] = key
+    for m in modules.values():
+        missing = [group for group in REQUIRED[m.kind] if not any(r in m.keys for r in group)]
+        if m.kind == "lokr":
+            missing += [(PAIRS[r],) for r in m.keys if r in PAIRS and PAIRS[r] not in m.keys]
+        if missing:
+            unknown.append((sorted(m.keys.values())[0], f"{m.kind} factors for {m.param} lack "
+                                                        f"{' and '.join('/'.join(g) for g in missing)}"))
+            m.kind = "incomplete"
+    modules = {tag: m for tag, m in modules.items() if m.kind != "incomplete"}
+    style, prefix = max(seen, key=seen.get) if seen else ("dotted", "")
+    return Adapter(path, ckpt, index.table, naming, style, prefix,
+                   {m.param: m for m in modules.values()}, unknown, _peft_scale(ckpt.metadata, path))
+

@@ -1,0 +1,78 @@
+"""Adapters carried by `port publish`: folders `port convert ADAPTER` wrote, placed under `adapters/NAME/`.
+
+Each must be a diffusers-named adapter whose every module fits the published transformer (checked from shapes);
+the model card gains a section saying how to load it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from porting.errors import InputError
+
+from . import LORA_FILE, MANIFEST
+
+
+def adapter_name(folder: Path) -> str:
+    return folder.resolve().name
+
+
+def check_adapters(folders: Sequence[Path], transformer_cfg: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The converted adapter folders' manifests, after checking each fits the transformer config."""
+    from porting.families import get_family
+
+    from .delta import delta_shape
+    from .naming import read_adapter
+
+    out, names = [], set()
+    for folder in folders:
+        manifest_path, file = folder / MANIFEST, folder / LORA_FILE
+        if not manifest_path.is_file() or not file.is_file():
+            raise InputError(f"{folder}: not an adapter folder written by port convert (needs {MANIFEST} and "
+                             f"{LORA_FILE}).", hint="Convert the adapter first: port convert ADAPTER --out DIR.")
+        manifest = json.loads(manifest_path.read_text())
+        if manifest.get("to") != "diffusers":
+            raise InputError(f"{folder}: adapter was converted to {manifest.get('to')} naming; a diffusers pipeline "
+                             "needs diffusers naming.", hint="Convert it again without --to original.")
+        if adapter_name(folder) in names:
+            raise InputError(f"{folder}: two adapters are named {adapter_name(folder)!r}.")
+        names.add(adapter_name(folder))
+        adapter = read_adapter(file)
+        shapes = get_family(adapter.table.name).expected_shapes(transformer_cfg, "diffusers")
+        for m in adapter.modules.values():
+            if shapes.get(m.param) != delta_shape(adapter, m):
+                raise InputError(f"{file}: module {m.module} {list(delta_shape(adapter, m))} does not fit the "
+                                 f"transformer ({list(shapes[m.param]) if m.param in shapes else 'absent'}).",
+                                 hint="Publish the adapter with the base it was trained for.")
+        out.append({"folder": folder, **manifest})
+    return out
+
+
+def adapter_sources(adapters: Sequence[Mapping[str, Any]]) -> list[tuple[Path, Path]]:
+    """(source file, path inside the published folder) for each adapter's files."""
+    out = []
+    for a in adapters:
+        folder = Path(a["folder"])
+        for name in (LORA_FILE, MANIFEST):
+            out.append((folder / name, Path("adapters") / adapter_name(folder) / name))
+    return out
+
+
+def card_section(repo: str, adapters: Sequence[Mapping[str, Any]]) -> str:
+    if not adapters:
+        return ""
+    lines = ["## Adapters", "", "Converted by `port convert` to diffusers / peft naming (every module loads; scales "
+             "folded in, so the strength below is the trained one):", "",
+             "| adapter | converted from | modules | file sha256 |", "|---|---|---|---|"]
+    for a in adapters:
+        kinds = ", ".join(f"{n} {k}" for k, n in a.get("kinds", {}).items())
+        lines.append(f"| `adapters/{adapter_name(Path(a['folder']))}` | {a.get('format')} "
+                     f"(`{Path(str(a.get('source'))).name}`) | {kinds} | `{a.get('sha256')}` |")
+    first = adapter_name(Path(adapters[0]["folder"]))
+    lines += ["", "```python", f'pipe.load_lora_weights("{repo}", subfolder="adapters/{first}", '
+              f'adapter_name="{first}")', f'pipe.set_adapters(["{first}"], adapter_weights=[1.0])  # strength',
+              "image = pipe(prompt=\"a red fox in the snow\").images[0]", "```", "",
+              f"or bake it in: `port merge BASE adapters/{first}/{LORA_FILE} --out merged --to diffusers`.", ""]
+    return "\n".join(lines)
