@@ -128,3 +128,8 @@ def _heavy_modules_after(argv: list[str]) -> list[str]:
 @pytest.mark.parametrize("argv", [["--help"], ["recipes", "--json"], ["convert", "--help"], ["validate", "--help"]])
 def test_light_verbs_never_import_torch_diffusers_or_transformers(argv: list[str]) -> None:
     assert _heavy_modules_after(argv) == []
+
+
+def test_inspect_of_a_plain_checkpoint_never_imports_torch(tiny2_file: Path) -> None:
+    """Headers only: opening, detecting and describing a bf16 file needs neither torch nor diffusers."""
+    assert _heavy_modules_after(["inspect", str(tiny2_file), "--json"]) == []

@@ -16,14 +16,21 @@ from pathlib import Path
 
 from porting.errors import InputError, UnsupportedFormatError
 
-from .dtypes import ST_TO_TORCH, TORCH_TO_ST
+from . import dtypes
 from .identity import hash_checkpoint
 from .reader import Checkpoint, TensorInfo
+from .sidecars import may_be_quantized
 
-__all__ = ["Checkpoint", "TensorInfo", "open_checkpoint", "read_header", "hash_checkpoint", "ST_TO_TORCH",
-           "TORCH_TO_ST", "GGUF_MAGIC"]
+__all__ = ["Checkpoint", "TensorInfo", "open_checkpoint", "read_header", "hash_checkpoint", "GGUF_MAGIC"]
 
 GGUF_MAGIC = b"GGUF"
+
+
+def __getattr__(name: str):
+    """ST_TO_TORCH / TORCH_TO_ST are re-exported lazily: opening headers does not import torch."""
+    if name in ("ST_TO_TORCH", "TORCH_TO_ST"):
+        return getattr(dtypes, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 PICKLE_SUFFIXES = {".ckpt", ".bin", ".pt", ".pth", ".pkl"}
 MAX_HEADER_BYTES = 100 * 1024 * 1024
@@ -72,10 +79,10 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
             dtype, shape, (begin, end) = entry["dtype"], tuple(int(s) for s in entry["shape"]), entry["data_offsets"]
         except (KeyError, TypeError, ValueError) as e:
             raise InputError(f"{path}: malformed header entry for tensor {key!r}.") from e
-        if dtype not in ST_TO_TORCH:
+        if dtype not in dtypes.TAGS:
             raise InputError(f"{path}: tensor {key!r} has dtype {dtype}, which flux-port cannot convert.",
-                             hint="Supported: " + ", ".join(sorted(ST_TO_TORCH)))
-        expected = math.prod(shape) * ST_TO_TORCH[dtype].itemsize
+                             hint="Supported: " + ", ".join(sorted(dtypes.TAGS)))
+        expected = math.prod(shape) * dtypes.itemsize(dtype)
         if end - begin != expected or begin < 0:
             raise InputError(
                 f"{path}: header lies about tensor {key!r}: shape {list(shape)} {dtype} needs {expected} bytes, "
@@ -161,6 +168,8 @@ def _magic(path: Path) -> bytes:
 
 def _decode(ckpt: Checkpoint) -> Checkpoint:
     """The same checkpoint seen through the quantization layout its header declares, if any."""
+    if not may_be_quantized(ckpt.tensors, ckpt.metadata or {}):
+        return ckpt  # plain weights: the quantized readers (and torch) are not needed to open it
     from .quant import decode
 
     return decode(ckpt)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 class _Readable(Protocol):
@@ -44,6 +45,8 @@ class WeightsHasher:
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """The row-major bytes of a tensor (a view where possible, no copy for contiguous CPU tensors)."""
+    import torch
+
     t = tensor.detach().cpu().contiguous().reshape(-1)
     return memoryview(t.view(torch.uint8).numpy())
 

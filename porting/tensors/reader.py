@@ -15,13 +15,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 from porting.errors import InputError
 
-from .dtypes import ST_TO_TORCH
+from .dtypes import torch_dtype
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,7 @@ class TensorInfo:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return ST_TO_TORCH[self.dtype]
+        return torch_dtype(self.dtype)
 
     @property
     def numel(self) -> int:
@@ -54,7 +55,7 @@ class Decoder(Protocol):
     """Computes the tensors a reader marks `computed`."""
 
     def dequantize(self, key: str, rows: tuple[int, int] | None = None,
-                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                   dtype: torch.dtype | None = None) -> torch.Tensor:
         """The tensor `key` (or rows [a, b) of dim 0): dequantized in float32, then rounded once to `dtype`."""
         ...
 
@@ -125,6 +126,8 @@ class Checkpoint:
         With `dtype`, the result is cast to it (computed tensors: float32 values rounded once, decoders may take a
         faster path to the same values).
         """
+        import torch
+
         info = self.tensors[key]
         if info.computed:
             if self.decoder is None:
@@ -140,6 +143,8 @@ def read_stored(info: TensorInfo, rows: tuple[int, int] | None = None) -> torch.
     Plain reads instead of mmap keep resident memory at one tensor: mapped pages of a 18 GB file would otherwise
     count towards the process RSS.
     """
+    import torch
+
     start, nbytes, shape = info.start, info.nbytes, list(info.shape)
     if rows is not None:
         a, b = rows

@@ -16,17 +16,8 @@ from porting.errors import InputError
 
 from ..dtypes import nbytes
 from ..reader import Checkpoint, Quantization, TensorInfo, read_stored
+from ..sidecars import SIDECAR_NAMES, is_sidecar  # noqa: F401  (re-exported)
 from . import kernels
-
-# Sidecar names that only mean something next to a quantized weight. A key ending in one of them that no layout
-# consumed must never be dropped silently (it would leave a raw quantized weight behind as if it were the weight).
-SIDECAR_NAMES = ("scale_weight", "scale_input", "weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale",
-                 "comfy_quant", "scaled_fp8", "qweight", "qzeros", "wscales", "wzeros", "smooth_factor",
-                 "smooth_orig", "proj_down", "proj_up", "wtscale")
-
-
-def is_sidecar(key: str) -> bool:
-    return key.rsplit(".", 1)[-1] in SIDECAR_NAMES
 
 
 class Parts:
