@@ -15,7 +15,8 @@ child process timed with wall-clock and its own peak RSS (`os.wait4` rusage):
 
 Page cache: before each run everything is synced and the source's cached pages are dropped with
 posix_fadvise(POSIX_FADV_DONTNEED) (no root needed); the residency `fincore` reports is printed so the reader
-can judge. Targets on the 2-core / 24 GiB machine: convert wall <= 1.3 x cp, peak RSS <= 2 GiB.
+can judge. Targets on the 2-core / 24 GiB machine: convert wall <= 1.15 x cp (klein-4B) / 1.10 x cp (klein-9B),
+interpreter start included, peak RSS <= 0.5 GiB.
 Not part of CI. Needs about 2.1 x the file size free on the disk of --workdir (the files are deleted afterwards).
 """
 
@@ -33,8 +34,8 @@ import time
 from pathlib import Path
 
 GIB = 2**30
-TARGET_RATIO = 1.3
-TARGET_RSS_GIB = 2.0
+TARGET_RATIO = {"klein-4b": 1.15, "klein-9b": 1.10, "flux2-dev": 1.10}  # issue 8: convert at the cost of cp
+TARGET_RSS_GIB = 0.5
 
 
 def drop_from_page_cache(*paths: Path) -> None:
@@ -124,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     free = shutil.disk_usage(work).free
     need = (size if args.source is None else 0) + 1.05 * size
     print(f"flux-port convert benchmark: {args.model} shapes, bf16, {len(shapes)} tensors, {size / 1e9:.2f} GB, "
-          f"in {work} ({free / 1e9:.0f} GB free)")
+          f"in {work} ({free / 1e9:.0f} GB free); load average {os.getloadavg()[0]:.2f} / "
+          f"{os.getloadavg()[1]:.2f} / {os.getloadavg()[2]:.2f}")
     if free < need:
         print(f"not enough free disk: need {need / 1e9:.1f} GB", file=sys.stderr)
         return 2
@@ -181,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.workdir is None and not args.keep:
             shutil.rmtree(work, ignore_errors=True)
 
-    _report(results, size)
+    _report(results, size, args.model)
     return 0
 
 
@@ -209,7 +211,7 @@ def _spot_check(src: Path, out: Path) -> None:
     raise AssertionError("norm_out.linear.weight not found in the output")
 
 
-def _report(results: dict[str, dict[str, float]], size: int) -> None:
+def _report(results: dict[str, dict[str, float]], size: int, model: str) -> None:
     print()
     for name, r in results.items():
         extra = ""
@@ -221,8 +223,9 @@ def _report(results: dict[str, dict[str, float]], size: int) -> None:
         ratio = results["convert"]["wall"] / results["cp"]["wall"]
         with_sync = ((results["convert"]["wall"] + results["convert"]["sync"])
                      / (results["cp"]["wall"] + results["cp"]["sync"]))
+        target = TARGET_RATIO[model]
         print(f"ratio convert/cp: {ratio:.2f}x wall ({with_sync:.2f}x including the final sync); target <= "
-              f"{TARGET_RATIO}x: {'PASS' if ratio <= TARGET_RATIO else 'MISS'}")
+              f"{target}x: {'PASS' if ratio <= target else 'MISS'}")
     rss = results["convert"]["rss"]
     print(f"convert peak RSS: {rss:.2f} GiB; target <= {TARGET_RSS_GIB} GiB: "
           f"{'PASS' if rss <= TARGET_RSS_GIB else 'MISS'}")

@@ -11,16 +11,17 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 from porting import __version__
 from porting.errors import InputError, PlanError
 from porting.outputs import atomic_folder, check_output
 from porting.tensors.checkpoint import Checkpoint, open_checkpoint
-from porting.tensors.dtypes import ST_TO_TORCH, itemsize
-from porting.tensors.quant.base import is_sidecar
+from porting.tensors.dtypes import itemsize, torch_dtype
+from porting.tensors.sidecars import is_sidecar
 from porting.tensors.writer import Chunks, Entry, Segments, WeightsHasher, parse_size, write_shards
 
 from .detect import Detection, detect, load_base_config
@@ -130,7 +131,7 @@ def iter_tensors(ckpt: Checkpoint, plan: Plan) -> Iterator[torch.Tensor | Segmen
                 yield Segments(tuple((infos[i].file, infos[i].start + off, n) for i, off, n in parts),
                                ", ".join(ps.stored_sources))
             continue
-        target = ST_TO_TORCH[ps.out_dtype]
+        target = torch_dtype(ps.out_dtype)
         rows = ps.step.op.byte_ranges(shapes, 1) if computed and all(len(s) >= 1 for s in shapes) else None
         if rows is not None:  # element ranges of whole rows: computed block by block
             for parts in rows:

@@ -14,7 +14,7 @@ from typing import Any, Iterator
 
 from porting.errors import MappingTableError
 from porting.tensors.checkpoint import Checkpoint
-from porting.tensors.dtypes import OPTION_TO_TAG, TORCH_TO_ST, nbytes
+from porting.tensors.dtypes import OPTION_TO_TAG, nbytes
 
 from .detect import Detection
 from .mapping import Naming, Step
@@ -161,5 +161,4 @@ def torch_dtype_tag(name: str) -> str | None:
     return OPTION_TO_TAG[name]
 
 
-__all__ = ["Plan", "PlannedStep", "build_plan", "torch_dtype_tag",
-           "TORCH_TO_ST"]
+__all__ = ["Plan", "PlannedStep", "build_plan", "torch_dtype_tag"]

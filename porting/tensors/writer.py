@@ -17,15 +17,16 @@ import struct
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 from porting.errors import InputError, InternalError, UsageError
 from porting.outputs import atomic_folder  # noqa: F401  (re-exported: where writers look for it)
 
-from .dtypes import ST_TO_TORCH
 from .dtypes import nbytes as _nbytes
+from .dtypes import torch_dtype
 from .identity import WeightsHasher, tensor_bytes
 
 __all__ = ["Entry", "Segments", "Chunks", "WeightsHasher", "write_shards", "plan_shards", "shard_names", "parse_size",
@@ -308,7 +309,7 @@ def write_shards(folder: Path, stem: str, entries: list[Entry], tensors: Iterabl
                         position = os.lseek(out_fd, 0, os.SEEK_CUR)
                         written = 0
                         for block in item.blocks:
-                            if ST_TO_TORCH[e.dtype] != block.dtype or tuple(block.shape[1:]) != e.shape[1:]:
+                            if torch_dtype(e.dtype) != block.dtype or tuple(block.shape[1:]) != e.shape[1:]:
                                 raise InputError(f"internal: a block of tensor {e.key!r} came out as "
                                                  f"{list(block.shape)} {block.dtype}, planned rows of "
                                                  f"{list(e.shape)} {e.dtype}.")
@@ -323,7 +324,7 @@ def write_shards(folder: Path, stem: str, entries: list[Entry], tensors: Iterabl
                             background.submit(e.key, e.dtype, e.shape, folder / name, position, e.nbytes)
                     else:
                         t = item
-                        if tuple(t.shape) != e.shape or ST_TO_TORCH[e.dtype] != t.dtype:
+                        if tuple(t.shape) != e.shape or torch_dtype(e.dtype) != t.dtype:
                             raise InternalError(f"tensor {e.key!r} came out as {list(t.shape)} {t.dtype}, "
                                                 f"planned {list(e.shape)} {e.dtype}.")
                         _write_all(out_fd, tensor_bytes(t))
