@@ -267,3 +267,83 @@ def test_an_onnxruntime_report_does_not_publish_the_torch_transformer(port: dict
     (tmp_path / "report.json").write_text(json.dumps(doc))
     with pytest.raises(CheckFailed, match="validated a onnxruntime export, not this torch transformer"):
         publish(port["base"], port["transformer"], tmp_path / "pub", report=tmp_path / "report.json")
+
+
+# --- no silent wrong numbers ---------------------------------------------------------------------------------------
+
+def test_a_cast_that_would_overflow_is_refused(capsys, tmp_path: Path, tiny2_state) -> None:
+    import torch
+
+    state = {k: v.clone() for k, v in tiny2_state.items()}
+    state["img_in.weight"][0, 0] = 1e5  # beyond fp16's 65504
+    src = save_state(tmp_path / "big.safetensors", state, torch.float32)
+    run = run_port(capsys, "convert", src, "--out", tmp_path / "out", "--dtype", "fp16")
+    assert_clean_refusal(run, 1, "casting x_embedder.weight to float16 would overflow", "100000")
+    assert leftovers(tmp_path / "out") == []
+    assert run_port(capsys, "convert", src, "--out", tmp_path / "ok", "--dtype", "bf16", "-q").code == 0
+
+
+def test_q_k_v_of_different_dtypes_are_not_fused_into_the_first_ones(capsys, tmp_path: Path, tiny2_file: Path) -> None:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "transformer"
+    assert run_port(capsys, "convert", tiny2_file, "--out", folder, "-q").code == 0
+    shard = folder / "diffusion_pytorch_model.safetensors"
+    state = load_file(str(shard))
+    state["transformer_blocks.0.attn.to_k.weight"] = state["transformer_blocks.0.attn.to_k.weight"].to(torch.float32)
+    save_file(state, str(shard), metadata={"format": "pt"})
+    run = run_port(capsys, "convert", folder, "--to", "original", "--out", tmp_path / "orig")
+    assert_clean_refusal(run, 1, "parts of different dtypes (BF16, F32) would be fused", "pass --dtype")
+    assert leftovers(tmp_path / "orig") == []
+
+
+# --- malformed input: exit 2, the file and the fault named --------------------------------------------------------
+
+def _raw(path: Path, header: dict, data: bytes = b"\0" * 16) -> Path:
+    from .helpers import write_raw_safetensors
+
+    return write_raw_safetensors(path, header, data)
+
+
+@pytest.mark.parametrize("entry,phrase", [
+    ({"dtype": "F32", "shape": [2], "data_offsets": [0.0, 8.0]}, "x.weight"),
+    ({"dtype": "F32", "shape": [2], "data_offsets": ["0", "8"]}, "x.weight"),
+    ({"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}, "x.weight"),
+    ({"dtype": "F32", "shape": [2.5], "data_offsets": [0, 8]}, "x.weight"),
+])
+def test_malformed_header_entries_are_input_errors(capsys, tmp_path: Path, entry: dict, phrase: str) -> None:
+    src = _raw(tmp_path / "bad.safetensors", {"x.weight": entry})
+    run = run_port(capsys, "inspect", src)
+    assert_clean_refusal(run, 2, str(src), phrase)
+
+
+@pytest.mark.parametrize("index", [[1, 2], {"weight_map": ["a"]}, {"weight_map": {"x": 3}}])
+def test_malformed_index_files_are_input_errors(capsys, tmp_path: Path, index) -> None:
+    folder = tmp_path / "sharded"
+    folder.mkdir()
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    run = run_port(capsys, "inspect", folder)
+    assert_clean_refusal(run, 2, "model.safetensors.index.json")
+
+
+def test_a_config_json_that_is_not_an_object_is_an_input_error(capsys, tmp_path: Path, tiny2_file: Path) -> None:
+    folder = tmp_path / "transformer"
+    assert run_port(capsys, "convert", tiny2_file, "--out", folder, "-q").code == 0
+    (folder / "config.json").write_text("[1, 2]")
+    run = run_port(capsys, "inspect", folder)
+    assert_clean_refusal(run, 2, "config.json")
+
+
+def test_a_config_option_that_is_a_json_list_is_an_input_error(capsys, tmp_path: Path, tiny2_file: Path) -> None:
+    config = tmp_path / "config.json"
+    config.write_text("[1, 2]")
+    run = run_port(capsys, "convert", tiny2_file, "--out", tmp_path / "out", "--config", config)
+    assert_clean_refusal(run, 2, str(config), "JSON object")
+
+
+def test_a_fifo_as_the_source_is_refused_without_blocking(capsys, tmp_path: Path) -> None:
+    fifo = tmp_path / "model.safetensors"
+    os.mkfifo(fifo)
+    run = run_port(capsys, "inspect", fifo)
+    assert_clean_refusal(run, 2, str(fifo), "not a regular file")

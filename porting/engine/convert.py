@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     import torch
 
 from porting import __version__
-from porting.errors import InputError, PlanError
+from porting.errors import CheckFailed, InputError, PlanError
 from porting.outputs import atomic_folder, check_output
 from porting.tensors.checkpoint import Checkpoint, open_checkpoint
 from porting.tensors.dtypes import itemsize, torch_dtype
@@ -140,9 +140,25 @@ def iter_tensors(ckpt: Checkpoint, plan: Plan) -> Iterator[torch.Tensor | Segmen
             continue
         inputs = [ckpt.read(k) for k in ps.stored_sources]
         outputs = ps.step.op.apply(inputs)
-        for t in outputs:
+        for key, t in zip(ps.step.targets, outputs):
+            check_cast(key, ps.stored_sources, t, target)
             yield t.to(target).contiguous()
         del inputs, outputs
+
+
+def check_cast(key: str, sources: tuple[str, ...], tensor: torch.Tensor, target: torch.dtype) -> None:
+    """Refuse a cast that turns finite values into infinities (fp32/bf16 values beyond fp16's 65504, say)."""
+    import torch
+
+    if not (target.is_floating_point and tensor.is_floating_point()) or torch.finfo(target).max >= \
+            torch.finfo(tensor.dtype).max:
+        return
+    peak = float(tensor.detach().abs().max()) if tensor.numel() else 0.0
+    if peak > torch.finfo(target).max:
+        raise CheckFailed(f"{', '.join(sources)}: casting {key} to {str(target).removeprefix('torch.')} would "
+                          f"overflow (|value| up to {peak:.6g}, the dtype's largest is {torch.finfo(target).max:.6g}); "
+                          "nothing was written.", hint="Keep the source dtype (--dtype keep) or use bf16, which has "
+                                                       "float32's range.")
 
 
 def source_stamps(ckpt: Checkpoint) -> dict[Path, tuple[int, int, int]]:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import difflib
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from porting._files import read_json_object
 from porting.errors import ConfigMismatchError, InputError, UnknownArchitectureError
 from porting.families import Family, builtin_tables, families, family_for
 from porting.tensors.checkpoint import Checkpoint
@@ -109,10 +109,7 @@ def load_base_config(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     for candidate in (path / "transformer" / "config.json", path / "config.json", path):
         if candidate.is_file():
-            try:
-                return json.loads(candidate.read_text())
-            except ValueError as e:
-                raise InputError(f"{candidate}: not valid JSON ({e}).") from e
+            return read_json_object(candidate, "a diffusers transformer config: a JSON object")
     raise InputError(f"{path}: no transformer/config.json or config.json found.",
                      hint="Point --config at a diffusers base model folder or its transformer/config.json.")
 

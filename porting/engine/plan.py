@@ -132,6 +132,11 @@ def build_plan(ckpt: Checkpoint, detection: Detection, target: Naming, dtype: st
         except OpShapeError as e:
             plan.shape_errors.append((", ".join(step.sources), str(e)))
             continue
+        kinds = sorted({i.dtype for i in infos})
+        if dtype is None and len(kinds) > 1:  # fusing them into the first one's dtype would silently round
+            plan.shape_errors.append((", ".join(step.sources), f"parts of different dtypes ({', '.join(kinds)}) "
+                                      "would be fused into one tensor; pass --dtype to choose the dtype"))
+            continue
         out_dtype = dtype or infos[0].dtype
         plan.steps.append(PlannedStep(step, tuple(available[s] for s in step.sources),
                                       tuple(i.shape for i in infos), out_shapes, out_dtype))

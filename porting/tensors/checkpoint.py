@@ -14,6 +14,7 @@ import os
 import struct
 from pathlib import Path
 
+from porting._files import read_json_object
 from porting.errors import InputError, UnsupportedFormatError
 
 from . import dtypes
@@ -76,9 +77,13 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     spans: list[tuple[int, int, str]] = []
     for key, entry in header.items():
         try:
-            dtype, shape, (begin, end) = entry["dtype"], tuple(int(s) for s in entry["shape"]), entry["data_offsets"]
+            dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
         except (KeyError, TypeError, ValueError) as e:
             raise InputError(f"{path}: malformed header entry for tensor {key!r}.") from e
+        if not all(_is_count(s) for s in shape) or not (_is_count(begin) and _is_count(end)):
+            raise InputError(f"{path}: malformed header entry for tensor {key!r}: shape {list(shape)!r} and "
+                             f"data_offsets {[begin, end]!r} must be non-negative integers.",
+                             hint="The file is damaged or was not written by a safetensors library.")
         if dtype not in dtypes.TAGS:
             raise InputError(f"{path}: tensor {key!r} has dtype {dtype}, which flux-port cannot convert.",
                              hint="Supported: " + ", ".join(sorted(dtypes.TAGS)))
@@ -108,6 +113,10 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     return tensors, metadata
 
 
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
     out: dict[str, object] = {}
     for key, value in pairs:
@@ -135,9 +144,12 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
             return open_gguf(path)
         tensors, metadata = read_header(path)
         return _decode(Checkpoint(path, tensors, [path], metadata=metadata))
+    if not path.is_dir():
+        raise InputError(f"{path}: not a regular file or a folder (a pipe, socket or device?); flux-port reads "
+                         "checkpoint files and folders only.")
     config = None
     if (path / "config.json").is_file():
-        config = json.loads((path / "config.json").read_text())
+        config = read_json_object(path / "config.json", "a diffusers model folder's config")
     indexes = _index_files(path)
     if len(indexes) > 1:
         raise InputError(f"{path}: several index files ({', '.join(p.name for p in indexes)}); pass one of them.")
@@ -177,9 +189,17 @@ def _decode(ckpt: Checkpoint) -> Checkpoint:
 
 def _open_index(index_path: Path) -> Checkpoint:
     try:
-        weight_map: dict[str, str] = json.loads(index_path.read_text())["weight_map"]
-    except (OSError, ValueError, KeyError) as e:
-        raise InputError(f"{index_path}: not a valid safetensors index (needs a 'weight_map').") from e
+        doc = json.loads(index_path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise InputError(f"{index_path}: not a valid safetensors index ({e}).") from e
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str) and v
+                                                   for k, v in weight_map.items()):
+        raise InputError(f"{index_path}: not a valid safetensors index: it needs a 'weight_map' object of "
+                         "tensor name -> shard file name.", hint="The index is damaged; download it again.")
+    if any(Path(v).name != v for v in weight_map.values()):
+        raise InputError(f"{index_path}: the index names shard files outside its folder.",
+                         hint="Shard names must be plain file names next to the index.")
     folder = index_path.parent
     tensors: dict[str, TensorInfo] = {}
     metadata: dict[str, str] = {}
