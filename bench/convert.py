@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
 
     config = REAL_FLUX2[args.model]
     shapes = model_shapes(config, "original")
-    size = sum(2 * _numel(s) for s in shapes.values())
+    size = sum(2 * math.prod(s) for s in shapes.values())
     work = args.workdir or Path(tempfile.mkdtemp(prefix="flux-port-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(work).free
@@ -185,13 +186,6 @@ def main(argv: list[str] | None = None) -> int:
 
     _report(results, size, args.model)
     return 0
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def _spot_check(src: Path, out: Path) -> None:

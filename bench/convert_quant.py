@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import shutil
 import sys
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     from porting.demo.tiny import REAL_FLUX2, model_shapes
 
     shapes = model_shapes(REAL_FLUX2[args.model], "original")
-    out_bytes = sum(2 * _numel(s) for s in shapes.values())
+    out_bytes = sum(2 * math.prod(s) for s in shapes.values())
     work = args.workdir or Path(tempfile.mkdtemp(prefix="flux-port-bench-quant-"))
     work.mkdir(parents=True, exist_ok=True)
     print(f"flux-port quantized convert benchmark: {args.model} shapes, {len(shapes)} tensors, output bf16 "
@@ -183,13 +184,6 @@ def main(argv: list[str] | None = None) -> int:
               f"{'PASS' if rss <= TARGET_RSS_GIB else 'MISS'}")
     print(f"load average at the end {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}")
     return 0
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 if __name__ == "__main__":

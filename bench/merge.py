@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
 
     config = REAL_FLUX2[args.model]
     shapes = model_shapes(config, "original")
-    size = sum(2 * _numel(s) for s in shapes.values())
+    size = sum(2 * math.prod(s) for s in shapes.values())
     work = args.workdir or Path(tempfile.mkdtemp(prefix="flux-port-bench-merge-"))
     work.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(work).free
@@ -131,13 +132,6 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 if __name__ == "__main__":

@@ -276,3 +276,16 @@ def rewrite(ckpt: Checkpoint, found: Found) -> Checkpoint:
 
 __all__ = ["Scheme", "Scaled", "NVFP4", "MXFP8", "Layer", "Found", "QuantDecoder", "layer_parts", "rewrite",
            "is_sidecar", "SIDECAR_NAMES"]
+
+
+def weight_scale_layers(ckpt: Checkpoint, weight_dtypes: tuple[str, ...]) -> list[str]:
+    """Layer prefixes (ending in '.') where a `weight_scale` sits next to a weight stored in one of `weight_dtypes`:
+    the marker-less layouts (BFL scheme, ModelOpt) are told apart by that dtype."""
+    out = []
+    for key in ckpt.tensors:
+        if key.endswith(".weight_scale"):
+            prefix = key[: -len("weight_scale")]
+            weight = ckpt.tensors.get(prefix + "weight")
+            if weight is not None and weight.dtype in weight_dtypes:
+                out.append(prefix)
+    return out

@@ -15,7 +15,7 @@ from __future__ import annotations
 from porting.errors import InputError
 
 from ..reader import Checkpoint
-from .base import NVFP4, Found, Scaled, layer_parts
+from .base import NVFP4, Found, Scaled, layer_parts, weight_scale_layers
 
 NAME = "BFL-scheme quantized"
 FP8 = ("F8_E4M3", "F8_E5M2")
@@ -27,14 +27,7 @@ NVFP4_BFL = NVFP4("nvfp4 (BFL scheme: low nibble first, row-major scales)", high
 
 def _layers(ckpt: Checkpoint) -> list[str]:
     """Prefixes of layers with a `weight_scale` whose weight is fp8 or packed fp4."""
-    out = []
-    for key in ckpt.tensors:
-        if key.endswith(".weight_scale"):
-            prefix = key[: -len("weight_scale")]
-            weight = ckpt.tensors.get(prefix + "weight")
-            if weight is not None and (weight.dtype in FP8 or weight.dtype == "U8"):
-                out.append(prefix)
-    return out
+    return weight_scale_layers(ckpt, (*FP8, "U8"))
 
 
 def claims(ckpt: Checkpoint) -> bool:

@@ -8,21 +8,14 @@ activation scale of the int8 matmul, is dropped and reported.
 from __future__ import annotations
 
 from ..reader import Checkpoint
-from .base import Found, Scaled, layer_parts
+from .base import Found, Scaled, layer_parts, weight_scale_layers
 
 NAME = "ModelOpt int8 (per-channel weight_scale)"
 SCHEME = Scaled("int8 x weight_scale (per channel)", weight_dtypes=("I8",))
 
 
 def _layers(ckpt: Checkpoint) -> list[str]:
-    out = []
-    for key in ckpt.tensors:
-        if key.endswith(".weight_scale"):
-            prefix = key[: -len("weight_scale")]
-            weight = ckpt.tensors.get(prefix + "weight")
-            if weight is not None and weight.dtype == "I8":
-                out.append(prefix)
-    return out
+    return weight_scale_layers(ckpt, ("I8",))
 
 
 def claims(ckpt: Checkpoint) -> bool:
