@@ -227,7 +227,7 @@ def write_error(out: Path, e: OSError) -> Exception:
 def check_output(out: Path, force: bool = False, *, verb: str = "convert", replace: Replace | None = None,
                  inputs: Mapping[str, Path | str | None] | None = None) -> None:
     """The checks `atomic_folder` makes before writing, for verbs that want to fail before their long work."""
-    out = Path(out)
+    out = Path(os.path.abspath(out))  # `--out .` has no name to put a staging folder next to
     check_writable_parent(out)
     if inputs:
         check_disjoint(out, inputs)
@@ -254,7 +254,7 @@ def atomic_folder(out: Path, force: bool = False, *, verb: str = "convert", repl
     when flux-port owns it. The staging folder holds a lock for the run's lifetime; leftovers of dead runs are
     removed and reported through `on_notice`.
     """
-    out = Path(out)
+    out = Path(os.path.abspath(out))
     replace = replace or ("force" if force else "never")
     check_output(out, verb=verb, replace=replace, inputs=inputs)
     out.parent.mkdir(parents=True, exist_ok=True)

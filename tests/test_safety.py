@@ -266,3 +266,23 @@ def test_generate_steps_zero_is_refused_not_run_with_the_default(capsys, port: d
     run = run_port(capsys, "generate", published, "--prompt", "x", "--steps", "0", "--output", tmp_path / "a.png")
     assert_clean_refusal(run, 2, "--steps 0: needs at least 1")
     assert not (tmp_path / "a.png").exists()
+
+
+def test_out_dot_is_refused_in_a_folder_of_user_files_and_leaves_nothing(capsys, user_folder: Path, tiny2_file: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(user_folder)
+    before = snapshot(user_folder.parent)
+    run = run_port(capsys, "convert", tiny2_file, "--out", ".", "--force")
+    assert_clean_refusal(run, 2, "was not written by flux-port")
+    assert snapshot(user_folder.parent) == before  # no staging folder inside or next to it
+
+
+def test_out_dot_in_an_empty_folder_converts_next_to_nothing_else(capsys, tmp_path: Path, tiny2_file: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    work = tmp_path / "empty"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    run = run_port(capsys, "convert", tiny2_file, "--out", ".", "--force", "-q")
+    assert run.code == 0, run.err
+    assert (work / "diffusion_pytorch_model.safetensors").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]  # the staging folder was moved into place
