@@ -117,3 +117,12 @@ def test_a_table_without_its_format_version_is_refused(tmp_path: Path) -> None:
     path.write_text(text)
     with pytest.raises(MappingTableError, match="format_version None"):
         load_table_file(path)
+
+
+def test_validate_refuses_a_family_without_a_staged_runner(capsys, tmp_path: Path) -> None:
+    from .helpers import TINY1_DEV, reference_model, run_port, save_state
+
+    src = save_state(tmp_path / "flux1.safetensors", reference_model(TINY1_DEV, seed=0).state_dict())
+    run = run_port(capsys, "validate", src, "--out", tmp_path / "r", "--resolution", "32", "--text-len", "8")
+    assert run.code == 2 and "no staged runner for FLUX.1" in run.msg and "convert-only" in run.msg
+    assert not (tmp_path / "r").exists()

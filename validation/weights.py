@@ -24,8 +24,11 @@ class WeightSource:
         self.path = Path(path)
         self.ckpt: Checkpoint = open_checkpoint(path)
         self.detection: Detection = detect(self.ckpt, load_base_config(config) if config else None)
-        if self.detection.table.name != "flux2":
-            raise InputError(f"{path}: validation supports FLUX.2 transformers; this is {self.detection.variant}.")
+        if not self.detection.family.validates:
+            raise InputError(f"{path}: port validate has no staged runner for {self.detection.family.title} "
+                             f"transformers yet ({self.detection.variant}); it validates FLUX.2.",
+                             hint=f"{self.detection.family.title} is convert-only in this flux-port: port convert "
+                                  "works, port validate does not yet.")
         self.plan: Plan = build_plan(self.ckpt, self.detection, "diffusers")
         if not self.plan.ok:
             raise InputError(f"{path}: the checkpoint does not map cleanly onto {self.detection.table.diffusers_class} "

@@ -49,6 +49,7 @@ class Family:
     real_configs: ClassVar[Mapping[str, Mapping[str, Any]]] = {}
     shape_terms: ClassVar[tuple[str, ...]] = ()  # sizes the generated shape data may be written in
     shape_probes: ClassVar[tuple[Mapping[str, Any], ...]] = ()  # configs the shape data is generated from
+    validates: ClassVar[bool] = False  # whether validation/'s staged torch runner knows this family's blocks
 
     def __init__(self, table: MappingTable | None = None, folder: Path | None = None) -> None:
         self._table = table
@@ -130,7 +131,3 @@ class Family:
     def pipeline_fit(self, base: Path, config: Mapping[str, Any], variant: PipelineVariant) -> list[str]:
         """Problems that keep this transformer from working with the base's other components."""
         return []
-
-    def validation_runner(self) -> Any | None:
-        """The staged runner `port validate` uses for this family, or None when it cannot validate it."""
-        return None
