@@ -25,3 +25,6 @@ def test_demo_walks_the_whole_path(tmp_path, capsys):
     assert (published / "report.json").is_file() and (published / "README.md").is_file()
     with Image.open(work / "demo.png") as image:
         assert image.size == (64, 64)
+    for written in (work / "reports" / "report.json", work / "transformer" / "flux-port.json",
+                    published / "manifest.json", published / ".flux-port-output.json"):
+        assert json.loads(written.read_text())["format_version"] == 1, written  # every JSON the tool writes

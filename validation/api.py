@@ -175,7 +175,7 @@ def judge(runs: Runs, source: WeightSource, inputs: Inputs, *, dtype: str, golde
                      "instead of PyTorch SDPA; ACL_PRECISION_MODE and HF32 settings are recorded in environment.")
 
     data: dict[str, Any] = {
-        "tool": "flux-port", "version": __version__, "kind": "validation",
+        "tool": "flux-port", "version": __version__, "format_version": 1, "kind": "validation",
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "model": {"path": str(Path(model).resolve()), "naming": source.detection.naming_label,
                   "variant": source.detection.variant, "table": table.name,
