@@ -131,6 +131,12 @@ def run_port(capsys, *argv: str | Path) -> Run:
     return Run(code, captured.out, captured.err)
 
 
+def run_cli(argv: list, capsys) -> tuple[int, str, str]:
+    """`port ARGV...` in this process as (exit code, stdout, stderr)."""
+    run = run_port(capsys, *argv)
+    return run.code, run.out, run.err
+
+
 def leftovers(out: Path) -> list[str]:
     """The output folder and any staging / backup folder convert may have created next to it."""
     parent = Path(out).parent

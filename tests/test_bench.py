@@ -13,9 +13,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from tinyport import write_report  # noqa: E402
 
-from porting.cli.app import main  # noqa: E402
 from porting.pipeline.bench import Row, _relative, bench  # noqa: E402
 from porting.pipeline.publish import publish  # noqa: E402
+from tests.helpers import run_cli  # noqa: E402
 from validation.image_compare import Side, compare  # noqa: E402
 
 
@@ -24,13 +24,6 @@ def folder(port: dict, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("bench") / "klein"
     publish(port["base"], port["transformer"], out, report=port["pass"])
     return out
-
-
-def run_cli(argv: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exc:
-        main(argv)
-    captured = capsys.readouterr()
-    return int(exc.value.code or 0), captured.out, captured.err
 
 
 def test_bench_rows_on_cpu(folder: Path, tmp_path: Path) -> None:

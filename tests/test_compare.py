@@ -20,10 +20,10 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from porting.cli.app import main  # noqa: E402
 from porting.errors import PortError  # noqa: E402
 from porting.pipeline.generate import generate  # noqa: E402
 from porting.pipeline.publish import publish  # noqa: E402
+from tests.helpers import run_cli  # noqa: E402
 from validation import image_metrics as im  # noqa: E402
 from validation.image_compare import (  # noqa: E402
     Side,
@@ -80,13 +80,6 @@ def noisy_transformer(port: dict, tmp_path_factory: pytest.TempPathFactory) -> P
     out = tmp_path_factory.mktemp("noisy") / "transformer"
     model.save_pretrained(out)
     return out
-
-
-def run_cli(argv: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exc:
-        main(argv)
-    captured = capsys.readouterr()
-    return int(exc.value.code or 0), captured.out, captured.err
 
 
 # ---------------------------------------------------------------------------------------------------------------

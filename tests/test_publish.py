@@ -17,12 +17,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from tinyport import in_memory_image, write_report  # noqa: E402
 
-from porting.cli.app import main  # noqa: E402
 from porting.demo.tiny import TINY_FLUX2, write_random_checkpoint  # noqa: E402
 from porting.engine.convert import convert  # noqa: E402
 from porting.errors import CheckFailed  # noqa: E402
 from porting.outputs import RECORD  # noqa: E402
 from porting.pipeline.publish import publish  # noqa: E402
+from tests.helpers import run_cli  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -31,13 +31,6 @@ def published(port: dict, tmp_path_factory: pytest.TempPathFactory) -> Path:
     publish(port["base"], port["transformer"], out, report=port["pass"],
             base_model="black-forest-labs/FLUX.2-klein-4B")
     return out
-
-
-def run_cli(argv: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exc:
-        main(argv)
-    captured = capsys.readouterr()
-    return int(exc.value.code or 0), captured.out, captured.err
 
 
 def loaded_image(pipeline_cls: type, folder: Path, **call) -> np.ndarray:
