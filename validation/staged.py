@@ -136,12 +136,9 @@ class StagedFlux2:
 
     def forward_all(self, inputs: State, on_stage: Callable[[str], None] | None = None) -> torch.Tensor:
         """A whole forward pass, streamed stage by stage."""
-        state = inputs
-        for stage in self.stage_names():
-            state = self.run(stage, [state])[0]
-            if on_stage:
-                on_stage(stage)
-        return state["out"]
+        from .runners.base import forward_all
+
+        return forward_all(self, inputs, on_stage)
 
     def _forward(self, stage: str, s: State) -> State:
         m = self.model
