@@ -263,7 +263,7 @@ def test_source_truncated_mid_write_leaves_nothing_and_keeps_the_old_output(tmp_
     on_bytes, calls = _fail_on_third_tensor(lambda: os.truncate(victim, 1000))
     with pytest.raises(InputError, match="unexpected end of file while reading tensor"):
         convert(victim, out, force=True, on_bytes=on_bytes)
-    assert len(calls) == 3
+    assert 3 <= len(calls) < 49  # found mid-write, when the reads reach the cut (they run a little ahead)
     assert leftovers(out) == ["out"]
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 

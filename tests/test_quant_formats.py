@@ -178,7 +178,7 @@ def test_gguf_k_quants_read_as_the_gguf_package_dequantizes_them(tmp_path, state
 def test_prefetched_blocks_keep_order_pass_errors_and_stop_with_the_consumer():
     import threading
 
-    from porting.engine.convert import prefetched
+    from porting.tensors.prefetch import prefetched
 
     assert list(prefetched(iter(range(50)), depth=2)) == list(range(50))
 
@@ -203,15 +203,18 @@ def test_prefetched_blocks_keep_order_pass_errors_and_stop_with_the_consumer():
     gen = prefetched(endless(), depth=2)
     assert next(gen) == 0
     gen.close()  # the consumer stops early: the producer thread must end, not block on a full queue
-    assert not any(t.name == "flux-port-dequantize" for t in threading.enumerate())
+    assert not any(t.name == "flux-port-prefetch" for t in threading.enumerate())
     assert len(produced) <= 5
 
 
-def test_q8_0_fast_path_is_bit_identical_to_the_gguf_package():
+def test_q8_0_fast_path_is_bit_identical_to_the_gguf_package(monkeypatch):
     import gguf
     import numpy as np
 
+    from porting.tensors import gguf_reader
     from porting.tensors.gguf_reader import q8_0
+
+    monkeypatch.setattr(gguf_reader, "Q8_0_PIECE", 7)  # 99 blocks: many pieces and a short last one
 
     rng = np.random.default_rng(1)
     data = (rng.standard_normal((33, 96)) * rng.choice([1e-4, 1.0, 300.0], size=(33, 1))).astype(np.float32)

@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
 import torch
 
 from porting.engine.convert import convert, prepare
+from porting.errors import InputError
 from porting.tensors.checkpoint import hash_checkpoint, open_checkpoint
-from porting.tensors.writer import Segments, _Copier
+from porting.tensors.writer import Entry, Segments, WeightsHasher, write_shards
 
 from .helpers import assert_same_tensors, load_folder
 
@@ -27,21 +29,70 @@ def test_manifest_identity_matches_a_fresh_hash_of_the_output(tmp_path, tiny2_fi
     assert_same_tensors({k: v.float() for k, v in copied.items()}, cast)
 
 
-def test_copier_fallback_without_kernel_copy_gives_the_same_bytes(tmp_path):
+def test_copied_pieces_give_the_same_bytes_and_identity_as_tensors(tmp_path, monkeypatch):
+    """Byte ranges out of order, across read-piece boundaries and at odd offsets, written next to in-memory
+    tensors: the file holds exactly those bytes and the identity is the one computed from the tensors."""
+    from safetensors.torch import load_file
+
+    from porting.tensors import writer
+
+    monkeypatch.setattr(writer, "READ_PIECE", 4096)  # many pieces per tensor, and a piece shorter than the rest
+    monkeypatch.setattr(writer, "READ_AHEAD", 3 * 4096)
     src = tmp_path / "src.bin"
-    data = os.urandom(3 * 2**20 + 17)
+    data = os.urandom(3 * 2**20 + 18)
     src.write_bytes(data)
-    parts = ((src, 2**20, 2**20 + 5), (src, 0, 2**20), (src, 3 * 2**20, 17))
-    expected = b"".join(data[o:o + n] for _, o, n in parts)
-    for kernel_copy in (True, False):
-        copier = _Copier()
-        copier.kernel_copy = kernel_copy and copier.kernel_copy
-        out = tmp_path / f"out-{kernel_copy}.bin"
-        with open(out, "wb", buffering=0) as f:
-            f.write(b"HEAD")
-            copier.copy(Segments(parts, "x"), f.fileno())
-        copier.close()
-        assert out.read_bytes() == b"HEAD" + expected
+    parts = ((src, 2**20, 2**20 + 6), (src, 0, 2**20), (src, 3 * 2**20, 18))
+    expected = torch.frombuffer(bytearray(b"".join(data[o:o + n] for _, o, n in parts)), dtype=torch.uint8)
+    middle = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    entries = [Entry("a", (expected.numel(),), "U8"), Entry("b", (3, 4), "F32"), Entry("c", (17,), "U8")]
+    last = (src, 5, 17)
+    hasher = WeightsHasher()
+    names = write_shards(tmp_path, "out", entries, [Segments(parts, "a"), middle, Segments((last,), "c")],
+                         2**40, hasher=hasher)
+    got = load_file(str(tmp_path / names[0]))
+    assert torch.equal(got["a"], expected) and torch.equal(got["b"], middle)
+    assert got["c"].numpy().tobytes() == data[5:22]
+    assert hasher.hexdigest() == hash_checkpoint(open_checkpoint(tmp_path / names[0]))
+
+
+def test_a_short_source_is_an_error_naming_the_file_and_tensor(tmp_path):
+    src = tmp_path / "src.bin"
+    src.write_bytes(b"x" * 100)
+    with pytest.raises(InputError, match="src.bin: unexpected end of file while reading tensor 'w'"):
+        write_shards(tmp_path, "out", [Entry("k", (200,), "U8")], [Segments(((src, 0, 200),), "w")], 2**40)
+
+
+def test_the_read_ahead_is_bounded_by_bytes_and_a_stopped_writer_stops_its_reader(tmp_path, monkeypatch):
+    """However many tensors are queued, the second thread holds at most READ_AHEAD bytes beyond one piece; when
+    the writer fails mid-way, the reading thread ends instead of waiting for room forever."""
+    import threading
+
+    from porting.tensors import writer
+    from porting.tensors.prefetch import ByteBudget
+
+    peak = []
+    real_take = ByteBudget.take
+
+    def take(self, n):
+        ok = real_take(self, n)
+        peak.append(self.used)
+        return ok
+
+    monkeypatch.setattr(ByteBudget, "take", take)
+    monkeypatch.setattr(writer, "READ_AHEAD", 1000)
+    tensors = [torch.full((100,), float(i)) for i in range(40)]  # 400 bytes each
+    entries = [Entry(f"t{i}", (100,), "F32") for i in range(40)]
+    write_shards(tmp_path, "ok", entries, tensors, 2**40)
+    assert max(peak) <= 1000 + 400
+    fails = iter(range(40))
+
+    def on_bytes(n):
+        if next(fails) == 3:
+            raise OSError("disk gone")
+
+    with pytest.raises(OSError, match="disk gone"):
+        write_shards(tmp_path, "bad", entries, tensors, 2**40, on_bytes=on_bytes)
+    assert not any(t.name == "flux-port-prefetch" for t in threading.enumerate())
 
 
 def test_read_returns_exact_tensors_and_row_ranges(tmp_path, tiny2_file):
@@ -55,18 +106,11 @@ def test_read_returns_exact_tensors_and_row_ranges(tmp_path, tiny2_file):
     assert torch.equal(ckpt.read(key, rows=(64, 128)), ref[key][64:128])
 
 
-def test_copied_tensors_keep_their_page_offset(tmp_path, tiny2_file):
-    """Output follows the source's storage order and the header is padded so that every copied tensor sits at the
-    same offset modulo 4096 as in the source (the kernel copies page-aligned data much faster)."""
+def test_the_output_follows_the_source_storage_order(tmp_path, tiny2_file):
+    """The source is read front to back: the output's tensor order is the source's storage order."""
     convert(tiny2_file, tmp_path / "out", strict=True)
     src = open_checkpoint(tiny2_file).tensors
     out = open_checkpoint(tmp_path / "out").tensors
-    renamed = {"img_in.weight": "x_embedder.weight", "single_blocks.1.linear1.weight":
-               "single_transformer_blocks.1.attn.to_qkv_mlp_proj.weight",
-               "final_layer.linear.weight": "proj_out.weight"}
-    for s, o in renamed.items():
-        assert src[s].start % 4096 == out[o].start % 4096
-    # the output's tensor order is the source's storage order (so the source is read front to back)
     _, _, plan = prepare(tiny2_file)
     source_of = {t: ps.stored_sources[0] for ps in plan.steps for t in ps.step.targets}
     in_output_order = sorted(out, key=lambda k: out[k].start)

@@ -6,8 +6,6 @@ import importlib.metadata
 import json
 import math
 import os
-import queue
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -135,8 +133,7 @@ def iter_tensors(ckpt: Checkpoint, plan: Plan) -> Iterator[torch.Tensor | Segmen
         rows = ps.step.op.byte_ranges(shapes, 1) if computed and all(len(s) >= 1 for s in shapes) else None
         if rows is not None:  # element ranges of whole rows: computed block by block
             for parts in rows:
-                blocks = prefetched(_row_blocks(ckpt, ps.stored_sources, shapes, parts, target))
-                yield Chunks(blocks, ", ".join(ps.stored_sources))
+                yield Chunks(_row_blocks(ckpt, ps.stored_sources, shapes, parts, target), ", ".join(ps.stored_sources))
             continue
         inputs = [ckpt.read(k) for k in ps.stored_sources]
         outputs = ps.step.op.apply(inputs)
@@ -176,46 +173,6 @@ def check_unchanged(before: Mapping[Path, tuple[int, int, int]], after: Mapping[
         raise InputError(f"{changed[0]}: the source changed while it was being converted (size, time or file "
                          "replaced); the output mixes two versions, so nothing was written.",
                          hint="Convert again once nothing is writing to the source.")
-
-
-def prefetched(items: Iterator[Any], depth: int = 2) -> Iterator[Any]:
-    """`items`, produced on a second thread up to `depth` ahead (dequantizing overlaps with writing the last block;
-    numpy and torch release the GIL). Stops the producer if the consumer stops early."""
-    buffer: queue.Queue = queue.Queue(maxsize=depth)
-    stop = threading.Event()
-    end = object()
-
-    def put(item: Any) -> bool:
-        while not stop.is_set():
-            try:
-                buffer.put(item, timeout=0.2)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def produce() -> None:
-        try:
-            for item in items:
-                if not put(item):
-                    return
-            put(end)
-        except BaseException as e:  # handed to the consumer
-            put(e)
-
-    thread = threading.Thread(target=produce, name="flux-port-dequantize", daemon=True)
-    thread.start()
-    try:
-        while True:
-            item = buffer.get()
-            if item is end:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        stop.set()
-        thread.join()
 
 
 def _row_blocks(ckpt: Checkpoint, keys: tuple[str, ...], shapes: list[tuple[int, ...]],

@@ -58,21 +58,34 @@ class GGUFDecoder:
         return out if dtype == torch.float32 else out.to(dtype)
 
 
+Q8_0_PIECE = 8192  # blocks per pass (256K values): the float32 intermediate (1 MiB) stays in the CPU's cache
+
+
 def q8_0(raw, dtype: torch.dtype) -> torch.Tensor:
     """Q8_0 blocks (fp16 scale d, 32 int8 codes) -> d * code in float32 (exact), rounded once to `dtype`.
 
     The same arithmetic as `gguf.quants.dequantize` (tests hold it bit for bit) with fewer passes over memory: the
-    codes are widened and scaled in place, then torch rounds to `dtype`; about 3x faster, which matters because Q8_0
-    is the common GGUF type for klein.
+    codes are scaled into a small float32 buffer that torch rounds into the output, a cache-sized piece at a time;
+    about 5x faster than the package, which matters because Q8_0 is the common GGUF type for klein.
     """
     import numpy as np
 
     blocks = raw.reshape(-1, 34)
-    scale = blocks[:, :2].copy().view(np.float16).astype(np.float32)
-    values = blocks[:, 2:].view(np.int8).astype(np.float32)
-    values *= scale
-    out = torch.from_numpy(values).reshape(raw.shape[0], -1)
-    return out if dtype == torch.float32 else out.to(dtype)
+    n = blocks.shape[0]
+    scales = blocks[:, :2].copy().view(np.float16).astype(np.float32)
+    codes = blocks[:, 2:].view(np.int8)
+    if dtype == torch.float32:
+        values = np.empty((n, 32), np.float32)
+        np.multiply(codes, scales, out=values)
+        return torch.from_numpy(values).reshape(raw.shape[0], -1)
+    out = torch.empty((n, 32), dtype=dtype)
+    piece = np.empty((min(Q8_0_PIECE, n), 32), np.float32)
+    piece_t = torch.from_numpy(piece)
+    for a in range(0, n, Q8_0_PIECE):
+        m = min(Q8_0_PIECE, n - a)
+        np.multiply(codes[a:a + m], scales[a:a + m], out=piece[:m])
+        out[a:a + m].copy_(piece_t[:m])
+    return out.reshape(raw.shape[0], -1)
 
 
 def open_gguf(path: Path) -> Checkpoint:

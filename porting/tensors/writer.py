@@ -6,18 +6,15 @@ tensor bytes streamed after it, which the format allows because every shape and 
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import math
 import mmap
 import os
-import queue
 import struct
-import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 if TYPE_CHECKING:
     import torch
@@ -28,12 +25,12 @@ from porting.outputs import atomic_folder  # noqa: F401  (re-exported: where wri
 from .dtypes import nbytes as _nbytes
 from .dtypes import torch_dtype
 from .identity import WeightsHasher, tensor_bytes
+from .prefetch import ByteBudget, prefetched
 
 __all__ = ["Entry", "Segments", "Chunks", "WeightsHasher", "write_shards", "plan_shards", "shard_names", "parse_size",
            "atomic_folder"]
 
 ALIGN = 8  # header padded so tensor data starts 8-byte aligned, as safetensors itself does
-PAGE = 4096
 
 
 @dataclass(frozen=True)
@@ -86,13 +83,8 @@ def shard_names(stem: str, n: int) -> list[str]:
     return [f"{stem}-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
 
 
-def _header_bytes(entries: list[Entry], metadata: dict[str, str] | None, page_residue: int | None = None) -> bytes:
-    """The length field and JSON header, padded with spaces so the data starts 8-byte aligned.
-
-    With `page_residue`, the padding also puts the data start at that offset modulo the page size: when the first
-    tensor is copied from a source file where it starts at the same residue, source and destination pages line up,
-    which makes the kernel's file-to-file copy markedly faster.
-    """
+def _header_bytes(entries: list[Entry], metadata: dict[str, str] | None) -> bytes:
+    """The length field and JSON header, padded with spaces so the data starts 8-byte aligned."""
     header: dict[str, object] = {}
     if metadata:
         header["__metadata__"] = metadata
@@ -101,10 +93,7 @@ def _header_bytes(entries: list[Entry], metadata: dict[str, str] | None, page_re
         header[e.key] = {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [offset, offset + e.nbytes]}
         offset += e.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
-    pad = -(len(raw) + 8) % ALIGN
-    if page_residue is not None and page_residue % ALIGN == 0:
-        pad = (page_residue - (len(raw) + 8)) % PAGE
-    raw += b" " * pad
+    raw += b" " * (-(len(raw) + 8) % ALIGN)
     return struct.pack("<Q", len(raw)) + raw
 
 
@@ -113,8 +102,8 @@ class Segments:
     """An output tensor whose bytes are byte ranges of source files, in order: `(file, offset, length)`.
 
     Renames, row splits, row concatenations and half swaps along dim 0 without a dtype change only move whole rows
-    of a row-major tensor, so the writer can copy those bytes file to file (`os.copy_file_range`, the kernel-side
-    copy `cp` uses) instead of reading them into memory and writing them back; `SegmentHasher` hashes them.
+    of a row-major tensor, so the writer copies those bytes without torch: read a piece at a time on a second
+    thread, hashed and written on the main one.
     """
 
     parts: tuple[tuple[Path, int, int], ...]
@@ -129,61 +118,95 @@ class Segments:
 class Chunks:
     """An output tensor computed in consecutive row blocks (e.g. dequantized), written as the blocks come.
 
-    Keeps memory at one block for tensors that cannot be copied as bytes; hashed like `Segments`, from the output
-    file on the second thread.
+    Keeps memory at a few blocks for tensors that cannot be copied as bytes; the blocks are computed on the
+    writer's second thread while the main one hashes and writes the last.
     """
 
     blocks: Iterable[torch.Tensor]
     source_key: str  # for error messages
 
 
-CHUNK = 8 * 2**20  # bytes per pread call (copy_file_range is asked for a whole tensor at once: large calls are faster)
+READ_PIECE = 16 * 2**20  # bytes per read of a copied tensor
+READ_AHEAD = 96 * 2**20  # bytes read (or computed) ahead of the writer at most, beyond one piece
 
 
-class _Copier:
-    """Copies `Segments` into an output file descriptor, kernel-side when the platform allows."""
+class _Sources:
+    """Open source files, read with a larger read-ahead (what cp asks for)."""
 
     def __init__(self) -> None:
-        self.kernel_copy = hasattr(os, "copy_file_range")
         self._fds: dict[Path, int] = {}
-        self._buf = bytearray(0)
 
     def fd(self, path: Path) -> int:
         if path not in self._fds:
             self._fds[path] = os.open(path, os.O_RDONLY)
-            if hasattr(os, "posix_fadvise"):  # larger read-ahead, as cp asks for
+            if hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(self._fds[path], 0, 0, os.POSIX_FADV_SEQUENTIAL)
         return self._fds[path]
-
-    def copy(self, seg: Segments, out_fd: int) -> None:
-        for path, offset, length in seg.parts:
-            src, done = self.fd(path), 0
-            while done < length:
-                n = self._copy_chunk(src, out_fd, length - done, offset + done)
-                if n == 0:
-                    raise InputError(f"{path}: unexpected end of file while reading tensor {seg.source_key!r}.")
-                done += n
-
-    def _copy_chunk(self, src: int, dst: int, count: int, offset: int) -> int:
-        if self.kernel_copy:
-            try:
-                return os.copy_file_range(src, dst, count, offset)
-            except OSError as e:  # another filesystem, an old kernel: fall back to plain reads and writes
-                if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EPERM):
-                    raise
-                self.kernel_copy = False
-        count = min(count, CHUNK)
-        if len(self._buf) < count:
-            self._buf = bytearray(count)
-        view = memoryview(self._buf)[:count]
-        n = os.preadv(src, [view], offset)
-        _write_all(dst, view[:n])
-        return n
 
     def close(self) -> None:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+
+
+Piece = tuple[memoryview, "mmap.mmap | None"]  # bytes of a tensor, and the read buffer they live in (if any)
+
+
+def _pieces(entries: list[Entry], items: Iterable[torch.Tensor | Segments | Chunks], budget: ByteBudget,
+            pool: list[mmap.mmap]) -> Iterator[Piece | None]:
+    """The bytes of every planned tensor in order, checked against the plan; None after each tensor.
+
+    Runs on the writer's second thread. Copied tensors are read through reusable buffers from `pool`; every piece
+    is taken from `budget` first, so memory ahead of the writer stays bounded.
+    """
+    sources = _Sources()
+    it = iter(items)
+    try:
+        for e in entries:
+            item = next(it, None)
+            if item is None:
+                raise InternalError(f"the tensors ran out before {e.key!r}, which the plan has.")
+            if isinstance(item, Segments):
+                if item.nbytes != e.nbytes:
+                    raise InternalError(f"tensor {e.key!r} came out as {item.nbytes} bytes, planned {e.nbytes}.")
+                for path, offset, length in item.parts:
+                    done = 0
+                    while done < length:
+                        buf = pool.pop() if pool else mmap.mmap(-1, READ_PIECE)
+                        want = min(READ_PIECE, length - done)
+                        if not budget.take(want):
+                            return
+                        n = os.preadv(sources.fd(path), [memoryview(buf)[:want]], offset + done)
+                        if n == 0:
+                            raise InputError(f"{path}: unexpected end of file while reading tensor "
+                                             f"{item.source_key!r}.")
+                        yield memoryview(buf)[:n], buf
+                        budget.give(want - n)
+                        done += n
+            elif isinstance(item, Chunks):
+                written = 0
+                for block in item.blocks:
+                    if torch_dtype(e.dtype) != block.dtype or tuple(block.shape[1:]) != e.shape[1:]:
+                        raise InternalError(f"a block of tensor {e.key!r} came out as {list(block.shape)} "
+                                            f"{block.dtype}, planned rows of {list(e.shape)} {e.dtype}.")
+                    data = tensor_bytes(block)
+                    if not budget.take(data.nbytes):
+                        return
+                    yield data, None
+                    written += data.nbytes
+                if written != e.nbytes:
+                    raise InternalError(f"tensor {e.key!r} came out as {written} bytes, planned {e.nbytes}.")
+            else:
+                if tuple(item.shape) != e.shape or torch_dtype(e.dtype) != item.dtype:
+                    raise InternalError(f"tensor {e.key!r} came out as {list(item.shape)} {item.dtype}, "
+                                        f"planned {list(e.shape)} {e.dtype}.")
+                data = tensor_bytes(item)
+                if not budget.take(data.nbytes):
+                    return
+                yield data, None
+            yield None
+    finally:
+        sources.close()
 
 
 def _write_all(fd: int, data: memoryview | bytes) -> None:
@@ -193,153 +216,46 @@ def _write_all(fd: int, data: memoryview | bytes) -> None:
         view = view[n:]
 
 
-HASH_WINDOW = 64 * 2**20  # bytes of the output file mapped at a time while hashing
-
-
-def _hash_file_range(fd: int, offset: int, length: int) -> str:
-    """sha256 of bytes [offset, offset + length) of a file, read through small memory maps (no copies)."""
-    h = hashlib.sha256()
-    pos, end = offset, offset + length
-    while pos < end:
-        base = pos - pos % mmap.ALLOCATIONGRANULARITY
-        n = min(HASH_WINDOW, end - pos)
-        with mmap.mmap(fd, pos - base + n, access=mmap.ACCESS_READ, offset=base) as m, memoryview(m) as view:
-            h.update(view[pos - base:pos - base + n])
-        pos += n
-    return h.hexdigest()
-
-
-class SegmentHasher:
-    """Hashes copied tensors on a second thread, from the output file the main thread has just written.
-
-    The bytes are still in the page cache and are hashed through memory maps, so hashing costs no copy and runs on
-    another core while the kernel copies the next tensor (hashlib releases the GIL). Only this process writes the
-    staging file, and only ranges already written are hashed, so the maps never outlive their data. The short queue
-    keeps the hasher close behind the copy.
-    """
-
-    def __init__(self, hasher: WeightsHasher) -> None:
-        self.hasher = hasher
-        self.jobs: queue.Queue = queue.Queue(maxsize=4)
-        self.error: BaseException | None = None
-        self.stopped = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="flux-port-hasher", daemon=True)
-        self.thread.start()
-
-    def submit(self, key: str, dtype: str, shape: tuple[int, ...], path: Path, offset: int, length: int) -> None:
-        while True:
-            self._raise_error()
-            try:
-                self.jobs.put((key, dtype, shape, path, offset, length), timeout=0.5)
-                return
-            except queue.Full:
-                continue
-
-    def finish(self) -> None:
-        """Wait until every submitted tensor is hashed; re-raise the hasher's error if it had one."""
-        self.jobs.put(None)
-        self.thread.join()
-        self._raise_error()
-
-    def stop(self) -> None:
-        self.stopped.set()
-        try:
-            self.jobs.put_nowait(None)
-        except queue.Full:
-            pass
-        self.thread.join()
-
-    def _raise_error(self) -> None:
-        if self.error is not None:
-            raise self.error
-
-    def _run(self) -> None:
-        fds: dict[Path, int] = {}
-        try:
-            while not self.stopped.is_set():
-                job = self.jobs.get()
-                if job is None:
-                    return
-                key, dtype, shape, path, offset, length = job
-                if path not in fds:
-                    fds[path] = os.open(path, os.O_RDONLY)
-                self.hasher.add(key, dtype, shape, _hash_file_range(fds[path], offset, length))
-        except BaseException as e:  # reported to the main thread by submit() / finish()
-            self.error = e
-        finally:
-            for fd in fds.values():
-                os.close(fd)
-
-
 def write_shards(folder: Path, stem: str, entries: list[Entry], tensors: Iterable[torch.Tensor | Segments | Chunks],
                  max_shard_bytes: int, metadata: dict[str, str] | None = None,
                  on_bytes: Callable[[int], None] | None = None,
                  hasher: WeightsHasher | None = None) -> list[str]:
     """Write `tensors` (yielded in the order of `entries`) as one file or shards plus the standard index.
 
-    An item is a tensor (written from memory), `Segments` (copied file to file and hashed on a second thread) or
-    `Chunks` (row blocks written from memory and hashed on the second thread).
+    An item is a tensor (written from memory), `Segments` (byte ranges of source files, copied) or `Chunks` (row
+    blocks computed one after another). A second thread reads or computes the next pieces while this one hashes
+    (for `hasher`) and writes the last, each piece once while it is still in the CPU's cache: no second pass.
     """
     shards = plan_shards(entries, max_shard_bytes)
     names = shard_names(stem, len(shards))
-    it = iter(tensors)
     weight_map: dict[str, str] = {}
-    copier = _Copier()
-    background: SegmentHasher | None = None
+    budget = ByteBudget(READ_AHEAD)
+    pool: list[mmap.mmap] = []
+    stream = prefetched(_pieces(entries, tensors, budget, pool), depth=64)
     try:
         for name, shard in zip(names, shards):
-            first = next(it)
-            # copied tensors keep their offset modulo the page size when the shard's data start matches the source
-            residue = first.parts[0][1] % PAGE if isinstance(first, Segments) and first.parts else None
             with open(folder / name, "wb", buffering=0) as f:
                 out_fd = f.fileno()
-                _write_all(out_fd, _header_bytes(shard, metadata, residue))
-                for i, e in enumerate(shard):
-                    item = first if i == 0 else next(it)
-                    if isinstance(item, Segments):
-                        if item.nbytes != e.nbytes:
-                            raise InternalError(f"tensor {e.key!r} came out as {item.nbytes} bytes, "
-                                                f"planned {e.nbytes}.")
-                        position = os.lseek(out_fd, 0, os.SEEK_CUR)
-                        copier.copy(item, out_fd)
-                        if hasher:
-                            background = background or SegmentHasher(hasher)
-                            background.submit(e.key, e.dtype, e.shape, folder / name, position, e.nbytes)
-                    elif isinstance(item, Chunks):
-                        position = os.lseek(out_fd, 0, os.SEEK_CUR)
-                        written = 0
-                        for block in item.blocks:
-                            if torch_dtype(e.dtype) != block.dtype or tuple(block.shape[1:]) != e.shape[1:]:
-                                raise InputError(f"internal: a block of tensor {e.key!r} came out as "
-                                                 f"{list(block.shape)} {block.dtype}, planned rows of "
-                                                 f"{list(e.shape)} {e.dtype}.")
-                            data = tensor_bytes(block)
-                            _write_all(out_fd, data)
-                            written += data.nbytes
-                        if written != e.nbytes:
-                            raise InputError(f"internal: tensor {e.key!r} came out as {written} bytes, planned "
-                                             f"{e.nbytes}.")
-                        if hasher:
-                            background = background or SegmentHasher(hasher)
-                            background.submit(e.key, e.dtype, e.shape, folder / name, position, e.nbytes)
-                    else:
-                        t = item
-                        if tuple(t.shape) != e.shape or torch_dtype(e.dtype) != t.dtype:
-                            raise InternalError(f"tensor {e.key!r} came out as {list(t.shape)} {t.dtype}, "
-                                                f"planned {list(e.shape)} {e.dtype}.")
-                        _write_all(out_fd, tensor_bytes(t))
-                        if hasher:
-                            hasher.update(e.key, t, e.dtype)
+                _write_all(out_fd, _header_bytes(shard, metadata))
+                for e in shard:
+                    digest = hashlib.sha256() if hasher else None
+                    while (piece := next(stream)) is not None:
+                        data, buf = piece
+                        if digest:
+                            digest.update(data)
+                        _write_all(out_fd, data)
+                        budget.give(data.nbytes)
+                        del data, piece
+                        if buf is not None:
+                            pool.append(buf)
+                    if hasher and digest:
+                        hasher.add(e.key, e.dtype, e.shape, digest.hexdigest())
                     if on_bytes:
                         on_bytes(e.nbytes)
                     weight_map[e.key] = name
-        if background:
-            background.finish()
-            background = None
     finally:
-        copier.close()
-        if background:
-            background.stop()
+        budget.close()  # a producer waiting for room returns, so closing the stream can join it
+        stream.close()
     if len(names) > 1:
         index = {"metadata": {"total_size": sum(e.nbytes for e in entries)}, "weight_map": weight_map}
         (folder / f"{stem}.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
