@@ -32,7 +32,7 @@ class WeightsHasher:
         self.add(key, dtype, tuple(tensor.shape), hashlib.sha256(tensor_bytes(tensor)).hexdigest())
 
     def add(self, key: str, dtype: str, shape: tuple[int, ...], digest: str) -> None:
-        """Record a tensor whose bytes were hashed elsewhere (e.g. by the writer's background hasher)."""
+        """Record a tensor whose bytes were hashed elsewhere (e.g. by the writer, piece by piece)."""
         with self._lock:
             self._lines[key] = f"{key}|{dtype}|{list(shape)}|{digest}\n"
 
