@@ -12,6 +12,7 @@ import math
 import mmap
 import os
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator
@@ -128,6 +129,7 @@ class Chunks:
 
 READ_PIECE = 16 * 2**20  # bytes per read of a copied tensor
 READ_AHEAD = 96 * 2**20  # bytes read (or computed) ahead of the writer at most, beyond one piece
+HASH_ASIDE = 2**20  # pieces this large are hashed on a third thread while being written; smaller ones inline
 
 
 class _Sources:
@@ -223,8 +225,9 @@ def write_shards(folder: Path, stem: str, entries: list[Entry], tensors: Iterabl
     """Write `tensors` (yielded in the order of `entries`) as one file or shards plus the standard index.
 
     An item is a tensor (written from memory), `Segments` (byte ranges of source files, copied) or `Chunks` (row
-    blocks computed one after another). A second thread reads or computes the next pieces while this one hashes
-    (for `hasher`) and writes the last, each piece once while it is still in the CPU's cache: no second pass.
+    blocks computed one after another). A second thread reads or computes the next pieces while this one writes
+    the last and a third hashes it (for `hasher`) at the same time: each byte is read from memory by both while it
+    is fresh, and never read back from the output.
     """
     shards = plan_shards(entries, max_shard_bytes)
     names = shard_names(stem, len(shards))
@@ -232,6 +235,7 @@ def write_shards(folder: Path, stem: str, entries: list[Entry], tensors: Iterabl
     budget = ByteBudget(READ_AHEAD)
     pool: list[mmap.mmap] = []
     stream = prefetched(_pieces(entries, tensors, budget, pool), depth=64)
+    hashing = ThreadPoolExecutor(1, thread_name_prefix="flux-port-hash")
     try:
         for name, shard in zip(names, shards):
             with open(folder / name, "wb", buffering=0) as f:
@@ -241,9 +245,14 @@ def write_shards(folder: Path, stem: str, entries: list[Entry], tensors: Iterabl
                     digest = hashlib.sha256() if hasher else None
                     while (piece := next(stream)) is not None:
                         data, buf = piece
-                        if digest:
+                        hashed = None
+                        if digest and data.nbytes >= HASH_ASIDE:  # the hash runs on a third thread as we write
+                            hashed = hashing.submit(digest.update, data)
+                        elif digest:
                             digest.update(data)
                         _write_all(out_fd, data)
+                        if hashed:
+                            hashed.result()
                         budget.give(data.nbytes)
                         del data, piece
                         if buf is not None:
@@ -256,6 +265,7 @@ def write_shards(folder: Path, stem: str, entries: list[Entry], tensors: Iterabl
     finally:
         budget.close()  # a producer waiting for room returns, so closing the stream can join it
         stream.close()
+        hashing.shutdown()
     if len(names) > 1:
         index = {"metadata": {"total_size": sum(e.nbytes for e in entries)}, "weight_map": weight_map}
         (folder / f"{stem}.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
