@@ -139,6 +139,28 @@ def test_small_row_blocks_write_the_same_bytes(tmp_path, state, monkeypatch, kin
     assert a == b
 
 
+def test_dequantizing_limits_torch_threads_on_its_own_thread_only(tmp_path, state, monkeypatch):
+    """The writer's producing thread leaves the writer and hasher their cores (torch's spinning OpenMP workers
+    took a third of a GGUF convert's time on two cores); the caller's own torch thread count is untouched."""
+    import os
+
+    from porting.engine import convert as convert_mod
+
+    seen = []
+    real = convert_mod._row_blocks
+
+    def spy(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        yield from real(*args, **kwargs)
+
+    monkeypatch.setattr(convert_mod, "_row_blocks", spy)
+    before = torch.get_num_threads()
+    src, _, _ = _build("gguf-Q8_0", state, tmp_path)
+    convert_mod.convert(src, tmp_path / "out", strict=True)
+    assert seen and set(seen) == {max(1, len(os.sched_getaffinity(0)) - 2)}
+    assert torch.get_num_threads() == before
+
+
 def test_gguf_k_quants_read_as_the_gguf_package_dequantizes_them(tmp_path, state):
     """K-quants have no quantizer in the gguf package: blocks with valid scales and random codes, written by its
     writer; flux-port's rows must equal the package's own dequantization, shapes reversed back."""

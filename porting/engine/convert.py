@@ -27,7 +27,8 @@ from .mapping import MappingTable, Naming
 from .plan import Plan, build_plan, torch_dtype_tag
 
 MANIFEST = "flux-port.json"  # written next to the weights; validate and publish read it
-BLOCK_ELEMENTS = 16 * 2**20  # computed (dequantized) tensors are produced this many float32 values at a time
+BLOCK_ELEMENTS = 4 * 2**20  # computed (dequantized) tensors are produced this many values at a time; larger
+# blocks are slower, not faster: each is a fresh allocation the kernel must map and zero (16 Mi: half the speed)
 
 
 @dataclass

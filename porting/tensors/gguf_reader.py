@@ -45,12 +45,12 @@ class GGUFDecoder:
         n = shape[0] if shape else 1
         a, b = rows or (0, n)
         row_bytes = stored // n
-        buf = bytearray((b - a) * row_bytes)
+        raw = np.empty((b - a, row_bytes), dtype=np.uint8)  # uninitialised: read over at once
+        start = offset + a * row_bytes
         with open(self.path, "rb", buffering=0) as f:
-            got = os.preadv(f.fileno(), [buf], offset + a * row_bytes)
-        if got != len(buf):
+            got = os.preadv(f.fileno(), [raw], start)
+        if got != raw.nbytes:
             raise InputError(f"{self.path}: unexpected end of file while reading tensor {key!r}.")
-        raw = np.frombuffer(buf, dtype=np.uint8).reshape(b - a, row_bytes)
         if qtype.name == "Q8_0":
             return q8_0(raw, dtype).reshape(b - a, *shape[1:])
         values = gguf.quants.dequantize(raw, qtype)

@@ -12,6 +12,7 @@ import math
 import mmap
 import os
 import struct
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -165,6 +166,7 @@ def _pieces(entries: list[Entry], items: Iterable[torch.Tensor | Segments | Chun
     it = iter(items)
     try:
         for e in entries:
+            _leave_cores_to_the_writer()
             item = next(it, None)
             if item is None:
                 raise InternalError(f"the tensors ran out before {e.key!r}, which the plan has.")
@@ -209,6 +211,21 @@ def _pieces(entries: list[Entry], items: Iterable[torch.Tensor | Segments | Chun
             yield None
     finally:
         sources.close()
+
+
+def _leave_cores_to_the_writer() -> None:
+    """Limit torch's intra-op threads on this (the producing) thread to the cores the writer and hasher leave.
+
+    torch's OpenMP workers spin for a while after each operation; on two cores they took the writer's and hasher's
+    CPU and made a GGUF klein-9B convert a third slower. The setting is per thread, so the caller's stays as it was.
+    torch is only touched when something already imported it: a plain byte copy stays torch-free.
+    """
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        want = max(1, cores - 2)
+        if torch.get_num_threads() != want:
+            torch.set_num_threads(want)
 
 
 def _write_all(fd: int, data: memoryview | bytes) -> None:
