@@ -234,6 +234,7 @@ def _report(runs: dict[str, list[dict[str, float]]], size: int, model: str) -> N
               + (f", median of {len(pairs)} pairs: {each}" if len(pairs) > 1 else "")
               + f"; target <= {target}x: {'PASS' if ratio <= target else 'MISS'}")
     rss = max(r["rss"] for r in runs["convert"])
+    print(f"load average at the end {os.getloadavg()[0]:.2f} / {os.getloadavg()[1]:.2f} / {os.getloadavg()[2]:.2f}")
     print(f"convert peak RSS: {rss:.2f} GiB; target <= {TARGET_RSS_GIB} GiB: "
           f"{'PASS' if rss <= TARGET_RSS_GIB else 'MISS'}")
     if runs["diffusers"]:
