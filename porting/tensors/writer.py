@@ -171,46 +171,52 @@ def _pieces(entries: list[Entry], items: Iterable[torch.Tensor | Segments | Chun
             if item is None:
                 raise InternalError(f"the tensors ran out before {e.key!r}, which the plan has.")
             if isinstance(item, Segments):
-                if item.nbytes != e.nbytes:
-                    raise InternalError(f"tensor {e.key!r} came out as {item.nbytes} bytes, planned {e.nbytes}.")
-                for path, offset, length in item.parts:
-                    done = 0
-                    while done < length:
-                        buf = pool.pop() if pool else mmap.mmap(-1, READ_PIECE)
-                        want = min(READ_PIECE, length - done)
-                        if not budget.take(want):
-                            return
-                        n = os.preadv(sources.fd(path), [memoryview(buf)[:want]], offset + done)
-                        if n == 0:
-                            raise InputError(f"{path}: unexpected end of file while reading tensor "
-                                             f"{item.source_key!r}.")
-                        yield memoryview(buf)[:n], buf
-                        budget.give(want - n)
-                        done += n
+                yield from _copied_pieces(e, item, sources, budget, pool)
             elif isinstance(item, Chunks):
-                written = 0
-                for block in item.blocks:
-                    if torch_dtype(e.dtype) != block.dtype or tuple(block.shape[1:]) != e.shape[1:]:
-                        raise InternalError(f"a block of tensor {e.key!r} came out as {list(block.shape)} "
-                                            f"{block.dtype}, planned rows of {list(e.shape)} {e.dtype}.")
-                    data = tensor_bytes(block)
-                    if not budget.take(data.nbytes):
-                        return
-                    yield data, None
-                    written += data.nbytes
-                if written != e.nbytes:
-                    raise InternalError(f"tensor {e.key!r} came out as {written} bytes, planned {e.nbytes}.")
+                yield from _computed_pieces(e, item.blocks, budget, whole=False)
             else:
-                if tuple(item.shape) != e.shape or torch_dtype(e.dtype) != item.dtype:
-                    raise InternalError(f"tensor {e.key!r} came out as {list(item.shape)} {item.dtype}, "
-                                        f"planned {list(e.shape)} {e.dtype}.")
-                data = tensor_bytes(item)
-                if not budget.take(data.nbytes):
-                    return
-                yield data, None
+                yield from _computed_pieces(e, (item,), budget, whole=True)
+            if budget.closed:  # the writer stopped
+                return
             yield None
     finally:
         sources.close()
+
+
+def _copied_pieces(e: Entry, item: Segments, sources: _Sources, budget: ByteBudget,
+                   pool: list[mmap.mmap]) -> Iterator[Piece]:
+    if item.nbytes != e.nbytes:
+        raise InternalError(f"tensor {e.key!r} came out as {item.nbytes} bytes, planned {e.nbytes}.")
+    for path, offset, length in item.parts:
+        done = 0
+        while done < length:
+            buf = pool.pop() if pool else mmap.mmap(-1, READ_PIECE)
+            want = min(READ_PIECE, length - done)
+            if not budget.take(want):
+                return
+            n = os.preadv(sources.fd(path), [memoryview(buf)[:want]], offset + done)
+            if n == 0:
+                raise InputError(f"{path}: unexpected end of file while reading tensor {item.source_key!r}.")
+            yield memoryview(buf)[:n], buf
+            budget.give(want - n)
+            done += n
+
+
+def _computed_pieces(e: Entry, blocks: Iterable[torch.Tensor], budget: ByteBudget, whole: bool) -> Iterator[Piece]:
+    """In-memory tensors: one `whole` tensor, or consecutive row blocks of it."""
+    written = 0
+    for block in blocks:
+        fits = tuple(block.shape) == e.shape if whole else tuple(block.shape[1:]) == e.shape[1:]
+        if torch_dtype(e.dtype) != block.dtype or not fits:
+            raise InternalError(f"tensor {e.key!r} came out as {list(block.shape)} {block.dtype}, planned "
+                                f"{'' if whole else 'rows of '}{list(e.shape)} {e.dtype}.")
+        data = tensor_bytes(block)
+        if not budget.take(data.nbytes):
+            return
+        yield data, None
+        written += data.nbytes
+    if written != e.nbytes:
+        raise InternalError(f"tensor {e.key!r} came out as {written} bytes, planned {e.nbytes}.")
 
 
 def _leave_cores_to_the_writer() -> None:
