@@ -1,7 +1,7 @@
 """Producing items on a second thread ahead of their consumer, with the bytes in flight bounded.
 
-The writer reads (or dequantizes) the next tensor while the main thread hashes and writes the last one; file reads,
-hashlib, numpy and torch all release the GIL, so the two threads use the machine's two cores.
+The writer reads (or dequantizes) the next pieces while the main thread writes the last ones; file reads, hashlib,
+numpy and torch all release the GIL, so the threads really run at the same time.
 """
 
 from __future__ import annotations

@@ -104,8 +104,7 @@ class Segments:
     """An output tensor whose bytes are byte ranges of source files, in order: `(file, offset, length)`.
 
     Renames, row splits, row concatenations and half swaps along dim 0 without a dtype change only move whole rows
-    of a row-major tensor, so the writer copies those bytes without torch: read a piece at a time on a second
-    thread, hashed and written on the main one.
+    of a row-major tensor, so the writer copies those bytes without torch, a piece at a time (see `write_shards`).
     """
 
     parts: tuple[tuple[Path, int, int], ...]
@@ -121,7 +120,7 @@ class Chunks:
     """An output tensor computed in consecutive row blocks (e.g. dequantized), written as the blocks come.
 
     Keeps memory at a few blocks for tensors that cannot be copied as bytes; the blocks are computed on the
-    writer's second thread while the main one hashes and writes the last.
+    writer's reading thread while the last ones are written and hashed.
     """
 
     blocks: Iterable[torch.Tensor]
@@ -280,7 +279,7 @@ def write_shards(folder: Path, stem: str, entries: list[Entry], tensors: Iterabl
                         del data, piece
                         if buf is not None:
                             pool.append(buf)
-                    if hasher and digest:
+                    if hasher and digest is not None:
                         hasher.add(e.key, e.dtype, e.shape, digest.hexdigest())
                     if on_bytes:
                         on_bytes(e.nbytes)
