@@ -93,61 +93,54 @@ def comfy_mixed(state: State, fmt: str, declare: str = "tensor", pre_quant_scale
     return out, oracle, metadata
 
 
-def bfl_fp8(state: State) -> tuple[State, State]:
-    """BFL official fp8: fp8 linears with a per-tensor `weight_scale` (+ `input_scale`), BFL naming, no marker."""
-    out, oracle = {}, {}
-    quantized = set(block_linears(state))
-    for key, w in state.items():
-        if key in quantized:
-            layer = key[: -len("weight")]
-            sd, deq = _kitchen(w, "float8_e4m3fn")
-            out[key], out[layer + "weight_scale"] = sd["weight"], sd["weight_scale"]
-            out[layer + "input_scale"] = torch.tensor(0.01)
-            oracle[key] = deq
-        else:
-            out[key], oracle[key] = w, w.float()
-    return out, oracle
-
-
-def diffusers_bfl(state: State, nvfp4_single: bool = True) -> tuple[State, State]:
-    """diffusers' BFL scheme (`quantizers/bfl/utils.py`): fp8r for double blocks, nvfp4 for single blocks."""
-    from diffusers.quantizers.bfl import utils as bfl
-
+def _quantize_block_linears(state: State, quantize) -> tuple[State, State]:
+    """BFL-named files: `quantize(key, w)` gives a block linear's saved tensors (suffix -> tensor, "weight" the
+    weight itself) and its dequantized oracle; every other tensor is saved as it is."""
     out, oracle = {}, {}
     quantized = set(block_linears(state))
     for key, w in state.items():
         if key not in quantized:
             out[key], oracle[key] = w, w.float()
             continue
+        saved, oracle[key] = quantize(key, w)
         layer = key[: -len("weight")]
+        out.update({layer + suffix: t for suffix, t in saved.items()})
+    return out, oracle
+
+
+def bfl_fp8(state: State) -> tuple[State, State]:
+    """BFL official fp8: fp8 linears with a per-tensor `weight_scale` (+ `input_scale`), BFL naming, no marker."""
+    def quantize(key, w):
+        sd, deq = _kitchen(w, "float8_e4m3fn")
+        return {"weight": sd["weight"], "weight_scale": sd["weight_scale"], "input_scale": torch.tensor(0.01)}, deq
+
+    return _quantize_block_linears(state, quantize)
+
+
+def diffusers_bfl(state: State, nvfp4_single: bool = True) -> tuple[State, State]:
+    """diffusers' BFL scheme (`quantizers/bfl/utils.py`): fp8r for double blocks, nvfp4 for single blocks."""
+    from diffusers.quantizers.bfl import utils as bfl
+
+    def quantize(key, w):
         if nvfp4_single and key.startswith("single_blocks."):
             q, s, s2 = bfl.quantize_nvfp4(w)
-            out[key], out[layer + "weight_scale"], out[layer + "weight_scale_2"] = q, s, s2
-            out[layer + "input_scale"] = torch.tensor(0.01)
-            oracle[key] = bfl.dequantize_nvfp4(q, s, s2).float()
-        else:
-            q, s = bfl.quantize_fp8r(w)
-            out[key], out[layer + "weight_scale"] = q, s
-            oracle[key] = bfl.dequantize_fp8r(q, s).float()
-    return out, oracle
+            return ({"weight": q, "weight_scale": s, "weight_scale_2": s2, "input_scale": torch.tensor(0.01)},
+                    bfl.dequantize_nvfp4(q, s, s2).float())
+        q, s = bfl.quantize_fp8r(w)
+        return {"weight": q, "weight_scale": s}, bfl.dequantize_fp8r(q, s).float()
+
+    return _quantize_block_linears(state, quantize)
 
 
 def modelopt_int8(state: State) -> tuple[State, State]:
     """ModelOpt-style int8 W8A8: int8 weight, fp32 per-channel `weight_scale` [N], `input_scale`."""
     from comfy_kitchen.backends.eager.quantization import quantize_int8_rowwise
 
-    out, oracle = {}, {}
-    quantized = set(block_linears(state))
-    for key, w in state.items():
-        if key in quantized:
-            layer = key[: -len("weight")]
-            q, s = quantize_int8_rowwise(w.float())
-            out[key], out[layer + "weight_scale"] = q, s.reshape(-1)
-            out[layer + "input_scale"] = torch.tensor(0.05)
-            oracle[key] = q.float() * s
-        else:
-            out[key], oracle[key] = w, w.float()
-    return out, oracle
+    def quantize(key, w):
+        q, s = quantize_int8_rowwise(w.float())
+        return {"weight": q, "weight_scale": s.reshape(-1), "input_scale": torch.tensor(0.05)}, q.float() * s
+
+    return _quantize_block_linears(state, quantize)
 
 
 def gguf_file(path: Path, state: State, qtype_name: str, arch: str = "flux") -> State:
