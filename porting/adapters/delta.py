@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from porting.errors import InputError
+from porting.finite import check_tensor
 
 from .naming import Adapter, ModuleAdapter
 
@@ -72,7 +73,11 @@ def delta_shape(adapter: Adapter, m: ModuleAdapter) -> Shape:
 
 
 def read32(adapter: Adapter, m: ModuleAdapter, role: str) -> torch.Tensor:
-    return adapter.ckpt.read(m.keys[role]).to(torch.float32)
+    """One factor in float32, refused if a value is NaN or infinite (checked as it is read, once per use)."""
+    t = adapter.ckpt.read(m.keys[role]).to(torch.float32)
+    check_tensor(t, f"adapter factor {m.keys[role]!r}", adapter.path,
+                 hint="The adapter is damaged or was saved from a diverged training run; use another checkpoint.")
+    return t
 
 
 def factor(adapter: Adapter, m: ModuleAdapter, name: str) -> torch.Tensor:
