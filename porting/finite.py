@@ -70,8 +70,7 @@ def check_tensor(t: torch.Tensor, what: str, where: str | Path | Iterable[str | 
     top = peak(t)
     if math.isnan(top) or math.isinf(top):
         bad = int((~torch.isfinite(t.detach())).sum())  # only on the way to an error
-        kind = "NaN" if math.isnan(top) else "infinite"
-        raise NotFinite(f"{_where(where)}{what} holds {bad} {kind} value(s) (NaN or Inf); refusing to write it, "
+        raise NotFinite(f"{_where(where)}{what} holds {bad} NaN or infinite value(s); refusing to write it, "
                         "nothing was written.", hint=hint or "The input is damaged or was saved from a diverged "
                                                              "run; use another copy of the file.")
     if into is not None and into.is_floating_point and top > torch.finfo(into).max:
@@ -97,9 +96,9 @@ def check_scales(t: torch.Tensor, what: str, where: str | Path | None = None, ze
     bad = ~torch.isfinite(values) | ((values < 0) if zero_ok else (values <= 0))
     if bool(bad.any()):
         i = int(bad.nonzero()[0])
-        want = "finite and not negative" if zero_ok else "finite and positive"
-        raise NotFinite(f"{_where(where)}quantization scale {what} holds {int(bad.sum())} value(s) that are not "
-                        f"{want} (the first at index {i}: {float(values[i])!r}); dequantizing with it would write "
+        kind = "negative, NaN or infinite" if zero_ok else "zero, negative, NaN or infinite"
+        raise NotFinite(f"{_where(where)}quantization scale {what} holds {int(bad.sum())} value(s) that are {kind} "
+                        f"(the first at index {i}: {float(values[i])!r}); dequantizing with it would write "
                         "wrong or non-finite weights, so nothing was written.",
                         hint="The file is damaged or was quantized incorrectly; use another release.")
 

@@ -24,7 +24,7 @@ from porting.finite import check_number, check_tensor
 from porting.tensors.checkpoint import ST_TO_TORCH, Checkpoint, open_checkpoint
 from porting.tensors.writer import Segments
 
-from .delta import Shape, delta, delta_shape, read32, scale
+from .delta import Shape, delta, delta_shape, multiplier, read32
 from .naming import Adapter, ModuleAdapter, read_adapter
 
 
@@ -146,7 +146,8 @@ class Placement:
         """Add every delta that lands on `param` to its float32 weight, in place (each delta used once)."""
         for adapter, m, strength in self.direct.pop(param, []):
             if m.kind == "lora":  # W += s * B @ A in one BLAS call, no separate delta buffer
-                weight.addmm_(read32(adapter, m, "up"), read32(adapter, m, "down"), alpha=strength * scale(adapter, m))
+                weight.addmm_(read32(adapter, m, "up"), read32(adapter, m, "down"),
+                              alpha=multiplier(adapter, m, strength))
             else:
                 weight.add_(delta(adapter, m, strength))
         if param in self.via:
