@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from porting.errors import InputError
+from porting.finite import dumps
 from porting.outputs import umask
 
 ENV_HOME = "FLUX_PORT_HOME"
@@ -99,7 +100,7 @@ def write_json_atomic(path: Path, doc: Any) -> None:
     try:
         os.chmod(tmp, 0o666 & ~umask())  # mkstemp makes 0600; the record is as readable as any other file
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(doc, f, indent=2, sort_keys=False, default=str)
+            f.write(dumps(doc, indent=2, sort_keys=False, default=str))
             f.write("\n")
         os.replace(tmp, path)
     except BaseException:
