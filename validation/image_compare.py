@@ -293,7 +293,7 @@ def compare(reference: Side, candidate: Side, *, prompts: Sequence[str] | None =
         raise PortError(f"--diff-gain {diff_gain}: must be positive.")
     ref, cand = _prepare(reference, "--reference-dtype"), _prepare(candidate, "--dtype")
     references = load_references([Path(p) for p in images])
-    steps = steps or default_steps(read_model_index(ref.folder))
+    steps = default_steps(read_model_index(ref.folder)) if steps is None else steps
     if steps < 1:
         raise PortError(f"--steps {steps}: needs at least 1.")
     dims = [json.loads((side.transformer / "config.json").read_text()).get("joint_attention_dim")
