@@ -129,10 +129,10 @@ def published(port: dict, tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("verb, args, phrase", [
-    ("generate", ["--prompt", "x", "--steps", "0"], "--steps"),
-    ("compare", ["{folder}", "--steps", "0"], "--steps"),
-    ("bench", ["--steps", "0"], "--steps"),
-    ("generate", ["--prompt", "x", "--steps", "-2"], "--steps"),
+    ("generate", ["--prompt", "x", "--steps", "0"], "--steps 0: needs at least 1"),
+    ("compare", ["{folder}", "--steps", "0"], "--steps 0: needs at least 1"),
+    ("bench", ["--steps", "0"], "--steps 0: needs at least 1"),
+    ("generate", ["--prompt", "x", "--steps", "-2"], "--steps -2: needs at least 1"),
     ("export", ["--out", "{tmp}/x", "--opset", "0"], "--opset 0"),
     ("export", ["--out", "{tmp}/x", "--opset", "17"], "--opset 17"),
     ("export", ["--out", "{tmp}/x", "--opset", "999"], "--opset 999"),

@@ -35,8 +35,6 @@ QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress outpu
 ForceOpt = Annotated[bool, typer.Option("--force", help="Replace the output folder if it exists.")]
 OutDirOpt = Annotated[Path, out_option("--out", "-o", help="Output folder (written atomically).")]
 OptionalOutDirOpt = Annotated[Optional[Path], out_option("--out", "-o", help="Output folder (written atomically).")]
-StepsOpt = Annotated[Optional[int], typer.Option("--steps", min=1, help="Denoising steps, at least 1 (default 4 for "
-                                                 "distilled models, 50 otherwise).")]
 
 
 class Direction(str, Enum):
@@ -49,6 +47,22 @@ class DtypeChoice(str, Enum):
     bf16 = "bf16"
     fp16 = "fp16"
     fp32 = "fp32"
+
+
+def at_least(minimum: int) -> Callable[..., Any]:
+    """Typer callback: an int option below `minimum` is refused (exit 2) naming the option and the value."""
+    def check(param: typer.CallbackParam, value: Optional[int]) -> Optional[int]:
+        from porting.errors import UsageError
+
+        if value is not None and value < minimum:
+            raise UsageError(f"{param.opts[0]} {value}: needs at least {minimum}.")
+        return value
+
+    return check
+
+
+StepsOpt = Annotated[Optional[int], typer.Option("--steps", callback=at_least(1), help="Denoising steps, at least 1 "
+                                                 "(default 4 for distilled models, 50 otherwise).")]
 
 
 WorkspaceOpt = Annotated[Optional[Path], typer.Option("--workspace", help="Workspace root holding one folder per "
