@@ -137,10 +137,25 @@ def test_a_negative_or_zero_rank_in_peft_metadata_is_refused(capsys, tmp_path, i
 
 @pytest.mark.parametrize("strength", ["nan", "inf", "-inf"])
 def test_a_non_finite_strength_on_the_command_line_is_refused(capsys, tmp_path, inputs, state, strength):
+    """An option that is not a number is a usage error (exit 2, item 8); merge() refuses it too (exit 1) when called
+    from Python, below."""
     base = save_state(inputs / "base.safetensors", state)
     adapter = _adapter(inputs, state)
-    refused(capsys, tmp_path, "merge", base, f"{adapter}:{strength}", "--out", tmp_path / "out",
-            phrases=(f"{adapter}: strength is {float(strength)}, not a finite number",))
+    refused(capsys, tmp_path, "merge", base, f"{adapter}:{strength}", "--out", tmp_path / "out", code=2,
+            phrases=(f"ADAPTER:STRENGTH '{adapter}:{strength}': strength {float(strength)}: not a finite number",))
+
+
+@pytest.mark.parametrize("strength", [float("nan"), float("inf")])
+def test_merge_refuses_a_non_finite_strength_from_python(tmp_path, inputs, state, strength):
+    from porting.adapters.merge import merge
+    from porting.finite import NotFinite
+
+    base = save_state(inputs / "base.safetensors", state)
+    adapter = _adapter(inputs, state)
+    before = snapshot(tmp_path)
+    with pytest.raises(NotFinite, match=f"strength is {strength}, not a finite number"):
+        merge(base, [(adapter, strength)], tmp_path / "out")
+    assert snapshot(tmp_path) == before
 
 
 def test_a_strength_whose_delta_overflows_float32_is_refused(capsys, tmp_path, inputs, state):
@@ -405,7 +420,7 @@ def test_a_refusal_with_json_is_one_document_without_nan(capsys, tmp_path, input
     base = save_state(inputs / "base.safetensors", state)
     adapter = _adapter(inputs, state)
     run = run_port(capsys, "merge", base, f"{adapter}:nan", "--out", tmp_path / "out", "--json")
-    assert run.code == 1 and "Traceback" not in run.err
+    assert run.code == 2 and "Traceback" not in run.err  # a usage error: the option is not a number
     doc = _strict_json(run.out)
-    assert doc["exit_code"] == 1 and "strength is nan" in doc["error"]
+    assert doc["exit_code"] == 2 and "strength nan: not a finite number" in doc["error"]
     assert leftovers(tmp_path / "out") == []

@@ -12,7 +12,9 @@ from porting import __version__
 from porting.devices import resolve_device
 from porting.errors import CheckFailed, InputError, PortError
 from porting.outputs import check_output
+from porting.resources import check_validate_memory
 
+from .checks import GoldenWeights, check_dequantized, check_measurable, check_not_one_computation
 from .compare import GROWTH_FLAG, Runs, lockstep
 from .inputs import Inputs, build_inputs
 from .metrics import compare, error_floor, error_ratio
@@ -73,12 +75,20 @@ def validate(model: str | Path, *, device: str = "cpu", dtype: str | None = None
     if out is not None:
         check_output(Path(out), verb="validate", replace="owned", inputs={"model": model})
     ref = resolve_device(reference)
+    dev = resolve_device(device) if runtime == "torch" else None
+    check_not_one_computation(dtype=dtype, golden_dtype=golden_dtype, device=dev, reference=ref, runtime=runtime)
     source = WeightSource(weights_path, config)
+    if ref.type == "cpu":  # the golden and the intrinsic run live in host memory: refuse what cannot fit, up front
+        check_validate_memory(source.config, [(k, shape) for k, shape, _ in source.plan.outputs()],
+                              resolution=resolution, text_len=text_len, batch=len(seeds) * len(timesteps),
+                              golden_dtype=golden_dtype, dtype=dtype,
+                              text_encoder=Path(base) / "text_encoder" if base is not None and prompt else None)
     weights = source.weights_sha256()
     if export is not None and weights != export["weights_sha256"]:
         raise CheckFailed(f"{weights_path}: the source weights changed since the export (recorded "
                           f"{export['weights_sha256'][:16]}..., now {weights[:16]}...).",
                           hint="Export again from the current weights.")
+    check_dequantized(source)
     inputs = build_inputs(source.config, resolution, text_len, timesteps, seeds, base, prompt)
     intrinsic_run = (torch_runner(source, ref, run_dtype) if intrinsic == "native" else
                      torch_runner(source, ref, torch.float32, emulate=run_dtype))
@@ -87,12 +97,14 @@ def validate(model: str | Path, *, device: str = "cpu", dtype: str | None = None
 
         device_run: Runner = OrtRunner(Path(model), provider, run_dtype)
     else:
-        device_run = torch_runner(source, resolve_device(device), run_dtype, device_weight_transform)
-    runs = Runs(torch_runner(source, ref, gold_dtype), intrinsic_run, device_run)
+        device_run = torch_runner(source, dev, run_dtype, device_weight_transform)
+    golden_weights = GoldenWeights()  # refuses a non-finite weight by name, counts all-zero ones
+    runs = Runs(torch_runner(source, ref, gold_dtype, golden_weights), intrinsic_run, device_run)
     if prepare_device_model is not None:
         prepare_device_model(runs.device.model)  # type: ignore[attr-defined]
     report = judge(runs, source, inputs, dtype=dtype, golden_dtype=golden_dtype, model=model, max_ratio=max_ratio,
-                   intrinsic=intrinsic, export=export, on_stage=on_stage, weights_sha256=weights)
+                   intrinsic=intrinsic, export=export, on_stage=on_stage, weights_sha256=weights,
+                   golden_weights=golden_weights)
     if out is not None:
         report.write(Path(out), inputs={"model": model})
     return report
@@ -120,8 +132,11 @@ def _export_source(folder: Path, dtype: str | None) -> tuple[dict[str, Any], Pat
 
 def judge(runs: Runs, source: WeightSource, inputs: Inputs, *, dtype: str, golden_dtype: str, model: str | Path,
           max_ratio: float, intrinsic: str, export: dict[str, Any] | None = None,
-          on_stage: Callable[[str, int], None] | None = None, weights_sha256: str | None = None) -> Report:
-    """Run the lock-step comparison and apply the verdict rule; the same for every runner."""
+          on_stage: Callable[[str, int], None] | None = None, weights_sha256: str | None = None,
+          golden_weights: GoldenWeights | None = None) -> Report:
+    """Run the lock-step comparison and apply the verdict rule; the same for every runner.
+
+    Raises `Unmeasurable` (exit 2) instead of judging when nothing was measured (validation.checks)."""
     run_dtype = _dtype(dtype, "--dtype")
     dev, ref = runs.device.device, runs.golden.device
     total = len(runs.golden.stage_names()) + (0 if runs.device.localises else 1)
@@ -133,6 +148,8 @@ def judge(runs: Runs, source: WeightSource, inputs: Inputs, *, dtype: str, golde
 
     overall_dev = compare(outputs["device"], outputs["golden"], run_dtype)
     overall_int = compare(outputs["intrinsic"], outputs["golden"], run_dtype)
+    check_measurable(outputs["golden"], overall_dev, overall_int, dtype=dtype, golden_dtype=golden_dtype,
+                     weights=golden_weights)
     ratio = error_ratio(overall_dev["rel_l2"], overall_int["rel_l2"], run_dtype)
     summary = [{"name": "all cases", "device_error": overall_dev["rel_l2"], "intrinsic_error": overall_int["rel_l2"],
                 "ratio": ratio, "cosine": overall_dev["cosine"]}]

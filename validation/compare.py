@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import torch
 
+from .checks import check_golden_stage
 from .metrics import compare, error_ratio
 from .runners.base import WHOLE, Runner, forward_all
 from .staged import cast_state, stage_input, stage_output
@@ -34,11 +35,16 @@ def whole_output(runs: Runs, inputs: dict[str, Any],
                  on_stage: Callable[[str], None] | None = None) -> dict[str, torch.Tensor]:
     """The three final outputs, for a device runner without stage boundaries."""
     golden = forward_all(runs.golden, cast_state(inputs, runs.golden.dtype, runs.golden.device), on_stage)
+    check_golden_stage("the final output", golden, _where(runs.golden))
     intrinsic = forward_all(runs.intrinsic, inputs)
     (device,) = runs.device.run(WHOLE, [inputs])
     if on_stage:
         on_stage(WHOLE)
     return {"golden": golden, "intrinsic": intrinsic, "device": device["out"]}
+
+
+def _where(runner: Runner) -> str:
+    return f"{str(runner.dtype).removeprefix('torch.')} on {runner.device}"
 
 
 def lockstep(runs: Runs, inputs: dict[str, Any],
@@ -62,6 +68,7 @@ def lockstep(runs: Runs, inputs: dict[str, Any],
             i_acc, i_tf = runs.intrinsic.run(stage, [intrinsic_state, golden_state])
             d_acc, d_tf = runs.device.run(stage, [device_state, golden_state])
         golden_t = stage_output(stage, g_out)
+        check_golden_stage(stage, golden_t, _where(runs.golden))  # nothing to measure against: stop here
         m = {name: compare(stage_output(stage, st), golden_t, dtype)
              for name, st in (("i_acc", i_acc), ("d_acc", d_acc))}
         # A block adds a small update to a large residual stream; judging the update itself keeps a wrong branch

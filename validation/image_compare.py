@@ -34,6 +34,8 @@ from porting.pipeline.generate import (
     load_references,
     parse_size,
     read_model_index,
+    reference_size,
+    reference_tokens,
     resolve_device,
 )
 
@@ -292,8 +294,13 @@ def compare(reference: Side, candidate: Side, *, prompts: Sequence[str] | None =
     if diff_gain <= 0:
         raise PortError(f"--diff-gain {diff_gain}: must be positive.")
     ref, cand = _prepare(reference, "--reference-dtype"), _prepare(candidate, "--dtype")
+    sizes = [reference_size(Path(p)) for p in images]
+    for side, label, with_encoder in ((ref, "the reference", True), (cand, "the candidate", False)):
+        pipeload.check_memory(f"comparing ({label} side on {side.device})", side.folder, side.device, side.dtype_name,
+                              width, height, transformer=side.transformer, text_encoder=with_encoder,
+                              extra_tokens=reference_tokens(sizes))
     references = load_references([Path(p) for p in images])
-    steps = steps or default_steps(read_model_index(ref.folder))
+    steps = default_steps(read_model_index(ref.folder)) if steps is None else steps
     if steps < 1:
         raise PortError(f"--steps {steps}: needs at least 1.")
     dims = [json.loads((side.transformer / "config.json").read_text()).get("joint_attention_dim")

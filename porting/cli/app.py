@@ -11,6 +11,7 @@ import typer
 from porting.errors import EXIT_INTERRUPTED, EXIT_USAGE, DiskSpaceError, Interrupted, PlanError, PortError, UsageError
 
 from . import _output
+from ._options import checked
 from .bench_cmd import BENCH_EXAMPLES, bench
 from .compare_cmd import COMPARE_EXAMPLES, compare
 from .convert_cmd import CONVERT_EXAMPLES, convert
@@ -27,18 +28,18 @@ app = typer.Typer(
     name="port", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
     rich_markup_mode=None, help="Port FLUX.2 / FLUX.1 checkpoints to diffusers, with numerical proof.",
 )
-app.command(epilog=FETCH_EXAMPLES)(fetch)
-app.command(epilog=RECIPES_EXAMPLES)(recipes)
-app.command(epilog=INSPECT_EXAMPLES)(inspect)
-app.command(epilog=CONVERT_EXAMPLES)(convert)
-app.command(epilog=MERGE_EXAMPLES)(merge)
-app.command(epilog=VALIDATE_EXAMPLES)(validate)
-app.command()(demo)
-app.command(epilog=PUBLISH_EXAMPLES)(publish)
-app.command(epilog=GENERATE_EXAMPLES)(generate)
-app.command(epilog=COMPARE_EXAMPLES)(compare)
-app.command(epilog=BENCH_EXAMPLES)(bench)
-app.command(epilog=EXPORT_EXAMPLES)(export)
+app.command(epilog=FETCH_EXAMPLES)(checked(fetch))
+app.command(epilog=RECIPES_EXAMPLES)(checked(recipes))
+app.command(epilog=INSPECT_EXAMPLES)(checked(inspect))
+app.command(epilog=CONVERT_EXAMPLES)(checked(convert))
+app.command(epilog=MERGE_EXAMPLES)(checked(merge))
+app.command(epilog=VALIDATE_EXAMPLES)(checked(validate))
+app.command()(checked(demo))
+app.command(epilog=PUBLISH_EXAMPLES)(checked(publish))
+app.command(epilog=GENERATE_EXAMPLES)(checked(generate))
+app.command(epilog=COMPARE_EXAMPLES)(checked(compare))
+app.command(epilog=BENCH_EXAMPLES)(checked(bench))
+app.command(epilog=EXPORT_EXAMPLES)(checked(export))
 
 
 # typer vendors click; its ClickException (unknown option, bad value) is reached through a public subclass

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from . import _output
-from ._options import ForceOpt, JsonOpt, QuietOpt
+from ._options import ForceOpt, JsonOpt, QuietOpt, StepsOpt, out_option
 
 BENCH_EXAMPLES = """\b
 Examples:
@@ -39,8 +39,7 @@ def bench(
     task: Annotated[str, typer.Option("--task", help="Comma-separated: t2i (text to image), edit (with a "
                                       "reference image).")] = "t2i,edit",
     size: Annotated[str, typer.Option("--size", help="Side in pixels, or WIDTHxHEIGHT.")] = "1024",
-    steps: Annotated[Optional[int], typer.Option("--steps", help="Denoising steps (default 4 for distilled "
-                                                 "models, 50 otherwise).")] = None,
+    steps: StepsOpt = None,
     runs: Annotated[int, typer.Option("--runs", help="Timed runs per row (the median is reported).")] = 3,
     warmup: Annotated[int, typer.Option("--warmup", help="Untimed warm-up runs per row.")] = 1,
     prompt: Annotated[Optional[str], typer.Option("--prompt", help="Text-to-image prompt.")] = None,
@@ -48,7 +47,7 @@ def bench(
                                                   "a synthetic picture).")] = None,
     guidance_scale: Annotated[Optional[float], typer.Option("--guidance-scale", help="CFG scale (base and dev "
                                                             "models).")] = None,
-    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Folder for bench.json and bench.md (default: "
+    out: Annotated[Optional[Path], out_option("--out", "-o", help="Folder for bench.json and bench.md (default: "
                                                 "reports/bench/<time>/ next to the folder, where port publish "
                                                 "finds it).")] = None,
     force: ForceOpt = False,

@@ -11,7 +11,7 @@ import typer
 from porting.errors import CheckFailed, PortError
 
 from . import _output
-from ._options import ForceOpt, JsonOpt, QuietOpt
+from ._options import ForceOpt, JsonOpt, QuietOpt, StepsOpt, out_option
 
 COMPARE_EXAMPLES = """\b
 Examples:
@@ -56,15 +56,14 @@ def compare(
                                                     "(# comments). Default: the built-in set.")] = None,
     seeds: Annotated[Optional[str], typer.Option("--seeds", help="One seed for all prompts or one per prompt, "
                                                  "comma-separated (default: derived from each prompt).")] = None,
-    steps: Annotated[Optional[int], typer.Option("--steps", help="Denoising steps (default 4 for distilled "
-                                                 "models, 50 otherwise).")] = None,
+    steps: StepsOpt = None,
     size: Annotated[str, typer.Option("--size", help="Side in pixels, or WIDTHxHEIGHT.")] = "1024",
     guidance_scale: Annotated[Optional[float], typer.Option("--guidance-scale", help="CFG scale for both sides "
                                                             "(base and dev models).")] = None,
     image: Annotated[Optional[list[Path]], typer.Option("--image", help="Reference image passed with every prompt "
                                                         "on both sides: an editing comparison "
                                                         "(repeatable).")] = None,
-    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Output folder (default: reports/compare/<time>"
+    out: Annotated[Optional[Path], out_option("--out", "-o", help="Output folder (default: reports/compare/<time>"
                                                 "/ next to the candidate, where port publish finds it).")] = None,
     lpips_weights: Annotated[Optional[Path], typer.Option(
         "--lpips-weights", help="AlexNet backbone for LPIPS (torchvision's alexnet-owt-7be5be79.pth); default: the "

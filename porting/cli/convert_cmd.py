@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 from rich.table import Table
 
-from porting.errors import PortError
+from porting.errors import PortError, UsageError
 
 from . import _adapter, _output
 from ._options import Direction, DtypeChoice, ForceOpt, JsonOpt, OptionalOutDirOpt, QuietOpt, WorkspaceOpt
@@ -107,8 +107,16 @@ def convert(
     if _adapter.is_adapter(src):
         if dtype != DtypeChoice.keep:
             raise PortError("--dtype applies to weights; a converted adapter keeps its factors' dtype.")
+        if quantize is not None:
+            raise UsageError(f"--quantize {quantize.value}: {src} is an adapter (LoRA / LyCORIS factors); "
+                             "--quantize writes quantized transformer weights.",
+                             hint="Merge the adapter into a base first (port merge), then quantize the result.")
         style = lora_style.value if lora_style else None
         return _adapter.convert(output, src, out, to.value, style, materialise, config, dry_run, force)
+    if lora_style is not None or materialise:
+        flag = f"--lora-style {lora_style.value}" if lora_style is not None else "--materialise"
+        raise UsageError(f"{flag}: {src} is transformer weights, not an adapter; {flag} applies to adapters only.",
+                         hint=f"Leave {flag} out to convert the weights.")
     if out is None and not dry_run:
         raise PortError("port convert needs --out DIR (or --dry-run to only print the plan).")
     if quantize is not None and (to != Direction.original or dry_run):

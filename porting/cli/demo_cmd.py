@@ -12,6 +12,7 @@ from porting.outputs import check_replaceable, check_writable_parent
 from porting.ownership import RECORD, extend_record, write_record
 
 from . import _output
+from ._options import out_option
 from .inspect_cmd import describe
 
 PROMPT = "a red fox in the snow"
@@ -41,7 +42,7 @@ def _recorded(workdir: Path, entry: str) -> None:
 
 
 def demo(
-    workdir: Annotated[Path, typer.Option(
+    workdir: Annotated[Path, out_option(
         "--workdir", help="Where the demo writes its files: a new folder, or one an earlier demo wrote.")
     ] = Path("demo-out"),
     json_: Annotated[bool, typer.Option("--json", help="Print one JSON document.")] = False,

@@ -58,8 +58,8 @@ def export(
     wanted = [c.strip() for c in components.split(",") if c.strip()] if components else None
     if components is not None and not wanted:
         raise PortError("--components is empty; name at least one of transformer, vae_decoder, text_encoder.")
-    result = export_onnx(folder, out, dtype=dtype.value, opset=opset or DEFAULT_OPSET, components=wanted,
-                         force=force, on_status=output.status)
+    result = export_onnx(folder, out, dtype=dtype.value, opset=DEFAULT_OPSET if opset is None else opset,
+                         components=wanted, force=force, on_status=output.status)
     output.document(result.to_dict())
     table = Table(title=f"exported to {result.out} (ONNX opset {result.opset_produced}, {result.dtype})")
     for col in ("component", "inputs", "parameters", "graph", "external data", "time"):

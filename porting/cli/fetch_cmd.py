@@ -13,7 +13,7 @@ from rich.table import Table
 from porting.errors import InputError
 
 from . import _output
-from ._options import JsonOpt, QuietOpt, WorkspaceOpt
+from ._options import JsonOpt, QuietOpt, WorkspaceOpt, out_option
 
 if TYPE_CHECKING:
     from porting.hub.fetch.engine import FetchOptions, FetchResult, Reporter
@@ -116,7 +116,7 @@ def fetch(
                                                          "(repeatable).")] = None,
     file: Annotated[Optional[list[str]], typer.Option("--file", help="Exactly this file path of the repo "
                                                       "(repeatable).")] = None,
-    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Folder for a repository's files "
+    out: Annotated[Optional[Path], out_option("--out", "-o", help="Folder for a repository's files "
                                                 "(default ./NAME). Recipes use the workspace.")] = None,
     workspace: WorkspaceOpt = None,
     finetune_from: Annotated[Optional[FromChoice], typer.Option("--finetune-from", help="Recipes: hub for the "

@@ -10,7 +10,7 @@ import typer
 from rich.table import Table
 
 from . import _output
-from ._options import JsonOpt, QuietOpt
+from ._options import JsonOpt, QuietOpt, StepsOpt, out_option
 
 if TYPE_CHECKING:
     from porting.pipeline.generate import GenerateResult
@@ -57,12 +57,11 @@ def generate(
     folder: Annotated[Path, typer.Argument(help="Published pipeline folder (port publish --out).")],
     prompt: Annotated[str, typer.Option("--prompt", "-p", help="Text prompt.")],
     device: Annotated[str, typer.Option("--device", help="cpu, cuda[:N] or npu[:N].")] = "cpu",
-    steps: Annotated[Optional[int], typer.Option("--steps", help="Denoising steps (default 4 for distilled "
-                                                                 "models, 50 otherwise).")] = None,
+    steps: StepsOpt = None,
     seed: Annotated[int, typer.Option("--seed", help="Noise seed (CPU generator: same image on every "
                                                      "device).")] = 0,
     size: Annotated[str, typer.Option("--size", help="Side in pixels, or WIDTHxHEIGHT.")] = "1024",
-    output: Annotated[Path, typer.Option("--output", "-o", help="PNG file to write.")] = Path("image.png"),
+    output: Annotated[Path, out_option("--output", "-o", help="PNG file to write.")] = Path("image.png"),
     cpu_offload: Annotated[Optional[OffloadChoice], typer.Option("--cpu-offload", help="Keep weights on CPU and "
                                                                  "move them to the device per model or per "
                                                                  "layer.")] = None,

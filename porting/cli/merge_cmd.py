@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from . import _output
-from ._options import ForceOpt, JsonOpt, OutDirOpt, QuietOpt
+from ._options import ForceOpt, JsonOpt, OutDirOpt, QuietOpt, require_finite
 
 MERGE_EXAMPLES = """\b
 Examples:
@@ -50,6 +50,8 @@ def merge(
 
     output = _output.use(json_mode=json_, quiet=quiet)
     specs = [parse_strength(a) for a in adapters]
+    for text, (_, strength) in zip(adapters, specs):
+        require_finite(strength, f"ADAPTER:STRENGTH {text!r}: strength")
     with output.bytes_progress("merging") as (on_start, on_bytes):
         result = run_merge(base, specs, out, to=None if to == MergeTarget.keep else to.value,
                            max_shard_size=max_shard_size, force=force, dry_run=dry_run,

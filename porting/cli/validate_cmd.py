@@ -11,7 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from porting.errors import CheckFailed, PortError
 
 from . import _output
-from ._options import JsonOpt, QuietOpt, WorkspaceOpt
+from ._options import JsonOpt, QuietOpt, WorkspaceOpt, out_option
 from ._recipe import as_recipe
 
 VALIDATE_EXAMPLES = """\b
@@ -34,7 +34,7 @@ def validate(
                                                  "bf16; with onnxruntime, the export's).")] = None,
     golden_dtype: Annotated[Optional[str], typer.Option("--golden-dtype", help="fp32, or fp64 to judge fp32 runs "
                                                         "(default fp32; fp64 for an fp32 ONNX export).")] = None,
-    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Folder for report.json and report.md "
+    out: Annotated[Optional[Path], out_option("--out", "-o", help="Folder for report.json and report.md "
                                                 "(default: reports/ next to MODEL).")] = None,
     resolution: Annotated[int, typer.Option("--resolution", help="Image side in pixels.")] = 512,
     text_len: Annotated[int, typer.Option("--text-len", help="Text tokens (the pipeline pads to 512).")] = 512,

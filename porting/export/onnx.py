@@ -23,8 +23,9 @@ from typing import Any, Callable, Sequence
 import torch
 
 from porting import __version__
-from porting.errors import InputError, PortError
+from porting.errors import InputError, PortError, UsageError
 from porting.finite import dumps
+from porting.resources import MEMORY_OVERHEAD, require_memory
 from porting.tensors.checkpoint import hash_checkpoint, open_checkpoint
 from porting.tensors.writer import atomic_folder
 
@@ -35,11 +36,11 @@ MANIFEST = "flux-port-export.json"
 DATA_SUFFIX = ".data"
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 DEFAULT_OPSET = 18  # the widest execution-provider support; 23 adds fused Attention and RMSNormalization
+MIN_OPSET = 18  # torch's dynamo exporter writes no older opset
 # peak RSS of an export: bench/export_onnx.py measured 15.1 GiB for klein-4B shapes in fp16 (7.2 GiB of weights),
 # i.e. about twice the weights (the loaded model plus the source file's mapped pages and the bytes being written)
-# plus the interpreter with torch, diffusers and the exporter
+# plus the interpreter with torch, diffusers and the exporter (porting.resources.MEMORY_OVERHEAD)
 MEMORY_FACTOR = 2.0
-MEMORY_OVERHEAD = int(1.5 * 2**30)
 BF16_REFUSAL = ("--dtype bf16: onnxruntime's CPU execution provider has no bf16 kernels (bf16 Mul fails to load), "
                 "so a bf16 export cannot be validated or run on CPU.")
 
@@ -105,22 +106,35 @@ def estimate_bytes(params: int, dtype: torch.dtype) -> int:
     return int(MEMORY_FACTOR * nbytes(params, dtype)) + MEMORY_OVERHEAD
 
 
-def available_memory() -> int:
-    import psutil
+def max_opset() -> int | None:
+    """The newest opset this torch's exporter writes (None when torch does not say)."""
+    try:
+        from torch.onnx._constants import ONNX_MAX_OPSET
+    except ImportError:
+        return None
+    return int(ONNX_MAX_OPSET)
 
-    return int(psutil.virtual_memory().available)
+
+def check_opset(opset: object) -> int:
+    """`--opset` as an int the exporter can write, or UsageError (exit 2) naming it."""
+    newest = max_opset()
+    if isinstance(opset, bool) or not isinstance(opset, int) or opset < MIN_OPSET or (newest and opset > newest):
+        raise UsageError(f"--opset {opset!r}: torch {torch.__version__}'s dynamo exporter writes opsets {MIN_OPSET}"
+                         + (f" to {newest}." if newest else " and above."),
+                         hint=f"Leave --opset out for {DEFAULT_OPSET}, or give 23 to fuse Attention and "
+                              "RMSNormalization.")
+    return opset
 
 
-def check_fits(name: str, params: int, dtype: torch.dtype, available: int) -> int:
-    need = estimate_bytes(params, dtype)
-    if need > available:
-        raise PortError(
-            f"{name}: exporting {params / 1e9:.2f} B parameters in {str(dtype).removeprefix('torch.')} needs about "
-            f"{gib(need)} of memory ({gib(nbytes(params, dtype))} of weights x {MEMORY_FACTOR} + {gib(MEMORY_OVERHEAD)}"
-            f"), {gib(available)} is available.",
-            hint="Export in fp16 (half the weights), on a machine with more memory, or one component at a time "
-                 "with --components.")
-    return need
+def check_fits(name: str, params: int, dtype: torch.dtype, available: int | None = None) -> int:
+    """Refuse (exit 2) a component whose export would not fit in `available` bytes (default: the machine's)."""
+    weights = nbytes(params, dtype)
+    return require_memory(
+        f"{name}: exporting {params / 1e9:.2f} B parameters in {str(dtype).removeprefix('torch.')}",
+        estimate_bytes(params, dtype), f"{gib(weights)} of weights x {MEMORY_FACTOR} + {gib(MEMORY_OVERHEAD)}",
+        available=available,
+        hint="Export in fp16 (half the weights), on a machine with more memory, or one component at a time with "
+             "--components.")
 
 
 def _version(package: str) -> str | None:
@@ -177,8 +191,7 @@ def export_onnx(folder: str | Path, out: str | Path, *, dtype: str = "fp32", ops
         raise PortError(BF16_REFUSAL, hint="Use --dtype fp16 (half the size, runs on every provider) or fp32.")
     if dtype not in DTYPES:
         raise PortError(f"--dtype {dtype!r}: choose fp32 or fp16.")
-    if opset < 18:
-        say(f"note: torch's dynamo exporter writes opset 18 at the least; --opset {opset} will give 18")
+    check_opset(opset)
     require("onnx")
     require("onnxscript")
     torch_dtype = DTYPES[dtype]
@@ -191,10 +204,9 @@ def export_onnx(folder: str | Path, out: str | Path, *, dtype: str = "fp32", ops
     if missing:
         raise InputError(f"{folder}: no {', '.join(COMPONENTS[c].source + '/' for c in missing)} folder to export "
                          f"{', '.join(missing)} from.")
-    available = available_memory() if available_bytes is None else available_bytes
     params = {c: COMPONENTS[c].count_params(sources[c]) for c in wanted}
     for c in wanted:  # refuse before any tracing
-        check_fits(c, params[c], torch_dtype, available)
+        check_fits(c, params[c], torch_dtype, available_bytes)
 
     weights = None
     if "transformer" in sources:

@@ -299,7 +299,7 @@ def bench(folder: str | Path, *, transformer: str | Path | None = None, device: 
     if runs < 1 or warmup < 0:
         raise PortError(f"--runs {runs} / --warmup {warmup}: at least one timed run, no negative warm-up.")
     width, height = parse_size(size)
-    steps = steps or default_steps(index)
+    steps = default_steps(index) if steps is None else steps
     if steps < 1:
         raise PortError(f"--steps {steps}: needs at least 1.")
     reference = load_references([Path(image)])[0] if image is not None else edit_image(

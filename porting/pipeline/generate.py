@@ -28,6 +28,10 @@ from porting.outputs import UnsafeOutputError, check_writable_parent, umask, wri
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 OFFLOAD_MODES = ("model", "sequential")
 MIN_REFERENCE_SIDE = 64  # Flux2 pipelines refuse smaller reference images (flux2-checkpoints.md 8.1)
+# the largest reference image flux-port decodes: the Flux2 pipelines shrink any reference above 1 MP to 1 MP, and a
+# header claiming more is a decompression bomb (PIL's own limit, Image.MAX_IMAGE_PIXELS, is 89 MP)
+MAX_REFERENCE_PIXELS = 8192 * 8192
+REFERENCE_AREA = 1024 * 1024  # what the pipelines resize a larger reference image to
 
 
 @dataclass
@@ -86,21 +90,51 @@ def default_steps(index: dict[str, Any]) -> int:
     return 50
 
 
+def reference_size(path: Path) -> tuple[int, int]:
+    """Width and height of a reference image from its header, before anything is decoded; refuses by name a file
+    that is missing, unreadable, too small, or larger than MAX_REFERENCE_PIXELS (a decompression bomb included)."""
+    from PIL import Image
+
+    if not Path(path).is_file():
+        raise InputError(f"--image {path}: no such file.")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(path) as img:
+                width, height = img.size
+    except Image.DecompressionBombError as e:
+        raise InputError(f"--image {path}: larger than the {MAX_REFERENCE_PIXELS:,} pixels flux-port decodes "
+                         f"({e}).", hint="Resize the reference image; the pipeline shrinks it to 1 MP anyway.") from e
+    except (OSError, ValueError) as e:
+        raise InputError(f"--image {path}: not an image PIL can read ({e}).") from e
+    if width * height > MAX_REFERENCE_PIXELS:
+        raise InputError(f"--image {path}: {width}x{height} px ({width * height / 1e6:.0f} MP) is larger than the "
+                         f"{MAX_REFERENCE_PIXELS / 1e6:.0f} MP flux-port decodes for a reference image.",
+                         hint="Resize the reference image; the pipeline shrinks it to 1 MP anyway.")
+    if min(width, height) < MIN_REFERENCE_SIDE:
+        raise InputError(f"--image {path}: {width}x{height} px; reference images need at least "
+                         f"{MIN_REFERENCE_SIDE} px per side.")
+    return width, height
+
+
+def reference_tokens(sizes: Sequence[tuple[int, int]]) -> int:
+    """Transformer tokens the reference images add (each shrunk to 1 MP at most, VAE /8, 2x2 patches)."""
+    return sum(min(w * h, REFERENCE_AREA) // 256 for w, h in sizes)
+
+
 def load_references(paths: Sequence[Path]) -> list[Any]:
     from PIL import Image
 
+    for p in paths:  # every header first: nothing is decoded before all of them are known to be fine
+        reference_size(Path(p))
     images = []
     for p in paths:
-        if not Path(p).is_file():
-            raise InputError(f"--image {p}: no such file.")
         try:
-            img = Image.open(p).convert("RGB")
-        except OSError as e:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+                images.append(Image.open(p).convert("RGB"))
+        except (OSError, ValueError, Image.DecompressionBombError) as e:
             raise InputError(f"--image {p}: not an image PIL can read ({e}).") from e
-        if min(img.size) < MIN_REFERENCE_SIDE:
-            raise InputError(f"--image {p}: {img.size[0]}x{img.size[1]} px; reference images need at least "
-                             f"{MIN_REFERENCE_SIDE} px per side.")
-        images.append(img)
     return images
 
 
@@ -137,10 +171,12 @@ def written_by_flux_port(path: Path) -> bool:
     from PIL import Image
 
     try:
-        with Image.open(path) as image:
-            return image.format == "PNG" and image.info.get("Software") == PNG_SOFTWARE
-    except (OSError, ValueError):
-        return False
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(path) as image:
+                return image.format == "PNG" and image.info.get("Software") == PNG_SOFTWARE
+    except (OSError, ValueError, Image.DecompressionBombError):
+        return False  # not a PNG flux-port wrote (a bomb never is)
 
 
 def check_image_replaceable(output: Path, force: bool = False) -> None:
@@ -212,10 +248,15 @@ def generate(folder: str | Path, prompt: str, *, device: str = "cpu", steps: int
     if dtype_name not in DTYPES:
         raise PortError(f"--dtype {dtype_name!r}: choose one of {', '.join(DTYPES)}.")
     width, height = parse_size(size)
-    references = load_references([Path(p) for p in images])
+    sizes = [reference_size(Path(p)) for p in images]
     steps = default_steps(index) if steps is None else steps
     if steps < 1:
         raise PortError(f"--steps {steps}: needs at least 1.")
+    if onnx_source is None:
+        from porting.pipeline.pipeload import check_memory
+
+        check_memory("generating", folder, dev, dtype_name, width, height, extra_tokens=reference_tokens(sizes))
+    references = load_references([Path(p) for p in images])
     if output.suffix.lower() != ".png":
         raise PortError(f"--output {output}: flux-port writes PNG; name the file *.png.")
     check_image_replaceable(output, force)

@@ -62,6 +62,27 @@ def load(folder: Path, device: torch.device, dtype: torch.dtype, *, transformer:
     return pipe
 
 
+def check_memory(verb: str, folder: Path, device: torch.device, dtype: str, width: int, height: int, *,
+                 transformer: Path | None = None, text_encoder: bool = True, extra_tokens: int = 0) -> int:
+    """Refuse (exit 2, before loading anything) a pipeline run whose weights and activations would not fit in the
+    host's memory (porting.resources)."""
+    import json
+
+    from porting.resources import check_pipeline_memory
+
+    folder = Path(folder)
+    tr = Path(transformer) if transformer is not None else folder / "transformer"
+    components = {"transformer": tr, "vae": folder / "vae"}
+    if text_encoder:
+        components["text_encoder"] = folder / "text_encoder"
+    try:
+        config = json.loads((tr / "config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    return check_pipeline_memory(verb, {k: v for k, v in components.items() if v.is_dir()}, config, width=width,
+                                 height=height, dtype=dtype, on_cpu=device.type == "cpu", extra_tokens=extra_tokens)
+
+
 def initial_latents(pipe: Any, width: int, height: int, seed: int) -> torch.Tensor:
     """The starting noise, drawn in float32 from a CPU generator so every device and dtype starts from the same
     numbers (the pipeline casts it to its own dtype); shape (1, in_channels, H / 16, W / 16) as the Flux2 pipelines

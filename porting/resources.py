@@ -1,0 +1,138 @@
+"""Memory a run will need, estimated from configs and options before any work, against what the machine has.
+
+One seam for every heavy verb: `port export` (weights of each component), `port validate` (the streamed golden:
+the largest stage's weights plus the activations of all cases) and `port compare` / `port generate` (the pipeline's
+weights plus, on the CPU, the transformer's activations and the VAE decode). A run whose estimate exceeds the
+available memory (psutil) is refused with exit 2 and the estimate in the message, instead of swapping for hours or
+being killed half-way. The estimates are deliberately simple upper-ish bounds, not measurements.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from porting.errors import UsageError
+
+# the interpreter with torch, diffusers and transformers imported (also part of export's estimate)
+MEMORY_OVERHEAD = int(1.5 * 2**30)
+# copies of the residual stream (batch x tokens x hidden) alive at once while a block runs: the golden, intrinsic
+# and device states and their teacher-forced twins, float64 copies for the metrics, attention q/k/v and the MLP's
+# gate and up projections (CPU and CUDA attention kernels do not materialise tokens x tokens)
+ACTIVATION_COPIES = 24
+# the VAE decoder's last up-blocks run at full resolution with 128 channels; a few such tensors are alive at once
+VAE_CHANNELS, VAE_COPIES = 128, 8
+TEXT_TOKENS = 512  # the Flux2 pipelines pad prompts to max_sequence_length 512
+
+
+class ResourceError(UsageError):
+    """The options or the model imply more memory than this machine has (exit 2, before any work)."""
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def machine_memory() -> tuple[int, int]:
+    """(available, total) bytes of host memory."""
+    import psutil
+
+    vm = psutil.virtual_memory()
+    return int(vm.available), int(vm.total)
+
+
+def require_memory(what: str, need: int, breakdown: str, *, hint: str, available: int | None = None) -> int:
+    """Raise ResourceError when `need` bytes exceed the available memory; returns `need`."""
+    total = None
+    if available is None:
+        available, total = machine_memory()
+    if need > available:
+        has = f"{gib(available)} is available" + (f" of {gib(total)}" if total else "")
+        raise ResourceError(f"{what} needs about {gib(need)} of memory ({breakdown}), {has}; nothing was done.",
+                            hint=hint)
+    return need
+
+
+def itemsize(dtype: Any) -> int:
+    """Bytes per element of a torch dtype or a name (bf16, fp16, fp32, fp64)."""
+    names = {"bf16": 2, "fp16": 2, "fp32": 4, "fp64": 8}
+    if isinstance(dtype, str):
+        return names[dtype]
+    return int(dtype.itemsize)
+
+
+def folder_params(folder: Path) -> int:
+    """Parameters stored in the safetensors files of a model folder (headers only; 0 when there are none)."""
+    from porting.tensors.checkpoint import read_header
+
+    total = 0
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        tensors, _ = read_header(f)
+        total += sum(math.prod(info.shape) for info in tensors.values())
+    return total
+
+
+def hidden_size(config: Mapping[str, Any]) -> int:
+    return int(config.get("num_attention_heads", 1)) * int(config.get("attention_head_dim", 1))
+
+
+def image_tokens(width: int, height: int, vae_scale: int = 8) -> int:
+    """Packed latent tokens of a width x height image (VAE /8, then 2x2 patches)."""
+    return (width // (vae_scale * 2)) * (height // (vae_scale * 2))
+
+
+def activation_bytes(config: Mapping[str, Any], tokens: int, batch: int, nbytes: int) -> int:
+    """Activations of the transformer on `batch` rows of `tokens` tokens with `nbytes`-byte elements."""
+    return ACTIVATION_COPIES * batch * tokens * hidden_size(config) * nbytes
+
+
+def stage_params(shapes: Iterable[tuple[str, tuple[int, ...]]]) -> int:
+    """Parameters of the largest stage the staged runner materialises at once (a block, or embed + final)."""
+    stages: dict[str, int] = {}
+    for key, shape in shapes:
+        parts = key.split(".")
+        stage = ".".join(parts[:2]) if parts[0] in ("transformer_blocks", "single_transformer_blocks") else "other"
+        stages[stage] = stages.get(stage, 0) + math.prod(shape)
+    return max(stages.values(), default=0)
+
+
+def check_validate_memory(config: Mapping[str, Any], shapes: Iterable[tuple[str, tuple[int, ...]]], *,
+                          resolution: int, text_len: int, batch: int, golden_dtype: str, dtype: str,
+                          text_encoder: Path | None = None, available: int | None = None) -> int:
+    """`port validate`'s host memory on a CPU reference: the largest stage's weights (streamed), the activations of
+    every case in the golden's dtype, and the text encoder in float32 when it encodes --prompt."""
+    biggest = stage_params(shapes)
+    weights = biggest * (itemsize(golden_dtype) + 4)  # the stage in the golden's dtype + the tensor read (<= fp32)
+    tokens = image_tokens(resolution, resolution) + text_len
+    acts = activation_bytes(config, tokens, batch, max(itemsize(golden_dtype), itemsize(dtype), 4))
+    encoder = folder_params(text_encoder) * 4 if text_encoder is not None and text_encoder.is_dir() else 0
+    need = MEMORY_OVERHEAD + max(weights + acts, encoder)
+    breakdown = (f"largest stage {biggest / 1e6:.1f} M parameters {gib(weights)}, activations of {batch} case(s) x "
+                 f"{tokens:,} tokens x hidden {hidden_size(config)} {gib(acts)}"
+                 + (f", text encoder in float32 {gib(encoder)}" if encoder else "")
+                 + f", interpreter {gib(MEMORY_OVERHEAD)}")
+    return require_memory(f"validating at --resolution {resolution} --text-len {text_len} with a {golden_dtype} "
+                          "golden", need, breakdown, available=available,
+                          hint="Lower --resolution, --text-len or the number of --seeds / --timesteps, or run the "
+                               "golden elsewhere (--reference cuda).")
+
+
+def check_pipeline_memory(verb: str, components: Mapping[str, Path], config: Mapping[str, Any], *, width: int,
+                          height: int, dtype: str, on_cpu: bool, batch: int = 1, extra_tokens: int = 0,
+                          available: int | None = None) -> int:
+    """A pipeline run (`port compare` side, `port generate`): the weights of `components` in `dtype` on the host
+    (from_pretrained loads them there first), plus on the CPU the transformer's activations and the VAE decode."""
+    params = {name: folder_params(path) for name, path in components.items() if path is not None}
+    weights = sum(params.values()) * itemsize(dtype)
+    acts = vae = 0
+    tokens = image_tokens(width, height) + TEXT_TOKENS + extra_tokens
+    if on_cpu:
+        acts = activation_bytes(config, tokens, batch, itemsize(dtype))
+        vae = width * height * VAE_CHANNELS * VAE_COPIES * itemsize(dtype)
+    need = MEMORY_OVERHEAD + weights + acts + vae
+    breakdown = (f"weights {sum(params.values()) / 1e9:.2f} B parameters in {dtype} {gib(weights)}"
+                 + (f", transformer activations ({tokens:,} tokens) {gib(acts)}, VAE decode {gib(vae)}" if on_cpu
+                    else "") + f", interpreter {gib(MEMORY_OVERHEAD)}")
+    return require_memory(f"{verb} at {width}x{height} in {dtype}", need, breakdown, available=available,
+                          hint="Use a smaller --size, a smaller --dtype, or a machine with more memory.")
