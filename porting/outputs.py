@@ -19,7 +19,7 @@ import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Literal, Mapping
+from typing import Callable, Iterable, Iterator, Literal, Mapping, Sequence
 
 from porting.errors import DiskSpaceError, OutputExistsError, PortError
 
@@ -119,12 +119,24 @@ def _is_within(path: Path, folder: Path) -> bool:
     return path == folder or folder in path.parents
 
 
-def check_disjoint(out: Path, inputs: Mapping[str, Path | str | None]) -> None:
-    """Refuse an output that is, contains or lies inside one of the inputs (compared after resolving links)."""
-    target = Path(os.path.realpath(out))
+InputPaths = Mapping[str, "Path | str | None | Sequence[Path | str]"]
+"""What a verb reads, by label: one path, None (not given), or several paths under one label (adapters, images)."""
+
+
+def _labelled(inputs: InputPaths) -> Iterator[tuple[str, Path | str]]:
     for label, value in inputs.items():
-        if value is None:
-            continue
+        for path in [value] if value is None or isinstance(value, (str, os.PathLike)) else value:
+            if path is not None and str(path) != "":
+                yield label, path
+
+
+def check_disjoint(out: Path, inputs: InputPaths) -> None:
+    """Refuse an output that is, contains or lies inside one of the inputs (compared after resolving links).
+
+    Every path a verb reads counts: bases, transformers, adapters, reports, images, configs, manifests.
+    """
+    target = Path(os.path.realpath(out))
+    for label, value in _labelled(inputs):
         source = Path(os.path.realpath(value))
         if target == source:
             relation = "is"
@@ -295,3 +307,24 @@ def timestamped_folder(root: Path) -> Path:
         n += 1
         out = root / f"{stamp}-{n}"
     return out
+
+
+def record_verb(folder: Path) -> str | None:
+    """The verb the ownership record of `folder` names (convert, publish, validate, ...); None without a record."""
+    try:
+        doc = json.loads((folder / RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    return str(doc["verb"]) if isinstance(doc, dict) and doc.get("tool") == "flux-port" and "verb" in doc else None
+
+
+def check_same_verb(out: Path, verb: str, what: str = "output folder") -> None:
+    """Refuse an existing, non-empty `out` whose ownership record names another verb: a verb that replaces its own
+    outputs without --force (validate's reports) must not replace a converted transformer or a published folder."""
+    if out.is_symlink() or not out.is_dir() or not any(out.iterdir()):
+        return
+    owner = record_verb(out)
+    if owner is not None and owner != verb:
+        raise UnsafeOutputError(f"{out}: the {what} holds the output of port {owner}, not of port {verb}; "
+                                f"port {verb} replaces only its own. Nothing was changed.",
+                                hint=f"Choose another --out (port {verb} writes a new folder there).")

@@ -11,7 +11,7 @@ import torch
 from porting import __version__
 from porting.devices import resolve_device
 from porting.errors import CheckFailed, InputError, PortError
-from porting.outputs import check_output
+from porting.outputs import check_output, check_same_verb
 
 from .compare import GROWTH_FLAG, Runs, lockstep
 from .inputs import Inputs, build_inputs
@@ -70,8 +70,10 @@ def validate(model: str | Path, *, device: str = "cpu", dtype: str | None = None
     run_dtype, gold_dtype = _dtype(dtype, "--dtype"), _dtype(golden_dtype, "--golden-dtype")
     if gold_dtype.itemsize <= run_dtype.itemsize and dtype != "fp32":
         raise PortError(f"--golden-dtype {golden_dtype} must be more precise than --dtype {dtype}.")
+    read_paths = {"model": model, "source transformer": weights_path, "--base": base, "--config": config}
     if out is not None:
-        check_output(Path(out), verb="validate", replace="owned", inputs={"model": model})
+        check_output(Path(out), verb="validate", replace="owned", inputs=read_paths)
+        check_same_verb(Path(out), "validate", "report folder")
     ref = resolve_device(reference)
     source = WeightSource(weights_path, config)
     weights = source.weights_sha256()
@@ -94,7 +96,7 @@ def validate(model: str | Path, *, device: str = "cpu", dtype: str | None = None
     report = judge(runs, source, inputs, dtype=dtype, golden_dtype=golden_dtype, model=model, max_ratio=max_ratio,
                    intrinsic=intrinsic, export=export, on_stage=on_stage, weights_sha256=weights)
     if out is not None:
-        report.write(Path(out), inputs={"model": model})
+        report.write(Path(out), inputs=read_paths)
     return report
 
 

@@ -24,8 +24,9 @@ import torch
 
 from porting import __version__
 from porting.errors import InputError, PortError
+from porting.outputs import atomic_folder, check_output
+from porting.paths import files_within, link_roots
 from porting.tensors.checkpoint import hash_checkpoint, open_checkpoint
-from porting.tensors.writer import atomic_folder
 
 from .onnx_components import COMPONENTS, COPIED, Traceable, gib, nbytes
 from .ort import MODEL_FILE, require
@@ -164,6 +165,14 @@ def export_component(traced: Traceable, dest: Path, opset: int) -> int:
     return produced
 
 
+def copy_files(src: Path, dest: Path, roots: Sequence[Path]) -> None:
+    """Copy the files under `src` to `dest`; a link is followed only when it stays inside `roots`."""
+    for f in files_within(src, roots):
+        target = dest / f.relative_to(src)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(f, target)
+
+
 def export_onnx(folder: str | Path, out: str | Path, *, dtype: str = "fp32", opset: int = DEFAULT_OPSET,
                 components: Sequence[str] | None = None, force: bool = False,
                 available_bytes: int | None = None,
@@ -195,6 +204,9 @@ def export_onnx(folder: str | Path, out: str | Path, *, dtype: str = "fp32", ops
     for c in wanted:  # refuse before any tracing
         check_fits(c, params[c], torch_dtype, available)
 
+    read_paths = {"source": folder, "component": list(sources.values()),
+                  "copied folder": [folder / name for name in COPIED if kind == "pipeline"]}
+    check_output(out, force=force, verb="export", inputs=read_paths)  # before any tracing
     weights = None
     if "transformer" in sources:
         say(f"hashing the transformer weights in {sources['transformer']}")
@@ -203,7 +215,7 @@ def export_onnx(folder: str | Path, out: str | Path, *, dtype: str = "fp32", ops
     results: list[ComponentResult] = []
     produced_opsets: set[int] = set()
     copied: list[str] = []
-    with atomic_folder(out, force=force, verb="export", inputs={"source": folder}) as staging:
+    with atomic_folder(out, force=force, verb="export", inputs=read_paths) as staging:
         for c in wanted:
             say(f"exporting {c} ({params[c] / 1e6:.1f} M parameters, {dtype}, opset {opset})")
             t0 = time.perf_counter()
@@ -221,7 +233,7 @@ def export_onnx(folder: str | Path, out: str | Path, *, dtype: str = "fp32", ops
         if kind == "pipeline":
             for name in COPIED:
                 if (folder / name).is_dir():
-                    shutil.copytree(folder / name, staging / name)
+                    copy_files(folder / name, staging / name, link_roots(folder))
                     copied.append(name)
         produced = max(produced_opsets) if produced_opsets else opset
         if produced != opset:
