@@ -165,12 +165,12 @@ def export_component(traced: Traceable, dest: Path, opset: int) -> int:
     return produced
 
 
-def copy_files(src: Path, dest: Path, roots: Sequence[Path]) -> None:
-    """Copy the files under `src` to `dest`; a link is followed only when it stays inside `roots`."""
-    for f in files_within(src, roots):
-        target = dest / f.relative_to(src)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(f, target)
+def files_to_copy(folder: Path, kind: str) -> dict[str, list[Path]]:
+    """The files of the weightless folders (tokenizer, scheduler) an export carries, listed before any work; a link
+    is followed only when it stays inside the source folder."""
+    if kind != "pipeline":
+        return {}
+    return {name: files_within(folder / name, link_roots(folder)) for name in COPIED if (folder / name).is_dir()}
 
 
 def export_onnx(folder: str | Path, out: str | Path, *, dtype: str = "fp32", opset: int = DEFAULT_OPSET,
@@ -204,8 +204,9 @@ def export_onnx(folder: str | Path, out: str | Path, *, dtype: str = "fp32", ops
     for c in wanted:  # refuse before any tracing
         check_fits(c, params[c], torch_dtype, available)
 
+    copies = files_to_copy(folder, kind)
     read_paths = {"source": folder, "component": list(sources.values()),
-                  "copied folder": [folder / name for name in COPIED if kind == "pipeline"]}
+                  "copied folder": [folder / name for name in copies]}
     check_output(out, force=force, verb="export", inputs=read_paths)  # before any tracing
     weights = None
     if "transformer" in sources:
@@ -230,11 +231,13 @@ def export_onnx(folder: str | Path, out: str | Path, *, dtype: str = "fp32", ops
                 export_s=round(time.perf_counter() - t0, 2), facts=traced.facts))
             del traced
             gc.collect()  # the next component's weights should not sit next to this one's
-        if kind == "pipeline":
-            for name in COPIED:
-                if (folder / name).is_dir():
-                    copy_files(folder / name, staging / name, link_roots(folder))
-                    copied.append(name)
+        for name, files in copies.items():
+            (staging / name).mkdir()
+            for f in files:
+                dest = staging / name / f.relative_to(folder / name)
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(f, dest)
+            copied.append(name)
         produced = max(produced_opsets) if produced_opsets else opset
         if produced != opset:
             notices.append(f"asked for opset {opset}, the exporter produced opset {produced}")
