@@ -1,17 +1,17 @@
 """Output folders the tool can prove it wrote, and the rules for replacing them.
 
-Every folder flux-port writes carries an ownership record (`.flux-port-output.json`) listing the paths it wrote.
-A folder is replaced only when that record is there and nothing else is: a user's notes, another model or the
-source itself are never deleted. Outputs are built in a staging folder next to the destination, which holds an
-exclusive lock while the run is alive; a later run removes (and reports) the staging folders of dead runs and
-refuses to write while another live run is writing the same destination.
+Every folder flux-port writes carries an ownership record (`porting/ownership.py`) listing the files it wrote,
+sealed to that folder. A folder is replaced only when that record proves everything in it is flux-port's: a
+user's notes, another model or the source itself are never deleted. Outputs are built in a staging folder next to
+the destination, which holds an exclusive lock and a sealed marker while the run is alive; a later run removes (and
+reports) the marked staging folders of dead runs, leaves alike-named folders of anyone else alone, and refuses to
+write while another live run is writing the same destination.
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
-import json
 import os
 import shutil
 import stat
@@ -19,12 +19,21 @@ import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Literal, Mapping, Sequence
+from typing import Callable, Collection, Iterator, Literal, Mapping, Sequence
 
 from porting.errors import DiskSpaceError, OutputExistsError, PortError
+from porting.ownership import (
+    RECORD,
+    STAGING_MARKER,
+    foreign_entries,
+    is_flux_port_staging,
+    read_record,
+    write_record,
+    write_staging_marker,
+)
 
-RECORD = ".flux-port-output.json"
-RECORD_VERSION = 1
+__all__ = ["RECORD", "UnsafeOutputError", "atomic_folder", "check_output", "check_replaceable", "foreign_entries",
+           "write_record", "timestamped_folder"]
 
 Replace = Literal["never", "force", "owned"]
 """never: refuse an existing folder; force: replace it when --force was given and the tool owns it;
@@ -35,65 +44,9 @@ class UnsafeOutputError(PortError):
     """The output would delete, replace or overlap files the tool did not write."""
 
 
-def _record_doc(verb: str, paths: Iterable[str]) -> str:
-    doc = {"format_version": RECORD_VERSION, "tool": "flux-port", "verb": verb, "paths": sorted(set(paths))}
-    return json.dumps(doc, indent=2) + "\n"
-
-
-def write_record(folder: Path, verb: str, paths: Iterable[str] | None = None) -> None:
-    """Record `paths` (relative; a folder owns everything under it) as written by flux-port.
-
-    Without `paths`, everything now in `folder` is recorded.
-    """
-    if paths is None:
-        paths = [p.relative_to(folder).as_posix() for p in _walk(folder) if p.name != RECORD or p.parent != folder]
-    (folder / RECORD).write_text(_record_doc(verb, paths))
-
-
-def _walk(folder: Path) -> Iterator[Path]:
-    """Every entry under `folder`, links not followed."""
-    for root, dirs, files in os.walk(folder, followlinks=False):
-        for name in dirs + files:
-            yield Path(root) / name
-
-
-def read_record(folder: Path) -> set[str] | None:
-    try:
-        doc = json.loads((folder / RECORD).read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(doc, dict) or doc.get("tool") != "flux-port" or not isinstance(doc.get("paths"), list):
-        return None
-    return {str(p) for p in doc["paths"]}
-
-
-def foreign_entries(folder: Path) -> list[str] | None:
-    """Entries under `folder` that its ownership record does not cover; None when there is no record."""
-    owned = read_record(folder)
-    if owned is None:
-        return None
-    ancestors = {"/".join(Path(p).parts[:i]) for p in owned for i in range(1, len(Path(p).parts))}
-    foreign = []
-    for entry in _walk(folder):
-        rel = entry.relative_to(folder).as_posix()
-        if rel == RECORD:
-            continue
-        parts = Path(rel).parts
-        covered = any("/".join(parts[:i]) in owned for i in range(1, len(parts) + 1)) or _is_leftover_of(rel, owned)
-        if not covered and not (rel in ancestors and entry.is_dir() and not entry.is_symlink()):
-            foreign.append(rel)
-    return sorted(foreign)
-
-
-def _is_leftover_of(rel: str, owned: set[str]) -> bool:
-    """Under a staging or trash folder (or a partial file) of a top-level output flux-port owns:
-    `.NAME.partial-*`, `.NAME.old-*`, `.NAME.partial`."""
-    head = rel.split("/", 1)[0]
-    return any(head.startswith((f".{name}.partial", f".{name}.old-")) for name in owned if "/" not in name)
-
-
-def check_replaceable(out: Path, what: str = "output folder") -> None:
-    """Raise unless `out` is a real folder (not a link) that holds only what flux-port recorded writing there."""
+def check_replaceable(out: Path, what: str = "output folder", owner_verbs: Collection[str] | None = None) -> None:
+    """Raise unless `out` is a real folder (not a link) whose every entry flux-port can prove it wrote there;
+    with `owner_verbs`, also unless the folder was written by one of those verbs."""
     st = os.lstat(out)
     if stat.S_ISLNK(st.st_mode):
         raise UnsafeOutputError(f"{out}: the {what} is a symbolic link; flux-port replaces only folders it wrote.",
@@ -106,13 +59,19 @@ def check_replaceable(out: Path, what: str = "output folder") -> None:
     foreign = foreign_entries(out)
     if foreign is None:
         raise UnsafeOutputError(
-            f"{out}: the {what} exists and was not written by flux-port (no {RECORD} in it); nothing was changed.",
+            f"{out}: the {what} exists and was not written by flux-port (no {RECORD} made for this folder by "
+            "flux-port on this machine; a copied or downloaded one proves nothing); nothing was changed.",
             hint="Choose a new --out folder, or empty or remove this one yourself if you are sure.")
     if foreign:
         shown = ", ".join(repr(f) for f in foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         raise UnsafeOutputError(
             f"{out}: the {what} holds files flux-port did not write ({shown}); nothing was changed.",
             hint="Move those files elsewhere or choose another --out.")
+    record = read_record(out)
+    if owner_verbs is not None and record is not None and record.verb not in owner_verbs:
+        raise UnsafeOutputError(
+            f"{out}: the {what} is the output of `port {record.verb}`, not of `port {' / '.join(owner_verbs)}`; "
+            "nothing was changed.", hint="Choose another --out.")
 
 
 def _is_within(path: Path, folder: Path) -> bool:
@@ -170,6 +129,9 @@ def _trash_prefix(out: Path) -> str:
 def clear_leftovers(out: Path, own: Path | None = None) -> list[Path]:
     """Remove staging and trash folders of earlier runs writing `out` that are no longer alive; return them.
 
+    Only folders carrying a sealed staging marker of this machine's flux-port count: anything else named alike
+    is left alone.
+
     Raises when another live run (its staging folder still locked) is writing the same destination.
     """
     removed = []
@@ -180,8 +142,8 @@ def clear_leftovers(out: Path, own: Path | None = None) -> list[Path]:
         name = entry.name
         if entry == own or not (name.startswith(_staging_prefix(out)) or name.startswith(_trash_prefix(out))):
             continue
-        if entry.is_symlink() or not entry.is_dir():
-            continue
+        if entry.is_symlink() or not entry.is_dir() or not is_flux_port_staging(entry):
+            continue  # a folder named alike that no flux-port run made is somebody else's
         fd = os.open(entry, os.O_RDONLY | os.O_DIRECTORY)
         try:
             if not _lock(fd):
@@ -194,7 +156,7 @@ def clear_leftovers(out: Path, own: Path | None = None) -> list[Path]:
     return removed
 
 
-def _umask() -> int:
+def umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
@@ -202,7 +164,7 @@ def _umask() -> int:
 
 def make_public(path: Path) -> None:
     """Give a folder made by mkdtemp (private) the permissions of an ordinary folder."""
-    os.chmod(path, 0o777 & ~_umask())
+    os.chmod(path, 0o777 & ~umask())
 
 
 def check_writable_parent(out: Path) -> None:
@@ -243,17 +205,17 @@ def check_output(out: Path, force: bool = False, *, verb: str = "convert", repla
     check_writable_parent(out)
     if inputs:
         check_disjoint(out, inputs)
-    _check_existing(out, replace or ("force" if force else "never"))
+    _check_existing(out, replace or ("force" if force else "never"), verb)
 
 
-def _check_existing(out: Path, replace: Replace) -> None:
+def _check_existing(out: Path, replace: Replace, verb: str) -> None:
     if not (out.exists() or out.is_symlink()):
         return
     if replace == "never":
         raise OutputExistsError(f"{out}: output folder already exists.",
                                 hint="Pass --force to replace it (only a folder flux-port wrote), "
                                      "or choose another --out.")
-    check_replaceable(out)
+    check_replaceable(out, owner_verbs={verb} if replace == "owned" else None)
 
 
 @contextmanager
@@ -274,14 +236,16 @@ def atomic_folder(out: Path, force: bool = False, *, verb: str = "convert", repl
     lock_fd = os.open(staging, os.O_RDONLY | os.O_DIRECTORY)
     try:
         _lock(lock_fd)
+        write_staging_marker(staging)
         try:
             for old in clear_leftovers(out, own=staging):
                 if on_notice:
                     on_notice(f"removed {old.name}, left in {old.parent} by an earlier interrupted run")
             make_public(staging)
             yield staging
+            (staging / STAGING_MARKER).unlink()
             write_record(staging, verb)
-            _check_existing(out, replace)  # it may have appeared, or changed, while this run was writing
+            _check_existing(out, replace, verb)  # it may have appeared, or changed, while this run was writing
         except OSError as e:
             shutil.rmtree(staging, ignore_errors=True)
             raise write_error(out, e) from e
@@ -290,6 +254,7 @@ def atomic_folder(out: Path, force: bool = False, *, verb: str = "convert", repl
             raise
         if out.exists() or out.is_symlink():
             trash = Path(tempfile.mkdtemp(prefix=_trash_prefix(out), dir=out.parent))
+            write_staging_marker(trash)
             os.replace(out, trash / "old")
             os.replace(staging, out)
             shutil.rmtree(trash, ignore_errors=True)
@@ -307,24 +272,3 @@ def timestamped_folder(root: Path) -> Path:
         n += 1
         out = root / f"{stamp}-{n}"
     return out
-
-
-def record_verb(folder: Path) -> str | None:
-    """The verb the ownership record of `folder` names (convert, publish, validate, ...); None without a record."""
-    try:
-        doc = json.loads((folder / RECORD).read_text())
-    except (OSError, ValueError):
-        return None
-    return str(doc["verb"]) if isinstance(doc, dict) and doc.get("tool") == "flux-port" and "verb" in doc else None
-
-
-def check_same_verb(out: Path, verb: str, what: str = "output folder") -> None:
-    """Refuse an existing, non-empty `out` whose ownership record names another verb: a verb that replaces its own
-    outputs without --force (validate's reports) must not replace a converted transformer or a published folder."""
-    if out.is_symlink() or not out.is_dir() or not any(out.iterdir()):
-        return
-    owner = record_verb(out)
-    if owner is not None and owner != verb:
-        raise UnsafeOutputError(f"{out}: the {what} holds the output of port {owner}, not of port {verb}; "
-                                f"port {verb} replaces only its own. Nothing was changed.",
-                                hint=f"Choose another --out (port {verb} writes a new folder there).")

@@ -8,6 +8,7 @@ import pytest
 from PIL import Image
 
 from porting.cli.app import main
+from porting.ownership import RECORD, RECORD_VERSION, foreign_entries
 
 
 def test_demo_walks_the_whole_path(tmp_path, capsys):
@@ -26,5 +27,8 @@ def test_demo_walks_the_whole_path(tmp_path, capsys):
     with Image.open(work / "demo.png") as image:
         assert image.size == (64, 64)
     for written in (work / "reports" / "report.json", work / "transformer" / "flux-port.json",
-                    published / "manifest.json", published / ".flux-port-output.json"):
+                    published / "manifest.json"):
         assert json.loads(written.read_text())["format_version"] == 1, written  # every JSON the tool writes
+    for record in (published / RECORD, work / RECORD):  # ownership records: per file since version 2
+        assert json.loads(record.read_text())["format_version"] == RECORD_VERSION == 2, record
+    assert foreign_entries(work) == []  # every file the demo wrote is on its work folder's record

@@ -278,7 +278,7 @@ def test_a_cast_that_would_overflow_is_refused(capsys, tmp_path: Path, tiny2_sta
     state["img_in.weight"][0, 0] = 1e5  # beyond fp16's 65504
     src = save_state(tmp_path / "big.safetensors", state, torch.float32)
     run = run_port(capsys, "convert", src, "--out", tmp_path / "out", "--dtype", "fp16")
-    assert_clean_refusal(run, 1, "casting x_embedder.weight to float16 would overflow", "100000")
+    assert_clean_refusal(run, 1, "img_in.weight: x_embedder.weight would overflow fp16", "100000")
     assert leftovers(tmp_path / "out") == []
     assert run_port(capsys, "convert", src, "--out", tmp_path / "ok", "--dtype", "bf16", "-q").code == 0
 

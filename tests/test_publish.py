@@ -222,9 +222,12 @@ def test_existing_output_needs_force(port: dict, tmp_path: Path) -> None:
     assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
     mine = tmp_path / "mine"
     publish(port["base"], port["transformer"], mine, report=port["pass"])
-    (mine / "README.md").write_text("edited")  # a file the tool wrote, edited: still the tool's to replace
-    publish(port["base"], port["transformer"], mine, report=port["pass"], force=True)
-    assert (mine / "model_index.json").is_file() and (mine / "README.md").read_text() != "edited"
+    publish(port["base"], port["transformer"], mine, report=port["pass"], force=True)  # its own, untouched
+    assert (mine / "model_index.json").is_file()
+    (mine / "README.md").write_text("edited")  # a file the tool wrote, edited to another size: the user's work now
+    with pytest.raises(Exception, match=r"did not write \('README.md'\)"):
+        publish(port["base"], port["transformer"], mine, report=port["pass"], force=True)
+    assert (mine / "README.md").read_text() == "edited"
 
 
 # --- what the folder says about itself -----------------------------------------------------------------------------

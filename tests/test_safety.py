@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 
 from porting.cli.demo_cmd import DEMO_ENTRIES, prepare_workdir
-from porting.errors import InputError
-from porting.outputs import RECORD, UnsafeOutputError, atomic_folder, foreign_entries
+from porting.errors import InputError, OutputExistsError
+from porting.outputs import RECORD, UnsafeOutputError, atomic_folder, check_replaceable, foreign_entries
+from porting.ownership import extend_record, write_staging_marker
 from porting.pipeline.publish import publish
 
 from .helpers import leftovers, run_port
@@ -182,13 +183,17 @@ def test_demo_workdir_is_reused_only_while_it_holds_only_demo_files(tmp_path: Pa
     for name in DEMO_ENTRIES[:-1]:
         (work / name).mkdir()
         (work / name / "x.bin").write_bytes(b"1")
-    (work / ".transformer.partial-abc").mkdir()  # a staging folder a killed run left behind
+        extend_record(work, "demo", [name])  # what each demo step does after writing its entry
     prepare_workdir(work)  # an earlier demo's folder: emptied
-    assert sorted(p.name for p in work.iterdir()) == sorted([RECORD, ".transformer.partial-abc"])
-    (work / "thesis.tex").write_text("years of work")
-    with pytest.raises(UnsafeOutputError, match="thesis.tex"):
+    assert sorted(p.name for p in work.iterdir()) == [RECORD]
+    (work / "base").mkdir()
+    (work / "base" / "x.bin").write_bytes(b"1")
+    extend_record(work, "demo", ["base"])
+    (work / "base" / "thesis.tex").write_text("years of work")  # a user file inside a folder the demo wrote
+    before = snapshot(work)
+    with pytest.raises(UnsafeOutputError, match="'base/thesis.tex'"):
         prepare_workdir(work)
-    assert (work / "thesis.tex").read_text() == "years of work"
+    assert snapshot(work) == before
 
 
 # --- validate --------------------------------------------------------------------------------------------------------
@@ -207,6 +212,7 @@ def test_a_dead_runs_staging_folder_is_removed_and_reported(capsys, tmp_path: Pa
     out = tmp_path / "transformer"
     stale = tmp_path / ".transformer.partial-dead1234"
     stale.mkdir()
+    write_staging_marker(stale)  # as a run does when it starts; the run was then killed (its lock died with it)
     (stale / "diffusion_pytorch_model.safetensors").write_bytes(b"half written")
     run = run_port(capsys, "convert", tiny2_file, "--out", out)
     assert run.code == 0, run.err
@@ -229,6 +235,7 @@ def test_a_locked_staging_folder_of_another_process_is_left_alone(tmp_path: Path
     out = tmp_path / "transformer"
     other = tmp_path / ".transformer.partial-live"
     other.mkdir()
+    write_staging_marker(other)
     fd = os.open(other, os.O_RDONLY | os.O_DIRECTORY)
     fcntl.flock(fd, fcntl.LOCK_EX)
     try:
@@ -257,7 +264,23 @@ def test_generate_never_overwrites_an_image_it_did_not_write(capsys, port: dict,
     assert photo.read_bytes() == before
     ours = tmp_path / "ours.png"
     save_png(Image.new("RGB", (8, 8)), ours)
-    check_image_replaceable(ours)  # an image flux-port wrote may be replaced
+    with pytest.raises(OutputExistsError, match="already exists"):
+        check_image_replaceable(ours)  # not even flux-port's own image without --force
+    check_image_replaceable(ours, force=True)  # an image flux-port wrote may be replaced when asked
+
+
+def test_generate_replaces_its_own_image_only_with_force(capsys, port: dict, tmp_path: Path) -> None:
+    published = tmp_path / "pub"
+    publish(port["base"], port["transformer"], published, report=port["pass"])
+    image = tmp_path / "fox.png"
+    args = ("generate", published, "--prompt", "x", "--size", "32", "--steps", "1", "--output", image, "-q")
+    assert run_port(capsys, *args).code == 0
+    neighbours = snapshot(tmp_path)
+    run = run_port(capsys, *args)
+    assert_clean_refusal(run, 2, f"--output {image}: the file already exists", "--force")
+    assert snapshot(tmp_path) == neighbours
+    assert run_port(capsys, *args, "--force").code == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fox.png", "pub"]  # no partial file left beside it
 
 
 def test_generate_steps_zero_is_refused_not_run_with_the_default(capsys, port: dict, tmp_path: Path) -> None:
@@ -286,3 +309,119 @@ def test_out_dot_in_an_empty_folder_converts_next_to_nothing_else(capsys, tmp_pa
     assert run.code == 0, run.err
     assert (work / "diffusion_pytorch_model.safetensors").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]  # the staging folder was moved into place
+
+
+# --- ownership is per file, bound to the folder and the machine ------------------------------------------------------
+
+def test_publish_force_refuses_a_note_added_inside_a_component_folder(capsys, port: dict, tmp_path: Path) -> None:
+    out = tmp_path / "published"
+    args = ("publish", "--base", port["base"], "--transformer", port["transformer"], "--report", port["pass"],
+            "--out", out, "--force", "-q")
+    assert run_port(capsys, *args).code == 0
+    assert run_port(capsys, *args).code == 0  # its own output, untouched: replaced
+    (out / "transformer" / "my-notes.md").write_text("which lr worked")
+    before = snapshot(tmp_path)
+    run = run_port(capsys, *args)
+    assert_clean_refusal(run, 2, "holds files flux-port did not write ('transformer/my-notes.md')")
+    assert snapshot(tmp_path) == before
+
+
+def test_a_file_flux_port_wrote_and_someone_changed_is_no_longer_its_own(capsys, tmp_path: Path,
+                                                                        tiny2_file: Path) -> None:
+    out = tmp_path / "transformer"
+    assert run_port(capsys, "convert", tiny2_file, "--out", out, "-q").code == 0
+    with (out / "config.json").open("a") as f:
+        f.write("\n")  # the user's edit: another size than flux-port recorded
+    before = snapshot(tmp_path)
+    run = run_port(capsys, "convert", tiny2_file, "--out", out, "--force")
+    assert_clean_refusal(run, 2, "('config.json')")
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("how", ["copytree", "downloaded"])
+def test_a_copied_or_downloaded_ownership_record_proves_nothing(capsys, tmp_path: Path, tiny2_file: Path,
+                                                               how: str) -> None:
+    out = tmp_path / "transformer"
+    assert run_port(capsys, "convert", tiny2_file, "--out", out, "-q").code == 0
+    copy = tmp_path / "a-repository"
+    if how == "copytree":  # cp -r of an output: same record, another folder
+        shutil.copytree(out, copy)
+    else:  # a repository that ships a record made on another machine (another key), for a folder with user files
+        copy.mkdir()
+        (copy / "their-weights.safetensors").write_bytes(b"x" * 64)
+        doc = __import__("json").loads((out / RECORD).read_text())
+        doc["files"] = {"their-weights.safetensors": 64}
+        (copy / RECORD).write_text(__import__("json").dumps(doc))
+    before = snapshot(tmp_path)
+    run = run_port(capsys, "convert", tiny2_file, "--out", copy, "--force")
+    assert_clean_refusal(run, 2, "was not written by flux-port", "a copied or downloaded one proves nothing")
+    assert snapshot(tmp_path) == before
+
+
+def test_a_record_edited_to_claim_a_users_file_proves_nothing(tmp_path: Path) -> None:
+    import json
+
+    out = tmp_path / "transformer"
+    with atomic_folder(out, verb="convert") as staging:
+        (staging / "a.safetensors").write_bytes(b"1")
+    (out / "thesis.tex").write_text("years of work")
+    doc = json.loads((out / RECORD).read_text())
+    doc["files"]["thesis.tex"] = len("years of work")  # claimed, but the seal no longer matches
+    (out / RECORD).write_text(json.dumps(doc))
+    assert foreign_entries(out) is None
+    with pytest.raises(UnsafeOutputError, match="was not written by flux-port"):
+        check_replaceable(out)
+
+
+def test_reports_flux_port_wrote_inside_an_output_are_its_own(tmp_path: Path) -> None:
+    out = tmp_path / "transformer"
+    with atomic_folder(out, verb="convert") as staging:
+        (staging / "a.safetensors").write_bytes(b"1")
+    with atomic_folder(out / "reports" / "compare" / "run1", verb="compare") as staging:  # a report written inside
+        (staging / "compare.json").write_text("{}")
+    assert foreign_entries(out) == []
+    check_replaceable(out)
+    (out / "reports" / "compare" / "note.md").write_text("mine")
+    assert foreign_entries(out) == ["reports/compare/note.md"]
+    (out / "reports" / "compare" / "note.md").unlink()
+    (out / "reports" / "empty-folder-of-mine").mkdir()
+    assert foreign_entries(out) == ["reports/empty-folder-of-mine"]
+
+
+def test_validate_replaces_only_its_own_report_folder(tmp_path: Path) -> None:
+    converted = tmp_path / "transformer"
+    with atomic_folder(converted, verb="convert") as staging:
+        (staging / "a.safetensors").write_bytes(b"1")
+    before = snapshot(tmp_path)
+    with pytest.raises(UnsafeOutputError, match="is the output of `port convert`, not of `port validate`"):
+        with atomic_folder(converted, verb="validate", replace="owned"):
+            pass
+    assert snapshot(tmp_path) == before
+
+
+# --- leftovers are only flux-port's ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", [".transformer.partial-mine", ".transformer.old-2024", ".transformer.partial-x"])
+def test_folders_named_like_leftovers_but_not_made_by_a_run_are_left_alone(capsys, tmp_path: Path,
+                                                                           tiny2_file: Path, name: str) -> None:
+    alike = tmp_path / name
+    alike.mkdir()
+    (alike / "drafts.txt").write_text("my drafts")
+    before = snapshot(alike)
+    run = run_port(capsys, "convert", tiny2_file, "--out", tmp_path / "transformer")
+    assert run.code == 0, run.err
+    assert "removed" not in run.msg
+    assert snapshot(alike) == before
+
+
+def test_a_copied_staging_marker_does_not_make_a_folder_a_leftover(tmp_path: Path) -> None:
+    real = tmp_path / ".transformer.partial-real"
+    real.mkdir()
+    write_staging_marker(real)
+    copy = tmp_path / ".transformer.partial-copy"
+    shutil.copytree(real, copy)
+    (copy / "work.txt").write_text("mine")
+    with atomic_folder(tmp_path / "transformer", verb="convert"):
+        pass
+    assert not real.exists()  # a dead run's own staging folder: cleared
+    assert (copy / "work.txt").read_text() == "mine"  # the marker names another folder: left alone

@@ -111,7 +111,7 @@ def test_validate_never_replaces_a_convert_output(capsys, tmp_path: Path, tiny2_
     assert run_port(capsys, "convert", tiny2_file, "--out", other, "-q").code == 0
     before = snapshot(tmp_path)
     run = run_port(capsys, "validate", tiny2_file, "--out", other, "--resolution", "32", "--text-len", "8")
-    assert_clean_refusal(run, 2, "holds the output of port convert, not of port validate")
+    assert_clean_refusal(run, 2, "is the output of `port convert`, not of `port validate`")
     assert snapshot(tmp_path) == before
 
 

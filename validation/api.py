@@ -11,7 +11,7 @@ import torch
 from porting import __version__
 from porting.devices import resolve_device
 from porting.errors import CheckFailed, InputError, PortError
-from porting.outputs import check_output, check_same_verb
+from porting.outputs import check_output
 
 from .compare import GROWTH_FLAG, Runs, lockstep
 from .inputs import Inputs, build_inputs
@@ -73,7 +73,6 @@ def validate(model: str | Path, *, device: str = "cpu", dtype: str | None = None
     read_paths = {"model": model, "source transformer": weights_path, "--base": base, "--config": config}
     if out is not None:
         check_output(Path(out), verb="validate", replace="owned", inputs=read_paths)
-        check_same_verb(Path(out), "validate", "report folder")
     ref = resolve_device(reference)
     source = WeightSource(weights_path, config)
     weights = source.weights_sha256()

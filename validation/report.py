@@ -11,7 +11,7 @@ from typing import Any, Mapping
 from rich.table import Table
 
 from porting.engine.mapping import MappingTable
-from porting.outputs import atomic_folder, check_same_verb
+from porting.outputs import atomic_folder
 
 REPORT_JSON = "report.json"
 REPORT_MD = "report.md"
@@ -44,8 +44,7 @@ class Report:
         return self.data
 
     def write(self, folder: Path, inputs: Mapping[str, Path | str | None] | None = None) -> list[Path]:
-        """Write report.json and report.md as a new folder, replacing only a reports folder port validate wrote."""
-        check_same_verb(folder, "validate", "report folder")
+        """Write report.json and report.md as a new folder, replacing only a reports folder flux-port wrote."""
         with atomic_folder(folder, verb="validate", replace="owned", inputs=inputs) as staging:
             (staging / REPORT_JSON).write_text(json.dumps(_finite(self.data), indent=2) + "\n")
             (staging / REPORT_MD).write_text(to_markdown(self.data))

@@ -10,7 +10,6 @@ for their exact delta (as a full-rank LoRA for diffusers, as `.diff` for origina
 from __future__ import annotations
 
 import hashlib
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +22,7 @@ from porting import __version__
 from porting.engine.mapping import MappingTable, Naming
 from porting.errors import InternalError, PortError
 from porting.families import family_for
+from porting.finite import check_tensor, dumps
 from porting.outputs import InputPaths, atomic_folder
 
 from . import LORA_FILE, MANIFEST
@@ -170,6 +170,9 @@ def convert_adapter(src: str | Path, out: str | Path | None, to: Naming = "diffu
         for key, t in key_tensors(f, style).items():
             if key in tensors:
                 raise InternalError(f"{key} written twice.")
+            check_tensor(t, f"{key} (from {f.param}, scale folded in)", adapter.path, into=dtype,
+                         hint="The folded scale (alpha / rank) pushes the factor beyond the adapter's dtype; "
+                              "convert a float32 copy of the adapter.")
             tensors[key] = t.to(dtype).contiguous()
     name = LORA_FILE if style == "diffusers" else adapter.path.name if adapter.path.is_file() else "adapter.safetensors"
     out = Path(out)
@@ -178,7 +181,7 @@ def convert_adapter(src: str | Path, out: str | Path | None, to: Naming = "diffu
         digest = hashlib.sha256((staging / name).read_bytes()).hexdigest()
         manifest = {"tool": "flux-port", "version": __version__, **result.to_dict(), "out": None, "file": name,
                     "sha256": digest, "table": adapter.table.name}
-        (staging / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        (staging / MANIFEST).write_text(dumps(manifest, indent=2) + "\n")
     result.out, result.file, result.sha256 = out, name, digest
     result.seconds = time.perf_counter() - started
     return result

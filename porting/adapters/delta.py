@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from porting.errors import InputError
+from porting.finite import NotFinite, check_tensor
 
 from .naming import Adapter, ModuleAdapter
 
@@ -45,6 +46,19 @@ def scale(adapter: Adapter, m: ModuleAdapter) -> float:
     return m.alpha / r
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def multiplier(adapter: Adapter, m: ModuleAdapter, strength: float = 1.0) -> float:
+    """strength x scale, the number the module's product is multiplied by; it must be a float32 number."""
+    s = strength * scale(adapter, m)
+    if not abs(s) <= FLOAT32_MAX:  # NaN fails too
+        raise NotFinite(f"{adapter.path}: strength {strength:g} x scale {scale(adapter, m):g} for {m.param} is {s:g}, "
+                        "beyond float32's range; the delta would be infinite. Nothing was written.",
+                        hint="Lower the strength.")
+    return s
+
+
 def _factor_shape(adapter: Adapter, m: ModuleAdapter, name: str) -> Shape:
     if name in m.keys:
         return _shape(adapter, m, name)
@@ -72,7 +86,11 @@ def delta_shape(adapter: Adapter, m: ModuleAdapter) -> Shape:
 
 
 def read32(adapter: Adapter, m: ModuleAdapter, role: str) -> torch.Tensor:
-    return adapter.ckpt.read(m.keys[role]).to(torch.float32)
+    """One factor in float32, refused if a value is NaN or infinite (checked as it is read, once per use)."""
+    t = adapter.ckpt.read(m.keys[role]).to(torch.float32)
+    check_tensor(t, f"adapter factor {m.keys[role]!r}", adapter.path,
+                 hint="The adapter is damaged or was saved from a diverged training run; use another checkpoint.")
+    return t
 
 
 def factor(adapter: Adapter, m: ModuleAdapter, name: str) -> torch.Tensor:
@@ -84,7 +102,7 @@ def factor(adapter: Adapter, m: ModuleAdapter, name: str) -> torch.Tensor:
 
 def delta(adapter: Adapter, m: ModuleAdapter, strength: float = 1.0) -> torch.Tensor:
     """strength * the module's weight difference, float32, shaped like the parameter."""
-    s = strength * scale(adapter, m)
+    s = multiplier(adapter, m, strength)
     if m.kind == "lora":
         out = read32(adapter, m, "up") @ read32(adapter, m, "down")
     elif m.kind == "lokr":

@@ -20,10 +20,11 @@ from porting.engine.detect import Detection, detect
 from porting.engine.mapping import Naming, Step
 from porting.engine.plan import Plan
 from porting.errors import PlanError
+from porting.finite import check_number, check_tensor
 from porting.tensors.checkpoint import ST_TO_TORCH, Checkpoint, open_checkpoint
 from porting.tensors.writer import Segments
 
-from .delta import Shape, delta, delta_shape, read32, scale
+from .delta import Shape, delta, delta_shape, multiplier, read32
 from .naming import Adapter, ModuleAdapter, read_adapter
 
 
@@ -133,11 +134,20 @@ class Placement:
     def __contains__(self, param: str) -> bool:
         return param in self.direct or param in self.via
 
+    def names(self, param: str) -> str:
+        """The adapters (file x strength) whose deltas land on `param`, for messages."""
+        contributions = list(self.direct.get(param, []))
+        if param in self.via:
+            contributions += [c for cs in self.via[param].parts.values() for c in cs]
+        seen = dict.fromkeys(f"{a.path.name} x{s:g}" for a, _, s in contributions)
+        return ", ".join(seen) or "no adapter"
+
     def add_into(self, param: str, weight: torch.Tensor) -> None:
         """Add every delta that lands on `param` to its float32 weight, in place (each delta used once)."""
         for adapter, m, strength in self.direct.pop(param, []):
             if m.kind == "lora":  # W += s * B @ A in one BLAS call, no separate delta buffer
-                weight.addmm_(read32(adapter, m, "up"), read32(adapter, m, "down"), alpha=strength * scale(adapter, m))
+                weight.addmm_(read32(adapter, m, "up"), read32(adapter, m, "down"),
+                              alpha=multiplier(adapter, m, strength))
             else:
                 weight.add_(delta(adapter, m, strength))
         if param in self.via:
@@ -156,7 +166,12 @@ class Placement:
                     dtype = weight.dtype
                     merged = weight.to(torch.float32)
                     del weight  # peak memory: the float32 sum and its cast, not the read as well
+                    names = self.names(param)
                     self.add_into(param, merged)
+                    # the sum must be finite and fit the dtype it is written in (the base's, then the output's)
+                    narrowest = min((dtype, ST_TO_TORCH[ps.out_dtype]), key=lambda d: torch.finfo(d).max)
+                    check_tensor(merged, f"{stored} plus the delta of {names}", ckpt.path, into=narrowest,
+                                 hint="Lower the adapter's strength, or merge into a bf16 / fp32 copy of the base.")
                     weight = merged.to(dtype)  # one rounding to the base dtype
                     del merged
                 inputs.append(weight)
@@ -182,6 +197,8 @@ def merge(base: str | Path, adapters: list[tuple[str | Path, float]], out: str |
           on_start: Callable[[int], None] | None = None,
           on_bytes: Callable[[int], None] | None = None) -> ConvertResult:
     """Merge `adapters` [(file, strength)] into `base`; write it in the base's naming, or `to`."""
+    for path, strength in adapters:
+        check_number(float(strength), "strength", path)
     ckpt = open_checkpoint(base)
     detection = detect(ckpt)
     read = [(read_adapter(path), float(strength)) for path, strength in adapters]

@@ -14,6 +14,7 @@ namings. An adapter key is that module written one of two ways, followed by a fa
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -22,6 +23,7 @@ from typing import Any, Mapping
 from porting.engine.mapping import MappingTable, Naming
 from porting.errors import InputError, UnsupportedFormatError
 from porting.families import builtin_tables
+from porting.finite import NotFinite, check_number
 from porting.tensors.checkpoint import Checkpoint, open_checkpoint
 
 # factor suffix -> (adapter kind, role). `alpha` belongs to whichever kind the module has.
@@ -179,8 +181,33 @@ def _peft_scale(metadata: Mapping[str, str], path: Path) -> float | None:
                                      "supported yet.", hint="Fold the scales into lora_B and drop the metadata.")
     if "lora_alpha" not in meta or "r" not in meta:
         return None
-    r = float(meta["r"])
-    return float(meta["lora_alpha"]) / (r ** 0.5 if meta.get("use_rslora") else r)
+    try:
+        r, alpha = float(meta["r"]), float(meta["lora_alpha"])
+    except (TypeError, ValueError) as e:
+        raise InputError(f"{path}: metadata 'lora_adapter_metadata' gives r {meta['r']!r} and lora_alpha "
+                         f"{meta['lora_alpha']!r}; both must be numbers.") from e
+    check_number(alpha, "metadata lora_adapter_metadata lora_alpha", path)
+    if not (math.isfinite(r) and r > 0):
+        raise NotFinite(f"{path}: metadata 'lora_adapter_metadata' gives rank r = {meta['r']!r}; a rank is a positive "
+                        "number, and alpha / r would be undefined. Nothing was written.",
+                        hint="Fix the metadata, or drop it and fold the scale into lora_B.")
+    return alpha / (r ** 0.5 if meta.get("use_rslora") else r)
+
+
+# per kind: (role, dim) pairs whose size is a rank (the inner dimension of a product of factors)
+RANK_DIMS = {"lora": (("down", 0), ("up", 1)), "loha": (("w1_a", 1), ("w1_b", 0), ("w2_a", 1), ("w2_b", 0)),
+             "lokr": (("w1_a", 1), ("w1_b", 0), ("w2_a", 1), ("w2_b", 0))}
+
+
+def _check_rank(ckpt: Checkpoint, m: ModuleAdapter, path: Path) -> None:
+    """A factored module with rank 0 has no difference to add, and alpha / rank divides by zero: refused."""
+    for role, dim in RANK_DIMS.get(m.kind, ()):
+        if role in m.keys:
+            shape = ckpt.tensors[m.keys[role]].shape
+            if len(shape) == 2 and shape[dim] <= 0:
+                raise NotFinite(f"{path}: {m.keys[role]!r} has shape {list(shape)}: rank {shape[dim]} for "
+                                f"{m.param}; a rank must be at least 1 (alpha / rank is undefined). Nothing was "
+                                "written.", hint="The adapter is damaged; export it again from the trainer.")
 
 
 def _best_table(keys: list[str]) -> ModuleIndex:
@@ -249,7 +276,12 @@ def read_adapter(path: str | Path, table: MappingTable | None = None) -> Adapter
         if not targets:
             unknown.append((key, "alpha without factors for its module"))
             continue
-        value = float(ckpt.read(key).float().reshape(-1)[0])
+        info = ckpt.tensors[key]
+        if info.shape not in ((), (1,)):
+            raise NotFinite(f"{path}: alpha {key!r} has shape {list(info.shape)}; an alpha is one number (a scalar), "
+                            "so which value scales the module is unknown. Nothing was written.",
+                            hint="The adapter is damaged or not in a format flux-port reads.")
+        value = check_number(float(ckpt.read(key).float().reshape(-1)[0]), f"alpha {key!r}", path)
         for m in targets:
             m.alpha = value
             m.keys["alpha"] = key
@@ -262,6 +294,8 @@ def read_adapter(path: str | Path, table: MappingTable | None = None) -> Adapter
                                                         f"{' and '.join('/'.join(g) for g in missing)}"))
             m.kind = "incomplete"
     modules = {tag: m for tag, m in modules.items() if m.kind != "incomplete"}
+    for m in modules.values():
+        _check_rank(ckpt, m, path)
     style, prefix = max(seen, key=seen.get) if seen else ("dotted", "")
     return Adapter(path, ckpt, index.table, naming, style, prefix,
                    {m.param: m for m in modules.values()}, unknown, _peft_scale(ckpt.metadata, path))

@@ -53,7 +53,7 @@ class Factors:
 
 def baked(adapter: Adapter, m: ModuleAdapter, strength: float = 1.0) -> Factors:
     """Read a module's factors in float32 and fold its scale into one of them."""
-    s = strength * D.scale(adapter, m)
+    s = D.multiplier(adapter, m, strength)
     t = {role: D.read32(adapter, m, role) for role in m.keys if role != "alpha"}
     first = {"lora": "up", "loha": "w1_a", "diff": "diff"}.get(m.kind)
     if m.kind == "lokr":

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 from contextlib import contextmanager
@@ -11,6 +10,8 @@ from typing import Any, Iterator
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
+
+from porting.finite import dumps
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
@@ -47,8 +48,14 @@ class Output:
             self.out.print(table)
 
     def document(self, doc: Any) -> None:
+        """One JSON document on stdout; NaN / Inf (no JSON number) are written as null, listed in the document
+        under `null_means_not_finite` and named on stderr."""
         if self.json_mode and not self.documented:
-            sys.stdout.write(json.dumps(doc, indent=2, default=str) + "\n")
+            replaced: list[str] = []
+            text = dumps(doc, replaced, indent=2, default=str)
+            for path in replaced:
+                self.warning(f"{path} is not a finite number; written as null")
+            sys.stdout.write(text + "\n")
             self.documented = True
 
     def error(self, text: str) -> None:

@@ -8,7 +8,8 @@ from typing import Annotated
 
 import typer
 
-from porting.outputs import check_replaceable, check_writable_parent, write_record
+from porting.outputs import check_replaceable, check_writable_parent
+from porting.ownership import RECORD, extend_record, write_record
 
 from . import _output
 from .inspect_cmd import describe
@@ -20,18 +21,23 @@ DEMO_ENTRIES = ("base", "finetune", "transformer", "reports", "published", "demo
 
 
 def prepare_workdir(workdir: Path) -> None:
-    """Empty a work folder an earlier demo wrote, or start a new one; never touch a folder holding anything else."""
+    """Empty a work folder an earlier demo wrote, or start a new one; never touch a folder holding anything else
+    (every file in it must be one a demo on this machine recorded writing, at the size it wrote it)."""
     check_writable_parent(workdir)
     if workdir.exists() or workdir.is_symlink():
-        check_replaceable(workdir, what="demo work folder")
-        for entry in DEMO_ENTRIES:
-            path = workdir / entry
+        check_replaceable(workdir, what="demo work folder", owner_verbs={"demo"})
+        for path in workdir.iterdir():
             if path.is_dir() and not path.is_symlink():
                 shutil.rmtree(path)
-            elif path.exists() or path.is_symlink():
+            elif path.name != RECORD:
                 path.unlink()
     workdir.mkdir(parents=True, exist_ok=True)
-    write_record(workdir, "demo", DEMO_ENTRIES)
+    write_record(workdir, "demo", [])
+
+
+def _recorded(workdir: Path, entry: str) -> None:
+    """Add what a demo step just wrote to the work folder's record, file by file."""
+    extend_record(workdir, "demo", [entry])
 
 
 def demo(
@@ -53,9 +59,11 @@ def demo(
     steps: dict[str, object] = {}
 
     base = build_demo_base(workdir / "base")
+    _recorded(workdir, 'base')
     out.result(f"[1/6] tiny FLUX.2 [klein] base (Qwen3 text encoder, tokenizer, VAE, scheduler): {base}")
 
     src = write_random_checkpoint(workdir / "finetune" / "tiny-klein-finetune.safetensors", TINY_FLUX2, seed=1)
+    _recorded(workdir, 'finetune')
     info = describe(src)
     steps["inspect"] = info
     out.result(f"[2/6] tiny fine-tune in original (BFL) naming: {src}\n"
@@ -64,6 +72,7 @@ def demo(
                f"{info['parameters']:,} parameters, {', '.join(info['dtypes'])}")
 
     converted = run_convert(src, workdir / "transformer", strict=True, config=base)
+    _recorded(workdir, 'transformer')
     steps["convert"] = converted.to_dict()
     s = converted.plan.summary()
     out.result(f"[3/6] convert --strict --config base: {s['source_tensors']} -> {s['target_tensors']} tensors, "
@@ -71,6 +80,7 @@ def demo(
 
     report = validate(converted.out, device="cpu", out=workdir / "reports", resolution=64, text_len=32,
                       base=base, prompt=PROMPT)
+    _recorded(workdir, 'reports')
     d = report.to_dict()
     steps["validate"] = {k: d[k] for k in ("verdict", "output", "summary", "blame", "weights_sha256")}
     worst = max(b["teacher_forced"]["ratio"] for b in d["blocks"])
@@ -79,11 +89,13 @@ def demo(
                f"worst block ratio {worst:.2f} (limit {d['rule']['max_ratio']}) -> {workdir / 'reports' / 'report.md'}")
 
     published = publish(base, converted.out, workdir / "published", report=workdir / "reports")
+    _recorded(workdir, 'published')
     steps["publish"] = published.to_dict()
     out.result(f"[5/6] publish: {published.out} loads with Flux2KleinPipeline.from_pretrained (validation gate passed)")
 
     image = workdir / "demo.png"
     g = generate(workdir / "published", PROMPT, device="cpu", steps=4, seed=0, size=64, output=image, progress=False)
+    _recorded(workdir, 'demo.png')
     steps["generate"] = {"image": str(image), "load_s": g.load_s, "denoise_s": g.denoise_s, "s_per_it": g.s_per_it}
     out.result(f"[6/6] generate: {image} (64x64, 4 steps; load {g.load_s:.2f} s, denoise {g.denoise_s:.2f} s, "
                f"{g.s_per_it:.3f} s/it)")

@@ -74,6 +74,8 @@ def generate(
                                                             "models; distilled models ignore it).")] = None,
     provider: Annotated[str, typer.Option("--provider", help="onnxruntime execution provider, for an ONNX export "
                                           "folder (port export).")] = "CPUExecutionProvider",
+    force: Annotated[bool, typer.Option("--force", help="Replace --output if it exists (only an image flux-port "
+                                        "wrote).")] = False,
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -84,6 +86,6 @@ def generate(
     result = run_generate(folder, prompt, device=device, steps=steps, seed=seed, size=size, output=output,
                           cpu_offload=cpu_offload.value if cpu_offload else None, images=image or [],
                           dtype=dtype.value if dtype else None, guidance_scale=guidance_scale,
-                          progress=not out.quiet, on_status=out.status, provider=provider)
+                          progress=not out.quiet, on_status=out.status, provider=provider, force=force)
     out.document(result.to_dict())
     out.table(summary_table(result))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.metadata
-import json
 import math
 import os
 import time
@@ -15,7 +14,8 @@ if TYPE_CHECKING:
     import torch
 
 from porting import __version__
-from porting.errors import CheckFailed, InputError, PlanError
+from porting.errors import InputError, PlanError
+from porting.finite import check_tensor, dumps
 from porting.outputs import InputPaths, atomic_folder, check_output
 from porting.tensors.checkpoint import Checkpoint, open_checkpoint
 from porting.tensors.dtypes import itemsize, torch_dtype
@@ -145,18 +145,14 @@ def iter_tensors(ckpt: Checkpoint, plan: Plan) -> Iterator[torch.Tensor | Segmen
 
 
 def check_cast(key: str, sources: tuple[str, ...], tensor: torch.Tensor, target: torch.dtype) -> None:
-    """Refuse a cast that turns finite values into infinities (fp32/bf16 values beyond fp16's 65504, say)."""
-    import torch
-
-    if not (target.is_floating_point and tensor.is_floating_point()) or torch.finfo(target).max >= \
-            torch.finfo(tensor.dtype).max:
+    """Refuse a computed tensor with NaN / Inf values, or one whose cast turns finite values into infinities
+    (fp32/bf16 values beyond fp16's 65504, say)."""
+    if not tensor.is_floating_point():
         return
-    peak = float(tensor.detach().abs().max()) if tensor.numel() else 0.0
-    if peak > torch.finfo(target).max:
-        raise CheckFailed(f"{', '.join(sources)}: casting {key} to {str(target).removeprefix('torch.')} would "
-                          f"overflow (|value| up to {peak:.6g}, the dtype's largest is {torch.finfo(target).max:.6g}); "
-                          "nothing was written.", hint="Keep the source dtype (--dtype keep) or use bf16, which has "
-                                                       "float32's range.")
+    check_tensor(tensor, key, ", ".join(sources),
+                 into=target if target.is_floating_point else None,
+                 hint="Keep the source dtype (--dtype keep) or use bf16, which has float32's range." if
+                 target.is_floating_point else None)
 
 
 def source_stamps(ckpt: Checkpoint) -> dict[Path, tuple[int, int, int]]:
@@ -229,7 +225,7 @@ def convert(src: str | Path, out: str | Path | None, to: Naming = "diffusers", d
         if to == "diffusers":
             cfg = {**detection.config, "_class_name": detection.table.diffusers_class}
             cfg["_diffusers_version"] = importlib.metadata.version("diffusers")  # the version, without the import
-            (staging / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+            (staging / "config.json").write_text(dumps(cfg, indent=2, sort_keys=True) + "\n")
         manifest = {
             "tool": "flux-port", "version": __version__, "format_version": 1, "source": str(Path(src).resolve()),
             "source_naming": detection.naming_label, "table": detection.table.name, "to": to,
@@ -241,6 +237,6 @@ def convert(src: str | Path, out: str | Path | None, to: Naming = "diffusers", d
                                                                                    dtype)
             manifest["dequantized_from"] = quant["label"]
             manifest["quantization"] = quant
-        (staging / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        (staging / MANIFEST).write_text(dumps(manifest, indent=2) + "\n")
         check_unchanged(before, source_stamps(ckpt))
     return ConvertResult(plan, out, files, hasher.hexdigest(), time.perf_counter() - started, quantization=quant)

@@ -7,7 +7,7 @@ meant (the source weights in float32): the dequantized error is part of the resu
 
 from __future__ import annotations
 
-import json
+import math
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
@@ -16,6 +16,7 @@ import torch
 
 from porting import __version__
 from porting.errors import CheckFailed, PortError
+from porting.finite import check_tensor, dumps, peak
 from porting.outputs import atomic_folder, check_output
 from porting.tensors.checkpoint import Checkpoint, open_checkpoint
 
@@ -32,9 +33,13 @@ TARGETS: dict[str, tuple[str, str]] = {  # option -> (layout, file name)
 
 
 def _source_tensors(ckpt: Checkpoint, plan: Plan) -> Iterator[torch.Tensor]:
-    """Target tensors in plan order, in memory one step at a time (quantizers need the values)."""
+    """Target tensors in plan order, in memory one step at a time (quantizers need the values); a layer with a NaN
+    or Inf is refused by name: its quantization scale would be NaN and every value of it lost."""
     for ps in plan.steps:
-        yield from ps.step.op.apply([ckpt.read(k) for k in ps.stored_sources])
+        for key, t in zip(ps.step.targets, ps.step.op.apply([ckpt.read(k) for k in ps.stored_sources])):
+            check_tensor(t, f"layer {key} (from {', '.join(ps.stored_sources)}) cannot be quantized: it", ckpt.path,
+                         hint="--quantize needs finite weights; the source is damaged or from a diverged run.")
+            yield t
 
 
 def _write(target: str, path: Path, specs: list[tuple[str, tuple[int, ...]]], tensors: Iterator[torch.Tensor],
@@ -68,8 +73,7 @@ def reread_error(path: Path, ckpt: Checkpoint, plan: Plan, kinds: Mapping[str, s
         want = want.float()
         if tuple(got.shape) != tuple(want.shape):
             raise CheckFailed(f"{path}: {key} reads back as {list(got.shape)}, meant {list(want.shape)}.")
-        norm = want.norm().item()
-        err = (got - want).norm().item() / norm if norm > 0 else (got - want).norm().item()
+        err = _rel_l2(got, want)
         row = per_kind.setdefault(kinds[key], {"tensors": 0, "max_rel_l2": 0.0, "sum": 0.0})
         row["tensors"] += 1
         row["sum"] += err
@@ -79,6 +83,17 @@ def reread_error(path: Path, ckpt: Checkpoint, plan: Plan, kinds: Mapping[str, s
         row["mean_rel_l2"] = row.pop("sum") / row["tensors"]
     return {"layout": written.quantization.label if written.quantization else written.container,
             "by_kind": per_kind, "worst_rel_l2": worst[0], "worst_key": worst[1]}
+
+
+def _rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
+    """|got - want| / |want| (absolute when want is 0); float32 norms of large values overflow, so those are taken
+    again on values divided by the largest magnitude (finite inputs give a finite error)."""
+    diff = got - want
+    norm, dist = want.norm().item(), diff.norm().item()
+    if not (math.isfinite(norm) and math.isfinite(dist)):
+        s = max(peak(want), peak(diff), 1.0)
+        norm, dist = (want / s).norm().item() * s, (diff / s).norm().item() * s
+    return dist / norm if norm > 0 else dist
 
 
 def convert_quantized(src: str | Path, out: str | Path, quantize: str, dtype: str = "keep",
@@ -120,7 +135,7 @@ def convert_quantized(src: str | Path, out: str | Path, quantize: str, dtype: st
         }
         if ckpt.quantization:
             manifest["dequantized_from"] = ckpt.quantization.label
-        (staging / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        (staging / MANIFEST).write_text(dumps(manifest, indent=2) + "\n")
     if on_bytes:
         on_bytes(plan.output_bytes)
     quant = ckpt.quantization.to_dict() if ckpt.quantization else None

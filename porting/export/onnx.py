@@ -24,6 +24,7 @@ import torch
 
 from porting import __version__
 from porting.errors import InputError, PortError
+from porting.finite import dumps
 from porting.outputs import atomic_folder, check_output
 from porting.paths import files_within, link_roots
 from porting.tensors.checkpoint import hash_checkpoint, open_checkpoint
@@ -257,7 +258,7 @@ def export_onnx(folder: str | Path, out: str | Path, *, dtype: str = "fp32", ops
                             "onnxscript": _version("onnxscript"), "onnxruntime": _version("onnxruntime")},
             "notices": notices,
         }
-        (staging / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        (staging / MANIFEST).write_text(dumps(manifest, indent=2) + "\n")
     return ExportResult(out=str(out), dtype=dtype, opset_requested=opset, opset_produced=produced,
                         source=str(folder), weights_sha256=weights, components=results, copied=copied,
                         notices=notices, seconds=round(time.perf_counter() - started, 2))

@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from porting.errors import InputError
+from porting.finite import dumps
+from porting.outputs import umask
 
 ENV_HOME = "FLUX_PORT_HOME"
 DEFAULT_ROOT = Path("ports")
@@ -96,9 +98,9 @@ def write_json_atomic(path: Path, doc: Any) -> None:
     """Write JSON to a temporary file next to `path`, then rename it into place."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; the record is as readable as any other file
+        os.chmod(tmp, 0o666 & ~umask())  # mkstemp makes 0600; the record is as readable as any other file
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(doc, f, indent=2, sort_keys=False, default=str)
+            f.write(dumps(doc, indent=2, sort_keys=False, default=str))
             f.write("\n")
         os.replace(tmp, path)
     except BaseException:
@@ -106,7 +108,3 @@ def write_json_atomic(path: Path, doc: Any) -> None:
         raise
 
 
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask

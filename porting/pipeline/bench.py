@@ -13,7 +13,6 @@ the same task (relative change), like the SVDQuant table.
 from __future__ import annotations
 
 import inspect
-import json
 import resource
 import statistics
 import sys
@@ -26,6 +25,7 @@ import torch
 
 from porting import __version__
 from porting.errors import InputError, PortError
+from porting.finite import dumps
 from porting.outputs import atomic_folder, check_output, timestamped_folder
 
 from . import pipeload
@@ -386,7 +386,7 @@ def bench(folder: str | Path, *, transformer: str | Path | None = None, device: 
         "torch": torch.__version__,
     }
     with atomic_folder(out, force=force, verb="bench", inputs=read_paths) as staging:
-        (staging / BENCH_JSON).write_text(json.dumps(doc, indent=2) + "\n")
+        (staging / BENCH_JSON).write_text(dumps(doc, indent=2) + "\n")
         (staging / BENCH_MD).write_text(to_markdown(doc))
     return BenchResult(out, doc)
 

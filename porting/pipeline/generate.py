@@ -11,6 +11,7 @@ import inspect
 import os
 import resource
 import sys
+import tempfile
 import time
 import warnings
 from dataclasses import asdict, dataclass
@@ -21,8 +22,8 @@ import torch
 
 from porting._files import read_json_object
 from porting.devices import resolve_device
-from porting.errors import InputError, PortError
-from porting.outputs import UnsafeOutputError, check_disjoint, check_writable_parent, write_error
+from porting.errors import InputError, OutputExistsError, PortError
+from porting.outputs import UnsafeOutputError, check_disjoint, check_writable_parent, umask, write_error
 from porting.paths import check_component_names
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -142,15 +143,22 @@ def written_by_flux_port(path: Path) -> bool:
         return False
 
 
-def check_image_replaceable(output: Path) -> None:
-    """An existing --output is replaced only when it is a PNG flux-port wrote (never a user's file or a link)."""
+def check_image_replaceable(output: Path, force: bool = False) -> None:
+    """An existing --output is replaced only with --force, and only when it is a PNG flux-port wrote (never a
+    user's file or a link)."""
     check_writable_parent(output)
     if output.is_symlink() or (output.exists() and not output.is_file()):
         raise UnsafeOutputError(f"--output {output}: exists and is not a plain file; flux-port will not replace it.",
                                 hint="Choose another --output.")
-    if output.exists() and not written_by_flux_port(output):
+    if not output.exists():
+        return
+    if not written_by_flux_port(output):
         raise UnsafeOutputError(f"--output {output}: the file exists and was not written by flux-port; "
                                 "nothing was changed.", hint="Choose another --output, or move that file away.")
+    if not force:
+        raise OutputExistsError(f"--output {output}: the file already exists; nothing was changed.",
+                                hint="Pass --force to replace it (only an image flux-port wrote), or choose another "
+                                     "--output.")
 
 
 def save_png(image: Any, output: Path) -> None:
@@ -160,8 +168,11 @@ def save_png(image: Any, output: Path) -> None:
     info = PngInfo()
     info.add_text("Software", PNG_SOFTWARE)
     output.parent.mkdir(parents=True, exist_ok=True)
-    partial = output.with_name(f".{output.name}.partial")
+    fd, name = tempfile.mkstemp(prefix=f".{output.name}.partial-", dir=output.parent)  # never a user's file's name
+    os.close(fd)
+    partial = Path(name)
     try:
+        os.chmod(partial, 0o666 & ~umask())
         image.save(partial, format="PNG", pnginfo=info)
         os.replace(partial, output)
     except OSError as e:
@@ -176,7 +187,7 @@ def generate(folder: str | Path, prompt: str, *, device: str = "cpu", steps: int
              size: str | int = 1024, output: str | Path = "image.png", cpu_offload: str | None = None,
              images: Sequence[str | Path] = (), dtype: str | None = None, guidance_scale: float | None = None,
              progress: bool = True, on_status: Callable[[str], None] | None = None,
-             provider: str = "CPUExecutionProvider") -> GenerateResult:
+             provider: str = "CPUExecutionProvider", force: bool = False) -> GenerateResult:
     """Generate one image from a published folder and write it as PNG to `output`.
 
     An ONNX export folder (`port export`) runs its transformer in onnxruntime with `provider`; the other components
@@ -208,7 +219,7 @@ def generate(folder: str | Path, prompt: str, *, device: str = "cpu", steps: int
     if output.suffix.lower() != ".png":
         raise PortError(f"--output {output}: flux-port writes PNG; name the file *.png.")
     check_disjoint(output, {"pipeline folder": folder, "source pipeline": onnx_source, "--image": list(images)})
-    check_image_replaceable(output)
+    check_image_replaceable(output, force)
 
     acc = _accelerator(dev)
     if acc is not None:

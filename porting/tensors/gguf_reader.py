@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from porting.errors import InputError, UnsupportedQuantizationError
+from porting.errors import CheckFailed, InputError, UnsupportedQuantizationError
 
 from .dtypes import nbytes
 from .reader import Checkpoint, Quantization, TensorInfo
@@ -38,23 +38,29 @@ class GGUFDecoder:
 
     def dequantize(self, key: str, rows: tuple[int, int] | None = None,
                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        import numpy as np
-
         gguf = _gguf()
         qtype, offset, stored, shape = self.entries[key]
         n = shape[0] if shape else 1
         a, b = rows or (0, n)
-        row_bytes = stored // n
-        raw = np.empty((b - a, row_bytes), dtype=np.uint8)  # uninitialised: read over at once
-        start = offset + a * row_bytes
+        if len(shape) < 2:  # a vector is one row of blocks: read it whole, then take the elements asked for
+            out = self._rows(gguf, key, qtype, offset, stored, 1, (0, 1), dtype).reshape(-1)
+            return out[a:b].clone() if (a, b) != (0, n) else out.reshape(shape)
+        return self._rows(gguf, key, qtype, offset, stored // n, b - a, (a, b), dtype).reshape(b - a, *shape[1:])
+
+    def _rows(self, gguf: Any, key: str, qtype: Any, offset: int, row_bytes: int, count: int,
+              rows: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+        import numpy as np
+
+        raw = np.empty((count, row_bytes), dtype=np.uint8)  # uninitialised: read over at once
+        start = offset + rows[0] * row_bytes
         with open(self.path, "rb", buffering=0) as f:
             got = os.preadv(f.fileno(), [raw], start)
         if got != raw.nbytes:
             raise InputError(f"{self.path}: unexpected end of file while reading tensor {key!r}.")
         if qtype.name == "Q8_0":
-            return q8_0(raw, dtype).reshape(b - a, *shape[1:])
+            return q8_0(raw, dtype)
         values = gguf.quants.dequantize(raw, qtype)
-        out = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(b - a, *shape[1:])
+        out = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
         return out if dtype == torch.float32 else out.to(dtype)
 
 
@@ -88,10 +94,74 @@ def q8_0(raw, dtype: torch.dtype) -> torch.Tensor:
     return out.reshape(raw.shape[0], -1)
 
 
+def check_layout(path: Path, gguf: Any, start: int, fields: list[Any], size: int, alignment: int) -> None:
+    """Every tensor's declared type and shape must account for its bytes, and no two tensors may share bytes.
+
+    Run on the tensor infos before the gguf package maps them (it trusts offsets and would hand out overlapping
+    views). Like the safetensors reader: each tensor's bytes are its own; between one tensor's end and the next
+    one's start (and after the last) lies at most the alignment padding, so a declared type too small for the
+    bytes it was given is found too. A tensor running past the end of the file is a truncated file (exit 2).
+    """
+    spans = []
+    for field in fields:
+        _, name_data, _, dims, raw_type, offset = field.parts
+        name = bytes(name_data).decode("utf-8", "replace")
+        try:
+            qtype = gguf.GGMLQuantizationType(int(raw_type[0]))
+            block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        except (ValueError, KeyError):
+            raise CheckFailed(f"{path}: tensor {name!r} declares GGML type {int(raw_type[0])}, which does not exist; "
+                            "its bytes cannot be read as any type. Nothing was written.",
+                            hint="The file is damaged or not a GGUF model; download it again.") from None
+        shape = [int(d) for d in dims]
+        if shape and shape[0] % block:
+            raise CheckFailed(f"{path}: tensor {name!r} is declared {qtype.name} {list(reversed(shape))}, but its rows "
+                            f"of {shape[0]} values do not split into {qtype.name} blocks of {block}; the declared "
+                            "type does not fit the tensor. Nothing was written.",
+                            hint="The file is damaged or its header lies; download it again.")
+        n = 1
+        for d in shape:
+            n *= d
+        begin = start + int(offset[0])
+        spans.append((begin, begin + n * type_size // block, name, qtype.name))
+    spans.sort()
+    for (b0, e0, n0, t0), (b1, _, n1, _) in zip(spans, spans[1:]):
+        if b1 < e0:
+            raise CheckFailed(f"{path}: header lies about offsets: tensor {n1!r} starts at byte {b1}, inside tensor "
+                            f"{n0!r} (bytes {b0}..{e0 - 1}); overlapping tensors would read the same bytes as two "
+                            "weights. Nothing was written.", hint="The file is damaged; download it again.")
+        if b1 - e0 >= alignment:
+            raise CheckFailed(f"{path}: tensor {n0!r} is declared {t0} and holds {e0 - b0} bytes, but {b1 - b0} bytes "
+                            f"lie before the next tensor {n1!r} (alignment {alignment}); its declared type or shape "
+                            "does not fit its bytes. Nothing was written.",
+                            hint="The file is damaged or its header lies; download it again.")
+    if spans:
+        b0, e0, n0, t0 = spans[-1]
+        if e0 > size:
+            raise InputError(f"{path}: file is truncated: tensor {n0!r} ends at byte {e0}, the file has {size}.",
+                             hint="Download it again.")
+        if size - e0 >= alignment:
+            raise CheckFailed(f"{path}: tensor {n0!r} is declared {t0} and holds {e0 - b0} bytes, but {size - e0} more "
+                            f"bytes follow it to the end of the file (alignment {alignment}); its declared type or "
+                            "shape does not fit its bytes. Nothing was written.",
+                            hint="The file is damaged or its header lies; download it again.")
+
+
+def _reader(gguf: Any, path: Path) -> Any:
+    """`gguf.GGUFReader` with `check_layout` run on the tensor infos before it builds its tensor views."""
+
+    class Reader(gguf.GGUFReader):
+        def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
+            check_layout(path, gguf, start_offs, fields, len(self.data), int(self.alignment))
+            super()._build_tensors(start_offs, fields)
+
+    return Reader(path)
+
+
 def open_gguf(path: Path) -> Checkpoint:
     gguf = _gguf()
     try:
-        reader = gguf.GGUFReader(path)
+        reader = _reader(gguf, path)
     except (ValueError, OSError) as e:
         raise InputError(f"{path}: not a readable GGUF file ({e}).", hint="Check that the download finished.") from e
     field = reader.get_field("general.architecture")

@@ -132,9 +132,24 @@ class Checkpoint:
         if info.computed:
             if self.decoder is None:
                 raise InputError(f"internal: {key!r} is computed but {self.path} has no decoder.")
-            return self.decoder.dequantize(key, rows, dtype or torch.float32)
+            out = self.decoder.dequantize(key, rows, dtype or torch.float32)
+            _check_dequantized(out, key, self.path, rows, out.dtype)
+            return out
         t = read_stored(info, rows)
         return t if dtype is None else t.to(dtype)
+
+
+def _check_dequantized(t: torch.Tensor, key: str, path: Path, rows: tuple[int, int] | None,
+                       dtype: torch.dtype) -> None:
+    """A dequantized block is checked as it is computed: NaN or Inf (a damaged code or scale, or a value beyond the
+    output dtype once rounded to it) is refused by name, never written."""
+    from porting.finite import check_tensor, dtype_name
+
+    where = f"rows {rows[0]}..{rows[1] - 1} of " if rows is not None else ""
+    rounded = "" if str(dtype) == "torch.float32" else f" and rounded to {dtype_name(dtype)}"
+    check_tensor(t, f"{where}tensor {key!r} once dequantized{rounded}", path,
+                 hint="A quantization code or block scale in the file is NaN or Inf, or the values do not fit the "
+                      "output dtype (try --dtype bf16 or fp32); the file may be damaged.")
 
 
 def read_stored(info: TensorInfo, rows: tuple[int, int] | None = None) -> torch.Tensor:

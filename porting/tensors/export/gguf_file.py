@@ -13,6 +13,7 @@ from typing import Any, Iterable
 import torch
 
 from porting.errors import InputError
+from porting.finite import NotFinite, check_tensor, peak
 
 from . import quantizable
 
@@ -62,10 +63,29 @@ def write(path: Path, specs: list[tuple[str, tuple[int, ...]]], tensors: Iterabl
     writer.write_ti_data_to_file()
     for (key, _), t in zip(specs, tensors):
         qtype = gguf.GGMLQuantizationType[types[key]]
+        check_fits(key, t, types[key])
         data = t.float().contiguous().numpy()
         writer.write_tensor_data(data if qtype == gguf.GGMLQuantizationType.F32 else gguf.quants.quantize(data, qtype))
     writer.close()
     return types
+
+
+# the gguf quantizer's block scale is |largest value| / CODES, stored as fp16
+CODES = {"Q8_0": 127, "Q4_0": 8}
+FP16_MAX = 65504.0
+
+
+def check_fits(key: str, t: torch.Tensor, kind: str) -> None:
+    """Refuse a tensor whose stored form would not be finite: a plain cast beyond its dtype, or a block scale
+    beyond fp16 (Q8_0: |value| above 127 x 65504)."""
+    if kind in CODES:
+        top = peak(t)
+        if top > CODES[kind] * FP16_MAX:
+            raise NotFinite(f"layer {key}: |value| up to {top:.6g}; {kind} stores each block's scale (|largest| / "
+                            f"{CODES[kind]}) as fp16, whose largest is {FP16_MAX:g}, so the scale would be infinite. "
+                            "Nothing was written.", hint="Use --quantize fp8-scaled (fp32 scales) for this model.")
+    elif kind in ("BF16", "F16"):
+        check_tensor(t, f"layer {key}", None, into=torch.bfloat16 if kind == "BF16" else torch.float16)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

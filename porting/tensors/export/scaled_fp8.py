@@ -12,6 +12,8 @@ from typing import Iterable, Iterator
 
 import torch
 
+from porting.finite import check_tensor
+
 from ..writer import Entry, write_shards
 from . import quantizable
 
@@ -44,6 +46,7 @@ def write(path: Path, specs: list[tuple[str, tuple[int, ...]]], tensors: Iterabl
             if kinds[key] == "F8_E4M3":
                 yield from quantize(t)
             else:
+                check_tensor(t, f"layer {key}", None, into=ST_TO_TORCH[plain])
                 yield t.to(ST_TO_TORCH[plain]).contiguous()
         yield torch.empty(0, dtype=torch.float8_e4m3fn)
 

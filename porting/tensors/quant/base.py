@@ -13,6 +13,7 @@ from typing import Mapping
 import torch
 
 from porting.errors import InputError
+from porting.finite import check_scales
 
 from ..dtypes import nbytes
 from ..reader import Checkpoint, Quantization, TensorInfo, read_stored
@@ -35,9 +36,13 @@ class Parts:
         return read_stored(self.layer.parts[role], rows)
 
     def whole(self, role: str) -> torch.Tensor:
-        """A whole part, kept for the layer's next row block (scales)."""
+        """A whole part, kept for the layer's next row block (scales); a scale is checked as it is read."""
         if role not in self._cache:
-            self._cache[role] = read_stored(self.layer.parts[role])
+            info = self.layer.parts[role]
+            t = read_stored(info)
+            if role != "weight":
+                self.layer.scheme.check_scale(role, t, info)
+            self._cache[role] = t
         return self._cache[role]
 
 
@@ -54,6 +59,10 @@ class Scheme:
     def check(self, parts: Mapping[str, TensorInfo]) -> str | None:
         """A reason the stored shapes do not fit this scheme, or None."""
         return None
+
+    def check_scale(self, role: str, t: torch.Tensor, info: TensorInfo) -> None:
+        """Refuse a scale that is zero, negative or not finite (scales of one tensor or one row)."""
+        check_scales(t, repr(info.name), info.file)
 
     def dequantize(self, parts: Parts, rows: tuple[int, int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Rows [a, b) dequantized in float32, rounded once to `dtype`."""
@@ -134,6 +143,9 @@ class NVFP4(Scheme):
             return f"block scales {list(s.shape)} do not fit {layout} scales {list(want)} for a [{n}, {k}] weight"
         return None
 
+    def check_scale(self, role: str, t: torch.Tensor, info: TensorInfo) -> None:
+        check_scales(t, repr(info.name), info.file, zero_ok=role == "weight_scale")  # 0: a block of zeros
+
     def _scales(self, parts: Parts) -> torch.Tensor:
         key = "_unswizzled"
         if key not in parts._cache:
@@ -166,6 +178,12 @@ class MXFP8(Scheme):
         if s.numel != want or s.dtype not in ("U8", "F8_E8M0"):
             return f"block scales {s.dtype} {list(s.shape)} do not fit swizzled E8M0 scales for [{n}, {k}]"
         return None
+
+    def check_scale(self, role: str, t: torch.Tensor, info: TensorInfo) -> None:
+        """E8M0 exponents: 0xFF is NaN; every other byte is a power of two (or 0 as read here)."""
+        nan = t.view(torch.uint8) == 0xFF
+        if bool(nan.any()):
+            check_scales(torch.where(nan, torch.nan, 1.0), repr(info.name), info.file, zero_ok=True)
 
     def dequantize_f32(self, parts: Parts, rows: tuple[int, int]) -> torch.Tensor:
         key = "_unswizzled"
@@ -201,7 +219,11 @@ class QuantDecoder:
         if layer.pre_quant_scale is None:
             return layer.scheme.dequantize(parts, rows or (0, n), dtype)
         # the layer computes W (x * s): the same function as the plain weight W * s over the input columns
-        out = layer.scheme.dequantize(parts, rows or (0, n)) * read_stored(layer.pre_quant_scale).float().reshape(1, -1)
+        if "_pre_quant_scale" not in parts._cache:
+            smooth = read_stored(layer.pre_quant_scale).float().reshape(1, -1)
+            check_scales(smooth, repr(layer.pre_quant_scale.name), layer.pre_quant_scale.file)
+            parts._cache["_pre_quant_scale"] = smooth
+        out = layer.scheme.dequantize(parts, rows or (0, n)) * parts._cache["_pre_quant_scale"]
         return out if dtype == torch.float32 else out.to(dtype)
 
 

@@ -1,0 +1,239 @@
+"""Proof that flux-port wrote a folder, file by file.
+
+An output folder carries `.flux-port-output.json`: the files, links and folders the run wrote (files with their
+sizes), the folder's device and inode, the run's id, and a seal (HMAC-SHA256 under a key that never leaves this
+machine's user state folder) over all of it. A record is proof only where its seal verifies and the folder it
+sits in is the folder it was written for: one that arrived by download or copy (a repository that ships one, a
+`cp -r` of an output) names another inode or carries a seal made under another key, and proves nothing.
+
+Staging and trash folders carry a marker of the same kind (`.flux-port-staging.json`), so that only folders a
+flux-port run made are ever cleared as leftovers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import secrets
+import stat
+import tempfile
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Iterator
+
+RECORD = ".flux-port-output.json"
+STAGING_MARKER = ".flux-port-staging.json"
+RECORD_VERSION = 2
+_KEY_NAME = "ownership.key"
+
+RUN_ID = uuid.uuid4().hex
+"""This process's run; every record and marker it writes names it."""
+
+
+def _state_dirs() -> Iterator[Path]:
+    explicit = os.environ.get("FLUX_PORT_STATE_DIR")
+    if explicit:
+        yield Path(explicit)
+        return
+    yield Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "flux-port"
+    yield Path(tempfile.gettempdir()) / f"flux-port-{os.getuid()}"
+
+
+def _read_private_key(path: Path) -> bytes | None:
+    """The key, only when it is a plain file of this user's that nobody else can read or write."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+            return None
+        key = f.read()
+    return key if len(key) == 32 else None
+
+
+def _create_key(folder: Path) -> bytes | None:
+    try:
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        st = os.lstat(folder)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+            return None
+        path = folder / _KEY_NAME
+        key = _read_private_key(path)
+        if key is not None:
+            return key
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        key = secrets.token_bytes(32)
+        with os.fdopen(fd, "wb") as f:
+            f.write(key)
+        return key
+    except FileExistsError:  # another process made it between the read and the create
+        return _read_private_key(folder / _KEY_NAME)
+    except OSError:
+        return None
+
+
+_key_cache: dict[str, bytes] = {}
+
+
+def _key() -> bytes:
+    """This user's sealing key, made on first use; a process-only key when no state folder is writable."""
+    cache_id = os.environ.get("FLUX_PORT_STATE_DIR", "")
+    if cache_id not in _key_cache:
+        key = next((k for k in map(_create_key, _state_dirs()) if k is not None), None)
+        _key_cache[cache_id] = key or secrets.token_bytes(32)
+    return _key_cache[cache_id]
+
+
+def _seal(doc: dict) -> str:
+    body = json.dumps({k: v for k, v in doc.items() if k != "seal"}, sort_keys=True, separators=(",", ":"))
+    return hmac.new(_key(), body.encode(), hashlib.sha256).hexdigest()
+
+
+def _identity(folder: Path) -> dict[str, int]:
+    st = os.lstat(folder)
+    return {"device": st.st_dev, "inode": st.st_ino}
+
+
+def _sealed_doc(folder: Path, doc: dict) -> str:
+    doc = {**doc, "tool": "flux-port", "run": RUN_ID, "folder": _identity(folder)}
+    doc["seal"] = _seal(doc)
+    return json.dumps(doc, indent=2, sort_keys=True) + "\n"
+
+
+def _verified(folder: Path, name: str) -> dict | None:
+    """The record or marker `name` in `folder`, when it was sealed on this machine for this very folder."""
+    path = folder / name
+    try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            return None
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(doc, dict) or doc.get("tool") != "flux-port" or not isinstance(doc.get("seal"), str):
+        return None
+    if not hmac.compare_digest(doc["seal"], _seal(doc)):
+        return None
+    try:
+        return doc if doc.get("folder") == _identity(folder) else None
+    except OSError:
+        return None
+
+
+# --- what a folder holds -------------------------------------------------------------------------------------------
+
+def _entry(path: Path) -> object:
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        return {"link": os.readlink(path)}
+    if stat.S_ISDIR(st.st_mode):
+        return "dir"
+    return st.st_size
+
+
+def _walk(folder: Path) -> Iterator[Path]:
+    """Every entry under `folder`, links not followed, in a stable order."""
+    for root, dirs, files in os.walk(folder, followlinks=False):
+        dirs.sort()
+        for name in sorted(dirs + files):
+            yield Path(root) / name
+
+
+def inventory(folder: Path, entries: Iterable[str] | None = None) -> dict[str, object]:
+    """Relative path -> size (files), {"link": target} (links) or "dir" for everything under `folder` (or under
+    the named top-level `entries`), the record itself left out."""
+    tops = [folder / e for e in entries] if entries is not None else [folder]
+    found: dict[str, object] = {}
+    for top in tops:
+        if not (top.exists() or top.is_symlink()):
+            continue
+        paths = [top] if top != folder else []
+        if top.is_dir() and not top.is_symlink():
+            paths += list(_walk(top))
+        for p in paths:
+            rel = p.relative_to(folder).as_posix()
+            if rel != RECORD:
+                found[rel] = _entry(p)
+    return found
+
+
+@dataclass
+class Record:
+    verb: str
+    files: dict[str, object] = field(default_factory=dict)
+
+
+def write_record(folder: Path, verb: str, entries: Iterable[str] | None = None) -> None:
+    """Record what is in `folder` now (or under its top-level `entries`) as written by this flux-port run."""
+    doc = {"format_version": RECORD_VERSION, "verb": verb, "files": inventory(folder, entries)}
+    (folder / RECORD).write_text(_sealed_doc(folder, doc))
+
+
+def extend_record(folder: Path, verb: str, entries: Iterable[str]) -> None:
+    """Add the named top-level entries (as they are now) to the record of `folder`, keeping what it lists."""
+    record = read_record(folder)
+    files = dict(record.files) if record else {}
+    files.update(inventory(folder, entries))
+    doc = {"format_version": RECORD_VERSION, "verb": verb, "files": files}
+    (folder / RECORD).write_text(_sealed_doc(folder, doc))
+
+
+def read_record(folder: Path) -> Record | None:
+    """The ownership record of `folder`, or None where there is none that proves anything."""
+    doc = _verified(folder, RECORD)
+    if doc is None or not isinstance(doc.get("files"), dict) or not isinstance(doc.get("verb"), str):
+        return None
+    return Record(verb=doc["verb"], files=doc["files"])
+
+
+def write_staging_marker(folder: Path) -> None:
+    (folder / STAGING_MARKER).write_text(_sealed_doc(folder, {"format_version": RECORD_VERSION, "kind": "staging"}))
+
+
+def is_flux_port_staging(folder: Path) -> bool:
+    """A staging or trash folder a flux-port run made here (not one a user named alike)."""
+    return _verified(folder, STAGING_MARKER) is not None
+
+
+# --- what in a folder is not flux-port's ---------------------------------------------------------------------------
+
+def foreign_entries(folder: Path) -> list[str] | None:
+    """Entries under `folder` that flux-port cannot prove it wrote; None when the folder has no valid record.
+
+    A file is flux-port's when the record lists it at its current size; a link when the record lists the same
+    target; a subfolder when the record lists it, or it carries a valid record of its own (a report written inside
+    an output), or it holds only what is flux-port's. A staging folder of a run goes with its marker.
+    """
+    record = read_record(folder)
+    if record is None:
+        return None
+    return _foreign(folder, folder, record.files)
+
+
+def _foreign(root: Path, folder: Path, owned: dict[str, object]) -> list[str]:
+    foreign: list[str] = []
+    for entry in sorted(folder.iterdir()):
+        rel = entry.relative_to(root).as_posix()
+        if entry.parent == root and entry.name == RECORD:
+            continue
+        foreign += _foreign_entry(root, entry, rel, owned)
+    return foreign
+
+
+def _foreign_entry(root: Path, entry: Path, rel: str, owned: dict[str, object]) -> list[str]:
+    st = os.lstat(entry)
+    if not stat.S_ISDIR(st.st_mode):
+        return [] if owned.get(rel) == _entry(entry) else [rel]
+    nested = read_record(entry)
+    if nested is not None:
+        return [f"{rel}/{f}" for f in _foreign(entry, entry, nested.files)]
+    if is_flux_port_staging(entry):
+        return []
+    inside = _foreign(root, entry, owned)
+    if inside:
+        return inside
+    return [] if owned.get(rel) == "dir" or any(entry.iterdir()) else [rel]
