@@ -19,7 +19,7 @@ import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Collection, Iterator, Literal, Mapping
+from typing import Callable, Collection, Iterator, Literal, Mapping, Sequence
 
 from porting.errors import DiskSpaceError, OutputExistsError, PortError
 from porting.ownership import (
@@ -78,12 +78,24 @@ def _is_within(path: Path, folder: Path) -> bool:
     return path == folder or folder in path.parents
 
 
-def check_disjoint(out: Path, inputs: Mapping[str, Path | str | None]) -> None:
-    """Refuse an output that is, contains or lies inside one of the inputs (compared after resolving links)."""
-    target = Path(os.path.realpath(out))
+InputPaths = Mapping[str, "Path | str | None | Sequence[Path | str]"]
+"""What a verb reads, by label: one path, None (not given), or several paths under one label (adapters, images)."""
+
+
+def _labelled(inputs: InputPaths) -> Iterator[tuple[str, Path | str]]:
     for label, value in inputs.items():
-        if value is None:
-            continue
+        for path in [value] if value is None or isinstance(value, (str, os.PathLike)) else value:
+            if path is not None and str(path) != "":
+                yield label, path
+
+
+def check_disjoint(out: Path, inputs: InputPaths) -> None:
+    """Refuse an output that is, contains or lies inside one of the inputs (compared after resolving links).
+
+    Every path a verb reads counts: bases, transformers, adapters, reports, images, configs, manifests.
+    """
+    target = Path(os.path.realpath(out))
+    for label, value in _labelled(inputs):
         source = Path(os.path.realpath(value))
         if target == source:
             relation = "is"

@@ -72,8 +72,9 @@ def validate(model: str | Path, *, device: str = "cpu", dtype: str | None = None
     run_dtype, gold_dtype = _dtype(dtype, "--dtype"), _dtype(golden_dtype, "--golden-dtype")
     if gold_dtype.itemsize <= run_dtype.itemsize and dtype != "fp32":
         raise PortError(f"--golden-dtype {golden_dtype} must be more precise than --dtype {dtype}.")
+    read_paths = {"model": model, "source transformer": weights_path, "--base": base, "--config": config}
     if out is not None:
-        check_output(Path(out), verb="validate", replace="owned", inputs={"model": model})
+        check_output(Path(out), verb="validate", replace="owned", inputs=read_paths)
     ref = resolve_device(reference)
     dev = resolve_device(device) if runtime == "torch" else None
     check_not_one_computation(dtype=dtype, golden_dtype=golden_dtype, device=dev, reference=ref, runtime=runtime)
@@ -106,7 +107,7 @@ def validate(model: str | Path, *, device: str = "cpu", dtype: str | None = None
                    intrinsic=intrinsic, export=export, on_stage=on_stage, weights_sha256=weights,
                    golden_weights=golden_weights)
     if out is not None:
-        report.write(Path(out), inputs={"model": model})
+        report.write(Path(out), inputs=read_paths)
     return report
 
 

@@ -24,8 +24,8 @@ import numpy as np
 import torch
 
 from porting import __version__
-from porting.errors import DeviceError, InputError, OutputExistsError, PortError
-from porting.outputs import atomic_folder, timestamped_folder
+from porting.errors import DeviceError, InputError, PortError
+from porting.outputs import InputPaths, atomic_folder, check_output, timestamped_folder
 from porting.pipeline import pipeload
 from porting.pipeline.compare_tables import COMPARE_JSON, COMPARE_MD, fmt, summary_markdown
 from porting.pipeline.generate import (
@@ -278,13 +278,15 @@ def compare(reference: Side, candidate: Side, *, prompts: Sequence[str] | None =
             lpips_backbone: torch.nn.Module | None = None, guidance_scale: float | None = None,
             min_psnr: float | None = None, max_lpips: float | None = None, diff_gain: float = DEFAULT_DIFF_GAIN,
             images: Sequence[str | Path] = (), on_status: Callable[[str], None] | None = None,
-            on_image: Callable[[int, int, str], None] | None = None) -> CompareResult:
+            on_image: Callable[[int, int, str], None] | None = None,
+            inputs: InputPaths | None = None) -> CompareResult:
     """Render `prompts` (default: the built-in set) through both sides and write the comparison into `out`.
 
     `images` are reference images passed with every prompt on both sides (an editing comparison).
     `lpips_backbone` injects an AlexNet-shaped feature network (tests); otherwise `lpips_weights` or the torch hub
     cache provide it, and LPIPS is reported unavailable without them. `on_image(done, total, label)` is called after
     each rendered image. Gates apply to the means; a missed gate is in `failures` (the caller decides the exit).
+    `inputs` names further paths the caller read (the --prompts file): `out` keeps clear of them as of every input.
     """
     say = on_status or (lambda text: None)
     started = time.perf_counter()
@@ -310,9 +312,10 @@ def compare(reference: Side, candidate: Side, *, prompts: Sequence[str] | None =
                          f"{ref.transformer}, {dims[1]} in {cand.transformer}).",
                          hint="Both sides share the reference's text encoder: compare models of one family and size.")
     out = Path(out) if out is not None else default_out(candidate)
-    if out.exists() and not force:
-        raise OutputExistsError(f"{out}: output folder already exists.", hint="Pass --force to replace it, or "
-                                                                              "choose another --out.")
+    read_paths = {"reference": reference.folder, "candidate": candidate.folder,
+                  "reference transformer": reference.transformer, "candidate transformer": candidate.transformer,
+                  "--image": list(images), "--lpips-weights": lpips_weights, **(inputs or {})}
+    check_output(out, force=force, verb="compare", inputs=read_paths)  # before an hour of rendering
     # settled before anything is rendered: a gate on LPIPS must not fail after an hour of generation
     scorer, lpips_reason = lpips_scorer(lpips_backbone, lpips_weights, width, height)
     if max_lpips is not None and scorer is None:
@@ -333,9 +336,7 @@ def compare(reference: Side, candidate: Side, *, prompts: Sequence[str] | None =
             on_image(done, 2 * len(prompts), label)
 
     timings: dict[str, float] = {}
-    inputs = {"reference": reference.folder, "candidate": candidate.folder,
-              "reference transformer": reference.transformer, "candidate transformer": candidate.transformer}
-    with atomic_folder(out, force=force, verb="compare", inputs=inputs) as staging:
+    with atomic_folder(out, force=force, verb="compare", inputs=read_paths) as staging:
         say(f"loading the reference from {ref.folder} on {ref.device} ({ref.dtype_name})")
         t0 = time.perf_counter()
         pipe = pipeload.load(ref.folder, ref.device, DTYPES[ref.dtype_name],

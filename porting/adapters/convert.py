@@ -23,7 +23,7 @@ from porting.engine.mapping import MappingTable, Naming
 from porting.errors import InternalError, PortError
 from porting.families import family_for
 from porting.finite import check_tensor, dumps
-from porting.outputs import atomic_folder
+from porting.outputs import InputPaths, atomic_folder
 
 from . import LORA_FILE, MANIFEST
 from .naming import Adapter, naming_config, read_adapter
@@ -137,8 +137,12 @@ def key_tensors(f: Factors, style: Style) -> dict[str, torch.Tensor]:
 
 def convert_adapter(src: str | Path, out: str | Path | None, to: Naming = "diffusers", style: Style | None = None,
                     materialise: bool = False, config: Mapping[str, Any] | None = None,
-                    force: bool = False, table: MappingTable | None = None) -> AdapterConvertResult:
-    """Rewrite the adapter at `src` for `to` naming; `table` replaces the built-in mapping table of its family."""
+                    force: bool = False, table: MappingTable | None = None,
+                    inputs: InputPaths | None = None) -> AdapterConvertResult:
+    """Rewrite the adapter at `src` for `to` naming; `table` replaces the built-in mapping table of its family.
+
+    `inputs` names further paths the caller read (the --config file), which `out` must keep clear of, as of `src`.
+    """
     started = time.perf_counter()
     adapter = read_adapter(src, table)
     if adapter.unknown:
@@ -172,7 +176,7 @@ def convert_adapter(src: str | Path, out: str | Path | None, to: Naming = "diffu
             tensors[key] = t.to(dtype).contiguous()
     name = LORA_FILE if style == "diffusers" else adapter.path.name if adapter.path.is_file() else "adapter.safetensors"
     out = Path(out)
-    with atomic_folder(out, force=force, verb="convert", inputs={"adapter": adapter.path}) as staging:
+    with atomic_folder(out, force=force, verb="convert", inputs={"adapter": adapter.path, **(inputs or {})}) as staging:
         save_file(tensors, str(staging / name), metadata={"format": "pt"})
         digest = hashlib.sha256((staging / name).read_bytes()).hexdigest()
         manifest = {"tool": "flux-port", "version": __version__, **result.to_dict(), "out": None, "file": name,

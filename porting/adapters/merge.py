@@ -210,4 +210,5 @@ def merge(base: str | Path, adapters: list[tuple[str | Path, float]], out: str |
          "modules": len(a.modules), "kinds": a.kinds} for a, s in read]
     return convert(base, out, to=to or detection.naming, strict=True, max_shard_size=max_shard_size,
                    dry_run=dry_run, force=force, on_start=on_start, on_bytes=on_bytes,
-                   tensors=placement.tensors, manifest_extra={"merged_adapters": merged})
+                   tensors=placement.tensors, manifest_extra={"merged_adapters": merged},
+                   inputs={"adapter": [a.path for a, _ in read]})

@@ -6,11 +6,12 @@ the model card gains a section saying how to load it.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from porting._files import read_json_object
 from porting.errors import InputError
+from porting.paths import check_plain_name, check_within, link_roots
 
 from . import LORA_FILE, MANIFEST
 
@@ -32,7 +33,8 @@ def check_adapters(folders: Sequence[Path], transformer_cfg: Mapping[str, Any]) 
         if not manifest_path.is_file() or not file.is_file():
             raise InputError(f"{folder}: not an adapter folder written by port convert (needs {MANIFEST} and "
                              f"{LORA_FILE}).", hint="Convert the adapter first: port convert ADAPTER --out DIR.")
-        manifest = json.loads(manifest_path.read_text())
+        manifest = read_json_object(manifest_path, "written by port convert")
+        check_plain_name(manifest.get("file", LORA_FILE), manifest_path, "file")
         if manifest.get("to") != "diffusers":
             raise InputError(f"{folder}: adapter was converted to {manifest.get('to')} naming; a diffusers pipeline "
                              "needs diffusers naming.", hint="Convert it again without --to original.")
@@ -51,11 +53,13 @@ def check_adapters(folders: Sequence[Path], transformer_cfg: Mapping[str, Any]) 
 
 
 def adapter_sources(adapters: Sequence[Mapping[str, Any]]) -> list[tuple[Path, Path]]:
-    """(source file, path inside the published folder) for each adapter's files."""
+    """(source file, path inside the published folder) for each adapter's files; each must lie, links resolved,
+    inside its adapter folder."""
     out = []
     for a in adapters:
         folder = Path(a["folder"])
         for name in (LORA_FILE, MANIFEST):
+            check_within(folder / name, link_roots(folder), "adapter file")
             out.append((folder / name, Path("adapters") / adapter_name(folder) / name))
     return out
 

@@ -33,7 +33,8 @@ def convert(output: Output, src: Path, out: Optional[Path], to: str, style: Opti
     if out is None and not dry_run:
         raise PortError("port convert needs --out DIR (or --dry-run to only print the plan).")
     result = convert_adapter(src, None if dry_run else out, to=to, style=style, materialise=materialise,
-                             config=load_base_config(config) if config else None, force=force)
+                             config=load_base_config(config) if config else None, force=force,
+                             inputs={"--config": config})
     doc = result.to_dict()
     output.document(doc)
     table = Table(title="adapter conversion", show_header=False)

@@ -119,7 +119,7 @@ def compare(
             Side(candidate, candidate_transformer, device, dtype.value if dtype else None),
             prompts=prompt_list, seeds=_seeds(seeds), steps=steps, size=size, out=out, force=force,
             lpips_weights=lpips_weights, guidance_scale=guidance_scale, min_psnr=min_psnr, max_lpips=max_lpips,
-            diff_gain=diff_gain, images=image or [], on_status=say, on_image=on_image)
+            diff_gain=diff_gain, images=image or [], on_status=say, on_image=on_image, inputs={"--prompts": prompts})
     finally:
         if progress:
             progress.stop()

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 from porting import __version__
 from porting.errors import InputError, PlanError
 from porting.finite import check_tensor, dumps
-from porting.outputs import atomic_folder, check_output
+from porting.outputs import InputPaths, atomic_folder, check_output
 from porting.tensors.checkpoint import Checkpoint, open_checkpoint
 from porting.tensors.dtypes import itemsize, torch_dtype
 from porting.tensors.sidecars import is_sidecar
@@ -191,11 +191,13 @@ def convert(src: str | Path, out: str | Path | None, to: Naming = "diffusers", d
             tables: Mapping[str, MappingTable] | None = None,
             tensors: Callable[[Checkpoint, Plan], Iterator[torch.Tensor | Segments]] | None = None,
             manifest_extra: Mapping[str, Any] | None = None,
-            on_notice: Callable[[str], None] | None = None) -> ConvertResult:
+            on_notice: Callable[[str], None] | None = None,
+            inputs: InputPaths | None = None) -> ConvertResult:
     """Convert a checkpoint; with `strict`, refuse any plan that does not account for every key and shape.
 
     `tensors` replaces `iter_tensors` as the source of the target tensors (e.g. `port merge` adds adapter deltas on
-    the way); `manifest_extra` adds fields to the manifest.
+    the way); `manifest_extra` adds fields to the manifest; `inputs` names further paths the caller reads (merge's
+    adapters), which `out` must not be, contain or lie inside, like the source and `config`.
     """
     started = time.perf_counter()
     ckpt, detection, plan = prepare(src, to, dtype, config, tables)
@@ -209,15 +211,15 @@ def convert(src: str | Path, out: str | Path | None, to: Naming = "diffusers", d
         return ConvertResult(plan, None, seconds=time.perf_counter() - started, quantization=quant)
     out = Path(out)
     limit = parse_size(max_shard_size)
-    check_output(out, force=force, verb="convert", inputs={"source": src, "--config": config})
+    read_paths = {"source": src, "--config": config, **(inputs or {})}
+    check_output(out, force=force, verb="convert", inputs=read_paths)
     entries = [Entry(k, s, d) for k, s, d in plan.outputs()]
     stem = "diffusion_pytorch_model" if to == "diffusers" else "model"
     hasher = WeightsHasher()
     if on_start:
         on_start(plan.output_bytes)
     before = source_stamps(ckpt)
-    with atomic_folder(out, force=force, verb="convert", inputs={"source": src, "--config": config},
-                       on_notice=on_notice) as staging:
+    with atomic_folder(out, force=force, verb="convert", inputs=read_paths, on_notice=on_notice) as staging:
         files = write_shards(staging, stem, entries, (tensors or iter_tensors)(ckpt, plan), limit,
                              metadata={"format": "pt"}, on_bytes=on_bytes, hasher=hasher)
         if to == "diffusers":

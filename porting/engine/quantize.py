@@ -17,8 +17,8 @@ import torch
 from porting import __version__
 from porting.errors import CheckFailed, PortError
 from porting.finite import check_tensor, dumps, peak
+from porting.outputs import atomic_folder, check_output
 from porting.tensors.checkpoint import Checkpoint, open_checkpoint
-from porting.tensors.writer import atomic_folder
 
 from .convert import MANIFEST, ConvertResult, prepare, resolve_dtype, stranded_sidecars, strict_error
 from .detect import detect
@@ -114,10 +114,12 @@ def convert_quantized(src: str | Path, out: str | Path, quantize: str, dtype: st
     plain = resolve_dtype(ckpt, dtype) or (stored.pop() if len(stored) == 1 else "F32")
     specs = [(k, s) for k, s, _ in outputs]
     layout, name = TARGETS[quantize]
+    out = Path(out)
+    read_paths = {"source": src, "--config": config}
+    check_output(out, force=force, verb="convert", inputs=read_paths)  # before the long work
     if on_start:
         on_start(plan.output_bytes)
-    out = Path(out)
-    with atomic_folder(out, force=force) as staging:
+    with atomic_folder(out, force=force, verb="convert", inputs=read_paths) as staging:
         kinds = _write(quantize, staging / name, specs, _source_tensors(ckpt, plan), plain)
         reread = reread_error(staging / name, ckpt, plan, kinds)
         counts: dict[str, int] = {}

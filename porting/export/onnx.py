@@ -25,9 +25,10 @@ import torch
 from porting import __version__
 from porting.errors import InputError, PortError, UsageError
 from porting.finite import dumps
+from porting.outputs import atomic_folder, check_output
+from porting.paths import files_within, link_roots
 from porting.resources import MEMORY_OVERHEAD, require_memory
 from porting.tensors.checkpoint import hash_checkpoint, open_checkpoint
-from porting.tensors.writer import atomic_folder
 
 from .onnx_components import COMPONENTS, COPIED, Traceable, gib, nbytes
 from .ort import MODEL_FILE, require
@@ -179,6 +180,14 @@ def export_component(traced: Traceable, dest: Path, opset: int) -> int:
     return produced
 
 
+def files_to_copy(folder: Path, kind: str) -> dict[str, list[Path]]:
+    """The files of the weightless folders (tokenizer, scheduler) an export carries, listed before any work; a link
+    is followed only when it stays inside the source folder."""
+    if kind != "pipeline":
+        return {}
+    return {name: files_within(folder / name, link_roots(folder)) for name in COPIED if (folder / name).is_dir()}
+
+
 def export_onnx(folder: str | Path, out: str | Path, *, dtype: str = "fp32", opset: int = DEFAULT_OPSET,
                 components: Sequence[str] | None = None, force: bool = False,
                 available_bytes: int | None = None,
@@ -208,6 +217,10 @@ def export_onnx(folder: str | Path, out: str | Path, *, dtype: str = "fp32", ops
     for c in wanted:  # refuse before any tracing
         check_fits(c, params[c], torch_dtype, available_bytes)
 
+    copies = files_to_copy(folder, kind)
+    read_paths = {"source": folder, "component": list(sources.values()),
+                  "copied folder": [folder / name for name in copies]}
+    check_output(out, force=force, verb="export", inputs=read_paths)  # before any tracing
     weights = None
     if "transformer" in sources:
         say(f"hashing the transformer weights in {sources['transformer']}")
@@ -216,7 +229,7 @@ def export_onnx(folder: str | Path, out: str | Path, *, dtype: str = "fp32", ops
     results: list[ComponentResult] = []
     produced_opsets: set[int] = set()
     copied: list[str] = []
-    with atomic_folder(out, force=force, verb="export", inputs={"source": folder}) as staging:
+    with atomic_folder(out, force=force, verb="export", inputs=read_paths) as staging:
         for c in wanted:
             say(f"exporting {c} ({params[c] / 1e6:.1f} M parameters, {dtype}, opset {opset})")
             t0 = time.perf_counter()
@@ -231,11 +244,13 @@ def export_onnx(folder: str | Path, out: str | Path, *, dtype: str = "fp32", ops
                 export_s=round(time.perf_counter() - t0, 2), facts=traced.facts))
             del traced
             gc.collect()  # the next component's weights should not sit next to this one's
-        if kind == "pipeline":
-            for name in COPIED:
-                if (folder / name).is_dir():
-                    shutil.copytree(folder / name, staging / name)
-                    copied.append(name)
+        for name, files in copies.items():
+            (staging / name).mkdir()
+            for f in files:
+                dest = staging / name / f.relative_to(folder / name)
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(f, dest)
+            copied.append(name)
         produced = max(produced_opsets) if produced_opsets else opset
         if produced != opset:
             notices.append(f"asked for opset {opset}, the exporter produced opset {produced}")

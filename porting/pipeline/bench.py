@@ -26,7 +26,7 @@ import torch
 from porting import __version__
 from porting.errors import InputError, PortError
 from porting.finite import dumps
-from porting.outputs import atomic_folder, timestamped_folder
+from porting.outputs import atomic_folder, check_output, timestamped_folder
 
 from . import pipeload
 from .generate import (
@@ -304,10 +304,12 @@ def bench(folder: str | Path, *, transformer: str | Path | None = None, device: 
         raise PortError(f"--steps {steps}: needs at least 1.")
     reference = load_references([Path(image)])[0] if image is not None else edit_image(
         max(width, MIN_REFERENCE_SIDE), max(height, MIN_REFERENCE_SIDE))  # the Flux2 pipelines refuse smaller
+    out = Path(out) if out is not None else default_out(folder, swap)
+    read_paths = {"folder": folder, "--transformer": swap, "--image": image}
+    check_output(out, force=force, verb="bench", inputs=read_paths)  # before the runs, not after them
     say(f"hashing the transformer weights in {transformer_dir}")
     weights = pipeload.weights_sha256(transformer_dir)
     memory = _Memory(dev)
-    out = Path(out) if out is not None else default_out(folder, swap)
 
     rows: list[Row] = []
 
@@ -383,7 +385,7 @@ def bench(folder: str | Path, *, transformer: str | Path | None = None, device: 
         "rows": [r.to_dict() for r in rows],
         "torch": torch.__version__,
     }
-    with atomic_folder(out, force=force, verb="bench") as staging:
+    with atomic_folder(out, force=force, verb="bench", inputs=read_paths) as staging:
         (staging / BENCH_JSON).write_text(dumps(doc, indent=2) + "\n")
         (staging / BENCH_MD).write_text(to_markdown(doc))
     return BenchResult(out, doc)

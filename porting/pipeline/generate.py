@@ -8,7 +8,6 @@ loading and denoising; peak memory is the device allocator's peak on an accelera
 from __future__ import annotations
 
 import inspect
-import json
 import os
 import resource
 import sys
@@ -21,9 +20,11 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from porting._files import read_json_object
 from porting.devices import resolve_device
 from porting.errors import InputError, OutputExistsError, PortError
-from porting.outputs import UnsafeOutputError, check_writable_parent, umask, write_error
+from porting.outputs import UnsafeOutputError, check_disjoint, check_writable_parent, umask, write_error
+from porting.paths import check_component_names
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 OFFLOAD_MODES = ("model", "sequential")
@@ -77,10 +78,9 @@ def read_model_index(folder: Path) -> dict[str, Any]:
     if not path.is_file():
         raise InputError(f"{folder}: no model_index.json; not a diffusers pipeline folder.",
                          hint="Publish one first: port publish --base BASE --transformer DIR --out FOLDER.")
-    try:
-        return json.loads(path.read_text())
-    except ValueError as e:
-        raise InputError(f"{path}: not valid JSON ({e}).") from e
+    index = read_json_object(path, "a diffusers pipeline folder has one at its root")
+    check_component_names(index, path)  # diffusers loads each component from the folder of that name
+    return index
 
 
 def default_steps(index: dict[str, Any]) -> int:
@@ -259,6 +259,7 @@ def generate(folder: str | Path, prompt: str, *, device: str = "cpu", steps: int
     references = load_references([Path(p) for p in images])
     if output.suffix.lower() != ".png":
         raise PortError(f"--output {output}: flux-port writes PNG; name the file *.png.")
+    check_disjoint(output, {"pipeline folder": folder, "source pipeline": onnx_source, "--image": list(images)})
     check_image_replaceable(output, force)
 
     acc = _accelerator(dev)

@@ -27,6 +27,7 @@ from porting.engine.convert import MANIFEST as CONVERT_MANIFEST
 from porting.errors import CheckFailed, DiskSpaceError, InputError, PortError, UnsupportedFormatError, UsageError
 from porting.families import Family, PipelineVariant, pipeline_variants
 from porting.outputs import atomic_folder, check_output
+from porting.paths import check_component_names, check_within, files_within, link_roots
 from porting.tensors.checkpoint import hash_checkpoint, open_checkpoint
 
 LinkMode = Literal["hardlink", "symlink", "copy"]
@@ -97,6 +98,7 @@ def read_base(base: Path) -> dict[str, Any]:
         raise InputError(f"{base}: base folder not found.",
                          hint="Point --base at a diffusers-layout base repository (port fetch RECIPE downloads one).")
     index = _read_json(base / "model_index.json", "a diffusers base repository has one at its root")
+    check_component_names(index, base / "model_index.json")
     for name in base_components(index):
         if not (base / name).is_dir():
             raise InputError(f"{base}: model_index.json lists component '{name}' but {base / name} is missing.",
@@ -247,15 +249,6 @@ def link_file(src: Path, dst: Path, mode: str, hardlink: Callable[[Path, Path], 
     return "copy"
 
 
-def link_root(base: Path) -> Path:
-    """The folder links in `base` may point into: the base itself, or for a Hugging Face cache snapshot
-    (`models--org--name/snapshots/REV`) the cache entry whose `blobs/` its links point to."""
-    resolved = Path(os.path.realpath(base))
-    if resolved.parent.name == "snapshots" and (resolved.parent.parent / "blobs").is_dir():
-        return resolved.parent.parent
-    return resolved
-
-
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 
 
@@ -272,34 +265,16 @@ def refuse_pickles(files: list[Path]) -> None:
                  "component to safetensors in a sandbox you trust.")
 
 
-def files_within(folder: Path, root: Path) -> list[Path]:
-    """The visible files under `folder`; a symbolic link is followed only when it stays inside `root`.
-
-    A link out of the folder would publish (or link to) a file the user never meant to ship, so it is refused.
-    """
-    root = Path(os.path.realpath(root))
-    files = []
-    for dirpath, dirnames, filenames in os.walk(folder, followlinks=False):
-        here = Path(dirpath)
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        for name in [d for d in dirnames if (here / d).is_symlink()] + sorted(filenames):
-            path = here / name
-            if name.startswith("."):
-                continue
-            if path.is_symlink():
-                target = Path(os.path.realpath(path))
-                if not (target == root or root in target.parents):
-                    raise InputError(f"{path}: a symbolic link to {target}, outside {root}; flux-port never "
-                                     "publishes files from outside the folders it publishes from.",
-                                     hint="Replace the link by the file itself, or remove it.")
-                if target.is_dir():
-                    raise InputError(f"{path}: a symbolic link to a folder; publish takes files only.",
-                                     hint="Replace the link by the folder's files.")
-                if not target.exists():
-                    raise InputError(f"{path}: a dangling symbolic link.", hint="Remove it or restore its target.")
-            if path.is_file():
-                files.append(path)
-    return sorted(files)
+def report_sources(gate: Gate) -> list[tuple[Path, str]]:
+    """(file, name in the published folder) for report.json and report.md next to the report that was judged;
+    each must lie, links resolved, inside that report's folder."""
+    if gate.path is None or gate.report is None:
+        return []
+    folder = gate.path.parent
+    found = [(folder / name, name) for name in REPORT_FILES if (folder / name).is_file()]
+    for src, _ in found:
+        check_within(src, link_roots(folder), "report file")
+    return found
 
 
 def sha256_file(path: Path, on_bytes: Callable[[int], None] | None = None) -> str:
@@ -330,6 +305,7 @@ def base_card_metadata(base: Path) -> dict[str, str]:
     readme = base / "README.md"
     if not readme.is_file():
         return {}
+    check_within(readme, link_roots(base))  # its licence fields are published in the card
     lines = readme.read_text(errors="replace").splitlines()
     if not lines or lines[0].strip() != "---":
         return {}
@@ -484,8 +460,10 @@ def publish(base: str | Path, transformer: str | Path, out: str | Path, *, repor
         variant_spec(variant)
     if base_model is not None:
         check_base_model(base_model)
-    inputs = {"base": base, "transformer": transformer, "report": report,
-              **{f"adapter {Path(a).name}": a for a in adapters}}
+    found_report = report is None and (transformer.parent / "reports" / "report.json").is_file()
+    if found_report:
+        report = transformer.parent / "reports"  # where port validate writes by default (and the workspace layout)
+    inputs = {"base": base, "transformer": transformer, "report": report, "adapter": list(adapters)}
     check_output(out, force=force, verb="publish", inputs=inputs)
     base_index = read_base(base)
     if not transformer.is_dir():
@@ -496,8 +474,7 @@ def publish(base: str | Path, transformer: str | Path, out: str | Path, *, repor
     variant = variant or infer_variant(base_index, cfg)
     notices = check_consistency(base, base_index, cfg, variant)
     carried = check_adapters([Path(a) for a in adapters], cfg)  # converted adapters placed under adapters/NAME/
-    if report is None and (transformer.parent / "reports" / "report.json").is_file():
-        report = transformer.parent / "reports"  # where port validate writes by default (and the workspace layout)
+    if found_report:
         say(f"using the validation report in {report}")
     gate = check_report(Path(report) if report is not None else None, weights, cfg)
     if not gate.passed and not skip_validation:
@@ -511,11 +488,11 @@ def publish(base: str | Path, transformer: str | Path, out: str | Path, *, repor
 
     sources: list[tuple[Path, Path]] = [(f, Path(name) / f.relative_to(base / name))
                                         for name in base_components(base_index)
-                                        for f in files_within(base / name, link_root(base))]
+                                        for f in files_within(base / name, link_roots(base))]
     refuse_pickles([src for src, _ in sources])
-    sources += [(f, Path("transformer") / f.relative_to(transformer))
-                for f in files_within(transformer, transformer)]
+    sources += [(f, Path("transformer") / f.relative_to(transformer)) for f in files_within(transformer)]
     sources += adapter_sources(carried)
+    reports = report_sources(gate)
     total = sum(src.stat().st_size for src, _ in sources)
     if link == "copy":
         free = shutil.disk_usage(out.resolve().parent if out.parent.exists() else Path.cwd()).free
@@ -539,11 +516,9 @@ def publish(base: str | Path, transformer: str | Path, out: str | Path, *, repor
                            f"copied {len(copied)} file(s) instead")
         (staging / "model_index.json").write_text(json.dumps(build_model_index(base_index, variant), indent=2) + "\n")
         files["model_index.json"] = {"how": "written"}
-        if gate.path is not None and gate.report is not None:
-            for name in REPORT_FILES:
-                if (gate.path.parent / name).is_file():
-                    shutil.copy2(gate.path.parent / name, staging / name)
-                    files[name] = {"how": "copy"}
+        for src, name in reports:
+            shutil.copy2(src, staging / name)
+            files[name] = {"how": "copy"}
         card = model_card(name=out.name, base_model=base_model, base=base, variant=variant, weights=weights,
                           gate=gate, skip_validation=skip_validation, convert_manifest=convert_manifest)
         from .cardtables import card_markdown, report_roots  # latest compare / bench tables of these weights

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from porting._files import read_json_object
 from porting.errors import InputError, UnsupportedFormatError
+from porting.paths import check_plain_name
 
 from . import dtypes
 from .identity import hash_checkpoint
@@ -197,9 +198,8 @@ def _open_index(index_path: Path) -> Checkpoint:
                                                    for k, v in weight_map.items()):
         raise InputError(f"{index_path}: not a valid safetensors index: it needs a 'weight_map' object of "
                          "tensor name -> shard file name.", hint="The index is damaged; download it again.")
-    if any(Path(v).name != v for v in weight_map.values()):
-        raise InputError(f"{index_path}: the index names shard files outside its folder.",
-                         hint="Shard names must be plain file names next to the index.")
+    for shard_name in sorted(set(weight_map.values())):
+        check_plain_name(shard_name, index_path, "shard file")  # next to the index, never elsewhere
     folder = index_path.parent
     tensors: dict[str, TensorInfo] = {}
     metadata: dict[str, str] = {}
