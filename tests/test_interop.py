@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import struct
 from pathlib import Path
 
 import pytest
@@ -18,12 +17,21 @@ import torch
 from diffusers import Flux2Transformer2DModel, FluxTransformer2DModel
 from safetensors import safe_open
 
-from porting.tensors.dtypes import itemsize
 from porting.tensors.reader import Checkpoint  # noqa: F401  (the reader whose keys are respelled)
 
 from . import lorakit
 from . import quantfiles as qf
-from .helpers import REAL2, TINY1_DEV, TINY2, compare_outputs, meta_shapes, reference_model, run_port, save_state
+from .helpers import (
+    REAL2,
+    TINY1_DEV,
+    TINY2,
+    compare_outputs,
+    meta_shapes,
+    reference_model,
+    run_port,
+    save_state,
+    write_header_only,
+)
 from .reference.flux2_bfl import Flux2Reference
 from .test_equivalence import (
     TOL,
@@ -104,25 +112,10 @@ def test_original_output_keeps_bfls_scale_spelling(tmp_path, capsys):
 
 # --- one file for original naming -------------------------------------------------------------------------------
 
-def sparse_checkpoint(path: Path, shapes: dict[str, tuple[int, ...]], dtype: str = "BF16") -> Path:
-    """A real-shape safetensors file whose data is a hole: headers are real, no data is written."""
-    header, offset = {}, 0
-    for key, shape in shapes.items():
-        n = math.prod(shape) * itemsize(dtype)
-        header[key] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    raw = json.dumps(header).encode()
-    raw += b" " * (-len(raw) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)) + raw)
-        f.truncate(8 + len(raw) + offset)
-    return path
-
-
 def test_a_real_shape_klein_9b_to_original_is_planned_as_one_file_of_the_published_layout(tmp_path, capsys):
     published = meta_shapes(REAL2["klein-9B"])
     assert len(published) == 201
-    bfl = sparse_checkpoint(tmp_path / "klein-9b.safetensors", published)
+    bfl = write_header_only(tmp_path / "klein-9b.safetensors", published)
     plan = json.loads(run_port(capsys, "convert", bfl, "--dry-run", "--json").out)
     assert len(plan["planned_files"]) == 4  # diffusers output keeps its 5 GB shards (18.2 GB)
     # the diffusers layout the first plan would write, as a sharded folder
@@ -131,7 +124,7 @@ def test_a_real_shape_klein_9b_to_original_is_planned_as_one_file_of_the_publish
     from porting.engine.convert import prepare
 
     _, _, p = prepare(bfl)
-    sparse_checkpoint(folder / "diffusion_pytorch_model.safetensors", {k: s for k, s, _ in p.outputs()})
+    write_header_only(folder / "diffusion_pytorch_model.safetensors", {k: s for k, s, _ in p.outputs()})
     run = run_port(capsys, "convert", folder, "--to", "original", "--dry-run", "--json")
     assert run.code == 0, run.err
     files = json.loads(run.out)["planned_files"]
