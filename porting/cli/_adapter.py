@@ -55,7 +55,7 @@ def inspect(output: Output, path: Path) -> None:
     from porting.adapters.describe import describe_adapter
     from porting.compat import adapter_runtimes
 
-    from .inspect_cmd import compatibility_table
+    from ._compat import compatibility_table
 
     info = describe_adapter(path)
     info["compatibility"] = [v.to_dict() for v in adapter_runtimes(path, info)]

@@ -9,6 +9,7 @@ import typer
 from rich.table import Table
 
 from . import _adapter, _output
+from ._compat import companions_table, compatibility_table
 from ._options import JsonOpt, transformer_of
 
 INSPECT_EXAMPLES = """\b
@@ -85,22 +86,3 @@ def inspect(path: Annotated[Path, typer.Argument(
     out.table(compatibility_table(info))
     if "companions" in info:
         out.table(companions_table(info["companions"]))
-
-
-def compatibility_table(info: dict[str, Any]) -> Table:
-    table = Table(title="which runtime loads this file", show_lines=False)
-    for column in ("runtime", "loads", "why / how"):
-        table.add_column(column, overflow="fold")
-    for v in info["compatibility"]:
-        how = v["detail"] + (f"\n{v['command']}" if v["command"] else "")
-        table.add_row(v["runtime"], v["status"], how)
-    return table
-
-
-def companions_table(doc: dict[str, Any]) -> Table:
-    table = Table(title=f"beside {doc['base']}")
-    for column in ("check", "", "detail"):
-        table.add_column(column, overflow="fold")
-    for row in doc["checks"]:
-        table.add_row(row["check"], "ok" if row["ok"] else "MISMATCH", row["detail"])
-    return table
