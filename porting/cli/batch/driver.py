@@ -8,8 +8,10 @@ request and lets Ray place and retry it.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import multiprocessing
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -224,6 +226,13 @@ def run_ray(runs: list[JobRun], progress: Progress, address: str | None, max_ret
         inflight[ref] = (run, task)
         progress.started(run.job.name, task["step"], f" (ray: {', '.join(f'{k}={v}' for k, v in req.items())})")
 
+    # Ray's driver threads print worker deaths and task logs to stdout; stdout is the summary's alone (--json)
+    with contextlib.redirect_stdout(sys.stderr):
+        _drive(ray, runs, submit, inflight, progress, started_here and address is None)
+
+
+def _drive(ray: Any, runs: list[JobRun], submit: Callable[[JobRun], None], inflight: dict[Any, Any],
+           progress: Progress, shutdown: bool) -> None:
     try:
         for run in runs:
             submit(run)
@@ -241,7 +250,7 @@ def run_ray(runs: list[JobRun], progress: Progress, address: str | None, max_ret
     finally:
         for ref in inflight:
             ray.cancel(ref, force=True)
-        if started_here and address is None:
+        if shutdown:
             ray.shutdown()
 
 
