@@ -186,3 +186,30 @@ def test_killing_the_driver_then_rerunning_runs_no_finished_step_twice(tmp_path)
         assert runs.count(job_step) == 1, job_step
     assert sorted(set(runs)) == sorted((f"j{i}", s) for i in range(3) for s in ("convert", "validate", "publish"))
     assert json.loads(rerun.stdout)["jobs_done"] == 3
+
+
+def test_fetch_step_from_a_hub_then_convert(tmp_path):
+    """A job whose source is a repository on a local Hub server: fetch puts the checkpoint in DIR/NAME/finetune/,
+    convert reads it from there."""
+    from tests.hubserver.harness import FakeHubs, client_env
+    from tests.hubserver.server import Repo
+
+    write_random_checkpoint(tmp_path / "ft.safetensors", TINY_FLUX2, seed=3)
+    build_demo_base(tmp_path / "base")
+    hubs = FakeHubs()
+    try:
+        hubs.add_hf(Repo("acme/ft", {"ft.safetensors": (tmp_path / "ft.safetensors").read_bytes(),
+                                     "README.md": b"# ft\n"}))
+        (tmp_path / "jobs.toml").write_text('[[job]]\nname = "hub"\nsource = "hf:acme/ft"\n'
+                                            'files = ["ft.safetensors"]\nbase = "base"\n'
+                                            'steps = ["fetch", "convert"]\n')
+        env = {**client_env(tmp_path, hubs), "PYTHONPATH": str(ROOT)}
+        r = subprocess.run([sys.executable, "-m", "porting", "batch", "jobs.toml", "--out", "out", "--json"],
+                           env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        doc = json.loads(r.stdout)
+        assert [s["state"] for s in doc["jobs"][0]["steps"]] == ["done", "done"]
+        assert (tmp_path / "out" / "hub" / "finetune" / "ft.safetensors").is_file()
+        assert (tmp_path / "out" / "hub" / "transformer" / "config.json").is_file()
+    finally:
+        hubs.close()

@@ -55,7 +55,10 @@ def _recipe(name: str) -> Any:
 
 
 def _part_args(part: Any, hub: str | None) -> list[str]:
-    hub = hub or part.hubs[0]
+    """`port fetch` arguments for one recipe part, from the hub asked for when the part is hosted there (a mirror
+    serves what the Hub hosts), else from the part's first hub."""
+    if hub is None or not (hub in part.hubs or (hub == "mirror" and "hf" in part.hubs)):
+        hub = part.hubs[0]
     prefix = "modelscope" if hub == "modelscope" else "hf"
     args = [f"{prefix}:{part.repo}"] + (["--from", "mirror"] if hub == "mirror" else [])
     args += ["--revision", part.revision] if part.revision else []
@@ -87,8 +90,10 @@ def fetch_calls(job: Job, lay: Layout, opts: dict[str, Any]) -> list[list[str]]:
     elif job.source_kind == "hub":
         calls.append([job.source, *[a for f in job.files for a in ("--file", f)],
                       *(["--revision", job.revision] if job.revision else []), "--out", str(lay.finetune)])
+    if hub == "mirror":  # hf: sources named in the jobs file (recipe parts carry their own --from)
+        calls = [c if "--from" in c or not c[0].startswith("hf:") else c + ["--from", "mirror"] for c in calls]
     rest = [a for k, v in opts.items() if k != "from" for a in option_args(k, v)]
-    return [c + (["--from", hub] if hub and not any(a == "--from" for a in c) else []) + rest for c in calls]
+    return [c + rest for c in calls]
 
 
 def _checkpoint(job: Job, lay: Layout) -> Path:
