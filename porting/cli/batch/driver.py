@@ -224,7 +224,8 @@ def run_ray(runs: list[JobRun], progress: Progress, address: str | None, max_ret
             req["memory"] = int(step.memory_gb * 2**30)
         ref = remote.options(**req).remote(task)
         inflight[ref] = (run, task)
-        progress.started(run.job.name, task["step"], f" (ray: {', '.join(f'{k}={v}' for k, v in req.items())})")
+        asked = ", ".join(f"{k}={v}" for k, v in req.items())
+        progress.event(run.job.name, task["step"], "submitted", f"{run.job.name}: {task['step']} submitted ({asked})")
 
     # Ray's driver threads print worker deaths and task logs to stdout; stdout is the summary's alone (--json)
     with contextlib.redirect_stdout(sys.stderr):
