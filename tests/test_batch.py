@@ -73,6 +73,7 @@ def _normal(doc: dict) -> dict:
         for step in job["steps"]:
             step.pop("seconds", None)
             step.pop("ran_now", None)
+            step.pop("dispatch_s", None)
     return doc
 
 

@@ -176,10 +176,12 @@ def run_local(runs: list[JobRun], progress: Progress, parallel: int | None) -> N
                         task["device"] = dev if ":" in dev else f"{kind}:{index}"
                     progress.started(run.job.name, task["step"], f" on {task.get('device', 'cpu')}"
                                      if task.get("device") else "")
+                    sent = time.time()
                     try:
                         record = pool.submit(run_step, task).result()
                     except cf.process.BrokenProcessPool as e:
                         record = crashed_record(task, f"worker process died: {e}", run.layout)
+                    record["dispatch_s"] = round(time.time() - sent - record["seconds"], 3)
                     run.finish(record)
                     progress.finished(record)
             finally:
@@ -207,7 +209,7 @@ def run_ray(runs: list[JobRun], progress: Progress, address: str | None, max_ret
                  ignore_reinit_error=True, logging_level="ERROR")
         started_here = True
     remote = ray.remote(run_step)
-    inflight: dict[Any, tuple[JobRun, dict[str, Any]]] = {}
+    inflight: dict[Any, tuple[JobRun, dict[str, Any], float]] = {}
 
     def submit(run: JobRun) -> None:
         task = run.next_task(progress.reused)
@@ -223,7 +225,7 @@ def run_ray(runs: list[JobRun], progress: Progress, address: str | None, max_ret
         if not step.device:
             req["memory"] = int(step.memory_gb * 2**30)
         ref = remote.options(**req).remote(task)
-        inflight[ref] = (run, task)
+        inflight[ref] = (run, task, time.time())
         asked = ", ".join(f"{k}={v}" for k, v in req.items())
         progress.event(run.job.name, task["step"], "submitted", f"{run.job.name}: {task['step']} submitted ({asked})")
 
@@ -240,11 +242,12 @@ def _drive(ray: Any, runs: list[JobRun], submit: Callable[[JobRun], None], infli
         while inflight:
             ready, _ = ray.wait(list(inflight), num_returns=1, timeout=1.0)
             for ref in ready:
-                run, task = inflight.pop(ref)
+                run, task, sent = inflight.pop(ref)
                 try:
                     record = ray.get(ref)
                 except Exception as e:  # the task's worker died more often than max_retries, or Ray failed it
                     record = crashed_record(task, f"{type(e).__name__}: {str(e).splitlines()[0]}", run.layout)
+                record["dispatch_s"] = round(time.time() - sent - record["seconds"], 3)
                 run.finish(record)
                 progress.finished(record)
                 submit(run)
@@ -267,6 +270,8 @@ def summary(runs: list[JobRun], jobs_file: Path, out: Path, executor: str, secon
                 steps.append({"step": s, "state": "skipped", "reason": "an earlier step failed"})
                 continue
             row = {"step": s, "state": rec["state"], "ran_now": s in r.ran, "seconds": rec.get("seconds")}
+            if s in r.ran:  # the driver's view of the step minus its time inside the verb: placing it, waiting for
+                row["dispatch_s"] = rec.get("dispatch_s")  # a slot or resource, the worker handing it over
             if rec["state"] != "done":
                 row.update(exit_code=rec.get("exit_code"), error=rec.get("error"), hint=rec.get("hint"))
             for k in ("out", "note", "verdict", "produced"):
