@@ -166,30 +166,44 @@ def run_local(runs: list[JobRun], progress: Progress, parallel: int | None) -> N
     workers = min(parallel or count, len(runs))
     ctx = multiprocessing.get_context("spawn")  # a fresh interpreter per worker: no forked torch or threads
 
-    with cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-        def walk(run: JobRun) -> None:
-            index = slots.get()
-            try:
-                while (task := run.next_task(progress.reused)) is not None:
-                    if kind != "cpu" and device_of(run.job, task["step"]) == kind:
-                        dev = str(run.job.options.get(task["step"], {}).get("device", kind))
-                        task["device"] = dev if ":" in dev else f"{kind}:{index}"
-                    progress.started(run.job.name, task["step"], f" on {task.get('device', 'cpu')}"
-                                     if task.get("device") else "")
-                    sent = time.time()
-                    try:
-                        record = pool.submit(run_step, task).result()
-                    except cf.process.BrokenProcessPool as e:
-                        record = crashed_record(task, f"worker process died: {e}", run.layout)
-                    record["dispatch_s"] = round(time.time() - sent - record["seconds"], 3)
-                    run.finish(record)
-                    progress.finished(record)
-            finally:
-                slots.put(index)
+    pools = [cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx)]
+    pools_lock = threading.Lock()
 
+    def call(task: dict[str, Any], run: JobRun) -> dict[str, Any]:
+        pool = pools[-1]
+        try:
+            return pool.submit(run_step, task).result()
+        except cf.process.BrokenProcessPool as e:  # a worker died (OOM kill): this step fails, the batch goes on
+            with pools_lock:
+                if pools[-1] is pool:
+                    pools.append(cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx))
+            return crashed_record(task, f"worker process died: {e}", run.layout)
+        except Exception as e:  # the worker could not even record the step (its journal write)
+            return crashed_record(task, f"{type(e).__name__}: {e}", run.layout)
+
+    def walk(run: JobRun) -> None:
+        index = slots.get()
+        try:
+            while (task := run.next_task(progress.reused)) is not None:
+                if kind != "cpu" and device_of(run.job, task["step"]) == kind:
+                    dev = str(run.job.options.get(task["step"], {}).get("device", kind))
+                    task["device"] = dev if ":" in dev else f"{kind}:{index}"
+                progress.started(run.job.name, task["step"], f" on {task['device']}" if task.get("device") else "")
+                sent = time.time()
+                record = call(task, run)
+                record["dispatch_s"] = round(time.time() - sent - record["seconds"], 3)
+                run.finish(record)
+                progress.finished(record)
+        finally:
+            slots.put(index)
+
+    try:
         with cf.ThreadPoolExecutor(max_workers=workers) as threads:
             for f in [threads.submit(walk, r) for r in runs]:
                 f.result()
+    finally:
+        for pool in pools:
+            pool.shutdown(wait=True, cancel_futures=True)
 
 
 def ray_missing() -> UsageError:

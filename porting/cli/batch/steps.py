@@ -301,8 +301,14 @@ def invoke(verb: str, args: list[str]) -> tuple[int, dict[str, Any], str]:
             code = e.exit_code
         except click.ClickException as e:
             code, error = 2, {"error": e.format_message(), "hint": f"See `port {verb} --help`."}
-        except OSError as e:
-            code, error = 1, {"error": f"{e.filename + ': ' if e.filename else ''}{e.strerror or e}"}
+        except OSError as e:  # as `port` reports it (app.os_error): a full disk is 5, anything else 2
+            import errno
+
+            code = 5 if e.errno in (errno.ENOSPC, errno.EDQUOT) else 2
+            error = {"error": f"{str(e.filename) + ': ' if e.filename else ''}{e.strerror or e}."}
+        except Exception as e:  # a bug in a verb: the step fails as an internal error, the batch goes on
+            code, error = 70, {"error": f"internal error: {type(e).__name__}: {e}",
+                               "hint": "This is a bug in flux-port; run the step alone with FLUX_PORT_DEBUG=1."}
     text = out.getvalue().strip()
     try:
         doc = json.loads(text) if text else {}
