@@ -214,3 +214,20 @@ def test_fetch_step_from_a_hub_then_convert(tmp_path):
         assert (tmp_path / "out" / "hub" / "transformer" / "config.json").is_file()
     finally:
         hubs.close()
+
+
+def test_a_dead_local_worker_fails_its_step_only_and_the_rerun_retries_it(tmp_path, capsys, monkeypatch):
+    for i in range(2):
+        write_random_checkpoint(tmp_path / f"s{i}.safetensors", TINY_FLUX2, seed=20 + i)
+    (tmp_path / "jobs.toml").write_text('[defaults]\nsteps = ["convert"]\n' + "\n".join(
+        f'[[job]]\nname = "j{i}"\nsource = "s{i}.safetensors"\n' for i in range(2)))
+    monkeypatch.setenv(TEST_CRASH_ENV, f"j0:convert:{tmp_path / 'crashed'}")
+    monkeypatch.setenv(TRACE_ENV, str(tmp_path / "trace.txt"))
+    out = tmp_path / "out"
+    run = run_port(capsys, "batch", tmp_path / "jobs.toml", "--out", out, "--json")
+    assert run.code == 1, run.err
+    steps = {j["name"]: j["steps"][0] for j in json.loads(run.out)["jobs"]}
+    assert steps["j0"]["state"] == "failed" and steps["j0"]["exit_code"] == 70
+    assert "worker process died" in steps["j0"]["error"] and steps["j1"]["state"] == "done"
+    again = run_port(capsys, "batch", tmp_path / "jobs.toml", "--out", out, "--json")
+    assert again.code == 0 and json.loads(again.out)["steps_run_now"] == 1
