@@ -87,6 +87,7 @@ def ray_cluster(work):
     yield ray
     ray.shutdown()
     os.environ.pop(TEST_CRASH_ENV, None)
+    os.environ.pop(TRACE_ENV, None)
 
 
 def test_ray_batch_passes_fails_retries_and_resumes(work, ray_cluster, capsys):
@@ -121,6 +122,8 @@ def test_ray_batch_passes_fails_retries_and_resumes(work, ray_cluster, capsys):
 
 
 def test_local_executor_writes_the_same_summary(work, ray_cluster, capsys):
+    if not (work / "ray-summary.json").exists():
+        pytest.skip("needs the summary of test_ray_batch_passes_fails_retries_and_resumes")
     ray_doc = json.loads((work / "ray-summary.json").read_text())
     out = work / "out-local"
     run = run_port(capsys, "batch", work / "jobs.toml", "--out", out, "--json")
