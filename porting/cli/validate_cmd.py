@@ -11,7 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from porting.errors import CheckFailed, PortError
 
 from . import _output
-from ._options import JsonOpt, QuietOpt, WorkspaceOpt, out_option
+from ._options import JsonOpt, QuietOpt, WorkspaceOpt, out_option, transformer_of
 from ._recipe import as_recipe
 
 VALIDATE_EXAMPLES = """\b
@@ -69,6 +69,7 @@ def validate(
         model, out = recipe.transformer, out or recipe.reports
         if base is None and (recipe.base / "text_encoder").is_dir():
             base = recipe.base
+    model = transformer_of(model, output.status)
     if prompt and base is None:
         raise PortError("--prompt needs --base (the base model's text encoder encodes it).")
     out = out or (model.resolve().parent / "reports")
