@@ -397,8 +397,9 @@ def run_rank(job: Job, rank: int, world: int, device: str, progress: Progress) -
     outputs = {"golden": g.cpu(), "intrinsic": i.cpu(), "device": d.cpu()}
     progress.phase = "judging"
     references = [r["reference"] for r in ranks]
-    where = RunFacts(device=",".join(job.devices), reference=",".join(references), device_type=dev.type,
-                     reference_type=ref.type, facts_device=ranks[0]["environment"]["device"],
+    where = RunFacts(device=",".join(job.devices),
+                     reference=references[0] if len(set(references)) == 1 else ",".join(references),
+                     device_type=dev.type, reference_type=ref.type, facts_device=ranks[0]["environment"]["device"],
                      facts_reference=ranks[0]["environment"]["reference"], runtime="torch", localises=True,
                      localisation_note="")
     extra = {"distributed": {"backend": job.backend, "world_size": world, "devices": job.devices,
