@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import logging
 import os
 import pickle
 import tempfile
@@ -374,6 +375,7 @@ def run_rank(job: Job, rank: int, world: int, device: str, progress: Progress) -
     if rank < world - 1:
         progress.phase = f"sending the activations to rank {rank + 1}"
         link.send_states([carry.golden, carry.intrinsic, carry.device], carry.prev, rank + 1)
+        carry = Carry({}, {}, {}, None)  # handed on: nothing of it is needed here any more
     here = {"rank": rank, "device": str(dev), "reference": str(ref), "stages": progress.stages,
             "environment": {"device": runs.device.facts(), "reference": runs.golden.facts()}}
     counts = (golden_weights.seen, golden_weights.zero)
@@ -487,6 +489,8 @@ def spawn(job: Job) -> Any:
         job.result_dir = tmp
         context = mp.start_processes(_spawned, args=(job, world, host, store.port), nprocs=world, join=False,
                                      start_method=_start_method())
+        # torch logs a warning per rank it terminates after a failure; the one error raised below says what happened
+        logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
         try:
             while not context.join(timeout=1.0):
                 pass
