@@ -32,7 +32,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from porting.devices import DeviceSpec, parse_device, resolve_device
-from porting.errors import EXIT_CHECK_FAILED, DeviceError, PortError, UsageError
+from porting.errors import EXIT_CHECK_FAILED, EXIT_INTERNAL, EXIT_USAGE, DeviceError, PortError, UsageError
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 TIMEOUT_ENV = "FLUX_PORT_DIST_TIMEOUT"
@@ -161,7 +161,6 @@ class Job:
     device_weight_transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None
     prepare_device_model: Callable[[torch.nn.Module], None] | None = None
     result_dir: str | None = None  # spawned: where rank 0 leaves the report and a failing rank its error
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def split_stages(sizes: list[int], world: int) -> list[tuple[int, int]]:
@@ -435,11 +434,22 @@ def rank_main(job: Job, rank: int, world: int, device: str, store: Any = None) -
             dist.destroy_process_group()
     except PortError as e:
         raise RankFailed(f"{progress.where()}: {e.message}", hint=e.hint, exit_code=e.exit_code) from e
+    except torch.OutOfMemoryError as e:
+        raise RankFailed(f"{progress.where()}: out of device memory: {e}".rstrip(), exit_code=EXIT_USAGE,
+                         hint="Spread the model over more devices, lower --resolution / --text-len or the number of "
+                              "cases, or keep the golden on the CPU (--reference cpu).") from e
     except Exception as e:
-        comm = isinstance(e, (RuntimeError, ConnectionError)) and _is_comm(e)
+        comm = _is_comm(e)
         raise RankFailed(f"{progress.where()}: {type(e).__name__}: {e}".rstrip(),
                          hint=("another rank probably failed first; its message is the cause" if comm else
-                               "FLUX_PORT_DEBUG=1 shows the traceback.")) from e
+                               "FLUX_PORT_DEBUG=1 shows the traceback."),
+                         exit_code=EXIT_CHECK_FAILED if comm else EXIT_INTERNAL) from e
+
+
+def _secondary(e: BaseException) -> bool:
+    """A communication error that follows another rank's failure (its peer went away), not a cause of its own."""
+    cause = e.__cause__ if isinstance(e, RankFailed) and e.__cause__ is not None else e
+    return not isinstance(cause, PortError) and _is_comm(cause)
 
 
 def _is_comm(e: BaseException) -> bool:
@@ -470,7 +480,7 @@ def _spawned(index: int, job: Job, world: int, host: str, port: int) -> None:
     except BaseException as e:  # record it for the launcher, then leave with the verb's exit code
         code = e.exit_code if isinstance(e, PortError) else 70
         record = {"rank": index, "message": getattr(e, "message", str(e)), "hint": getattr(e, "hint", None),
-                  "exit_code": code, "time": time.time(), "secondary": _is_comm(e.__cause__ or e),
+                  "exit_code": code, "time": time.time(), "secondary": _secondary(e),
                   "traceback": traceback.format_exc()}
         (folder / f"rank{index}.error.json").write_text(json.dumps(record))
         sys.exit(code)
