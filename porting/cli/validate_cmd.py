@@ -104,6 +104,9 @@ def validate(
 
     if progress and devices is None:  # ranks run in other processes: no per-stage progress here
         progress.start()
+    elif devices is not None and not follower:
+        output.status(f"validating as pipeline stages over {devices} (one process per device; the report comes "
+                      "when the last rank is done)")
     try:
         report = run_validate(model, device=device, dtype=dtype, reference=reference, golden_dtype=golden_dtype,
                               out=out, resolution=resolution, text_len=text_len,
