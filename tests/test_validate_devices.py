@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 from porting.demo.tiny import TINY_FLUX2, write_random_checkpoint
 from porting.engine.convert import convert
 from validation.api import validate
-from validation.distributed import parse_devices, split_stages
+from validation.distributed import RankFailed, parse_devices, split_stages
 
 from .helpers import run_port
 
@@ -87,6 +87,7 @@ def test_cli_devices_cpu_cpu_writes_the_single_device_report(converted, tmp_path
     doc = json.loads(multi.out)
     assert doc["verdict"] == "pass" and doc["device"] == "cpu,cpu" and doc["distributed"]["world_size"] == 2
     assert numbers(tmp_path / "two" / "report.json") == numbers(tmp_path / "one" / "report.json")
+    assert "pipeline over 2 ranks (gloo)" in (tmp_path / "two" / "report.md").read_text()
     # the report is validate's own folder, with its ownership record, as a single-device run leaves it
     assert sorted(p.name for p in (tmp_path / "two").iterdir()) == sorted(p.name for p in (tmp_path / "one").iterdir())
 
@@ -104,6 +105,23 @@ def test_a_failing_rank_is_one_error_naming_the_rank_and_the_stage(converted, tm
     assert "rank 1" in run.msg and RANK1_BLOCK in run.msg and "NaN" in run.msg
     assert "Traceback" not in run.err and run.msg.count("Error:") == 1
     assert time.monotonic() - start < 120  # torn down, not waiting for a timeout
+    assert not (tmp_path / "r").exists()
+
+
+def hang_in(stage: str, model: torch.nn.Module) -> None:
+    """A device-side hang in one block (picklable as a partial)."""
+    model.get_submodule(stage).register_forward_pre_hook(lambda module, args: time.sleep(3600))
+
+
+def test_a_hung_rank_ends_in_a_timeout_error_not_a_hang(converted, tmp_path, monkeypatch):
+    monkeypatch.setenv("FLUX_PORT_DIST_TIMEOUT", "8")
+    start = time.monotonic()
+    with pytest.raises(RankFailed) as err:
+        validate(converted, devices="cpu,cpu", prepare_device_model=functools.partial(hang_in, RANK1_BLOCK),
+                 out=tmp_path / "r", **SMALL)
+    assert time.monotonic() - start < 60
+    assert "rank 0" in err.value.message and "rank 1" in err.value.message  # who waited, and for whom
+    assert "Timed out" in err.value.message and "FLUX_PORT_DIST_TIMEOUT=8 s" in err.value.hint
     assert not (tmp_path / "r").exists()
 
 

@@ -506,7 +506,7 @@ def spawn(job: Job) -> Any:
                 pass
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
             _terminate(context)
-            raise _first_error(Path(tmp), e) from None
+            raise _first_error(Path(tmp), e, job.timeout_s) from None
         except KeyboardInterrupt:
             _terminate(context)
             raise
@@ -545,7 +545,7 @@ def _terminate(context: Any) -> None:
             p.join()
 
 
-def _first_error(folder: Path, exc: BaseException) -> PortError:
+def _first_error(folder: Path, exc: BaseException, timeout: float) -> PortError:
     records = []
     for path in folder.glob("rank*.error.json"):
         try:
@@ -557,7 +557,11 @@ def _first_error(folder: Path, exc: BaseException) -> PortError:
         first = records[0]
         if os.environ.get("FLUX_PORT_DEBUG"):
             print(first["traceback"])
-        return RankFailed(first["message"], hint=first["hint"], exit_code=first["exit_code"])
+        hint = first["hint"]
+        if first["secondary"]:  # nobody failed of its own: the rank waited for is hung or slower than the timeout
+            hint = (f"No rank reported an error of its own: the rank it waited for is hung, or slower than the "
+                    f"timeout ({TIMEOUT_ENV}={timeout:g} s); raise {TIMEOUT_ENV} for a large model on slow devices.")
+        return RankFailed(first["message"], hint=hint, exit_code=first["exit_code"])
     code = getattr(exc, "exit_code", None)
     sig = getattr(exc, "signal_name", None)
     rank = getattr(exc, "error_index", "?")
