@@ -70,6 +70,13 @@ def _ratio(x: float) -> str:
     return f"{x:.2f}" if math.isfinite(x) else "inf"
 
 
+def _pipeline_line(dist: dict[str, Any]) -> str:
+    ranks = "; ".join(f"rank {r['rank']} on `{r['device']}` (golden on `{r['reference']}`): {r['stages'][0]}.."
+                      f"{r['stages'][-1]}" for r in dist["ranks"])
+    return (f"- pipeline over {dist['world_size']} ranks ({dist['backend']}): {ranks}; the numbers are those of a "
+            "single-device run with its golden at the same place")
+
+
 def to_markdown(d: dict[str, Any]) -> str:
     lines = [f"# Validation report: **{d['verdict'].upper()}**", "",
              f"- model: `{d['model']['path']}` ({d['model']['variant']}, {d['model']['naming']} naming)",
@@ -82,6 +89,7 @@ def to_markdown(d: dict[str, Any]) -> str:
              f"- inputs: {d['inputs']['resolution']}x{d['inputs']['resolution']} ({d['inputs']['image_tokens']} image "
              f"tokens), {d['inputs']['text_tokens']} text tokens, timesteps {d['inputs']['timesteps']}, seeds "
              f"{d['inputs']['seeds']}, text features: {d['inputs']['text_features']}",
+             *([_pipeline_line(d["distributed"])] if d.get("distributed") else []),
              f"- rule: {d['rule']['statement']}", ""]
     if d["reasons"]:
         lines += ["## Why it failed", ""] + [f"- {r}" for r in d["reasons"]] + [""]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -21,6 +22,8 @@ Examples:
   port validate ./transformer --device npu:0 --base ./FLUX.2-klein-9B --prompt "a red fox in snow"
   port validate flux2-klein-9b-true-v1 --device npu:0 --prompt "a red fox in snow"   (a recipe's workspace)
   port validate ./klein-onnx/transformer --runtime onnxruntime --provider CUDAExecutionProvider
+  port validate ./transformer --devices npu:0,npu:1              (pipeline stages over two NPUs)
+  torchrun --nproc-per-node 2 -m porting validate ./transformer --devices cuda:0,cuda:1
 """
 
 
@@ -29,7 +32,13 @@ def validate(
                                           "recipe name in the workspace.")],
     device: Annotated[str, typer.Option(
         "--device", help="Device under test: cpu, cuda[:N], npu[:N], mps, xpu[:N].")] = "cpu",
-    reference: Annotated[str, typer.Option("--reference", help="Where the golden and intrinsic runs happen.")] = "cpu",
+    devices: Annotated[Optional[str], typer.Option(
+        "--devices", help="Two or more devices of one type (cuda:0,cuda:1; npu:0,npu:1; cpu,cpu): the staged run "
+                          "split as pipeline stages over them (torch.distributed; spawned here, or one rank per "
+                          "process under torchrun).")] = None,
+    reference: Annotated[Optional[str], typer.Option(
+        "--reference", help="Where the golden and intrinsic runs happen (default cpu; with --devices: devices, "
+                            "each rank's own device when it has room, else cpu).")] = None,
     dtype: Annotated[Optional[str], typer.Option("--dtype", help="dtype on the device: bf16, fp16 or fp32 (default "
                                                  "bf16; with onnxruntime, the export's).")] = None,
     golden_dtype: Annotated[Optional[str], typer.Option("--golden-dtype", help="fp32, or fp64 to judge fp32 runs "
@@ -60,10 +69,14 @@ def validate(
 ) -> None:
     """Run the full transformer on the device against a float32 golden and judge it against bf16's own error."""
     from validation.api import validate as run_validate
+    from validation.distributed import launched_by_torchrun, parse_devices
     from validation.options import check_options, parse_seeds, parse_timesteps
     from validation.report import terminal_table
 
-    output = _output.use(json_mode=json_, quiet=quiet, heavy=True)
+    if devices is not None:
+        parse_devices(devices)  # a malformed list is refused (exit 2, naming --devices) before any work
+    follower = devices is not None and launched_by_torchrun() and os.environ.get("RANK", "0") != "0"
+    output = _output.use(json_mode=json_, quiet=quiet or follower, heavy=True)
     recipe = as_recipe(model, workspace)
     if recipe is not None:
         model, out = recipe.transformer, out or recipe.reports
@@ -90,17 +103,22 @@ def validate(
             task = progress.add_task("validating", total=total)
         progress.update(task, advance=1, description=f"validated {stage}")
 
-    if progress:
+    if progress and devices is None:  # ranks run in other processes: no per-stage progress here
         progress.start()
+    elif devices is not None and not follower:
+        output.status(f"validating as pipeline stages over {devices} (one process per device; the report comes "
+                      "when the last rank is done)")
     try:
         report = run_validate(model, device=device, dtype=dtype, reference=reference, golden_dtype=golden_dtype,
                               out=out, resolution=resolution, text_len=text_len,
                               timesteps=timestep_list, seeds=seed_list, base=base, prompt=prompt,
                               max_ratio=max_ratio, config=config, intrinsic=intrinsic,
-                              on_stage=on_stage, runtime=runtime, provider=provider)
+                              on_stage=on_stage, runtime=runtime, provider=provider, devices=devices)
     finally:
         if progress:
             progress.stop()
+    if report is None:  # a torchrun rank other than 0: rank 0 writes the one report
+        return
     data = report.to_dict()
     if recipe is not None:
         from porting.hub.workspace import record_step
