@@ -25,7 +25,7 @@ import torch
 
 from porting import __version__
 from porting.errors import DeviceError, InputError, PortError
-from porting.outputs import InputPaths, atomic_folder, check_output, timestamped_folder
+from porting.outputs import InputPaths, atomic_folder, check_output
 from porting.pipeline import pipeload
 from porting.pipeline.compare_tables import COMPARE_JSON, COMPARE_MD, fmt, summary_markdown
 from porting.pipeline.generate import (
@@ -38,6 +38,7 @@ from porting.pipeline.generate import (
     reference_tokens,
     resolve_device,
 )
+from porting.reports import REPORTS, prepare_run_folder, run_folder
 
 from . import image_metrics as im
 
@@ -234,7 +235,7 @@ def default_out(candidate: Side) -> Path:
     """reports/compare/<UTC time>/ next to the candidate's transformer (a swap) or its folder, where publish finds
     it (the workspace layout: <recipe>/reports/)."""
     anchor = Path(candidate.transformer) if candidate.transformer else Path(candidate.folder)
-    return timestamped_folder(anchor.resolve().parent / "reports" / "compare")
+    return run_folder(anchor.resolve().parent / REPORTS, "compare")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -336,6 +337,7 @@ def compare(reference: Side, candidate: Side, *, prompts: Sequence[str] | None =
             on_image(done, 2 * len(prompts), label)
 
     timings: dict[str, float] = {}
+    prepare_run_folder(out)
     with atomic_folder(out, force=force, verb="compare", inputs=read_paths) as staging:
         say(f"loading the reference from {ref.folder} on {ref.device} ({ref.dtype_name})")
         t0 = time.perf_counter()

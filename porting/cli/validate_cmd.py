@@ -9,6 +9,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from porting.errors import CheckFailed, PortError
+from porting.reports import REPORTS, run_folder
 
 from . import _output
 from ._options import JsonOpt, QuietOpt, WorkspaceOpt, out_option
@@ -35,7 +36,9 @@ def validate(
     golden_dtype: Annotated[Optional[str], typer.Option("--golden-dtype", help="fp32, or fp64 to judge fp32 runs "
                                                         "(default fp32; fp64 for an fp32 ONNX export).")] = None,
     out: Annotated[Optional[Path], out_option("--out", "-o", help="Folder for report.json and report.md "
-                                                "(default: reports/ next to MODEL).")] = None,
+                                                "(default: a new run folder reports/validate/<UTC time>/ next to "
+                                                "MODEL, "
+                                                "where port publish finds the newest).")] = None,
     resolution: Annotated[int, typer.Option("--resolution", help="Image side in pixels.")] = 512,
     text_len: Annotated[int, typer.Option("--text-len", help="Text tokens (the pipeline pads to 512).")] = 512,
     timesteps: Annotated[str, typer.Option("--timesteps", help="Comma-separated, in [0, 1].")] = "1.0,0.5,0.1",
@@ -46,9 +49,10 @@ def validate(
     max_ratio: Annotated[float, typer.Option(
         "--max-ratio", help="Largest accepted device/intrinsic error ratio.")] = 2.0,
     config: Annotated[Optional[Path], typer.Option("--config", help="Base config the weights must fit.")] = None,
-    intrinsic: Annotated[str, typer.Option(
-        "--intrinsic", help="native: run --dtype on the reference device; emulated: "
-                            "float32 arithmetic with --dtype rounding (fast on CPUs without bf16).")] = "native",
+    intrinsic: Annotated[Optional[str], typer.Option(
+        "--intrinsic", help="native: run --dtype on the reference device; emulated: float32 arithmetic with --dtype "
+                            "rounding (fast on CPUs without bf16). Default: emulated when --device is the reference "
+                            "CPU (so the run measures the CPU's own kernels), else native.")] = None,
     runtime: Annotated[str, typer.Option("--runtime", help="torch (MODEL is a transformer) or onnxruntime (MODEL is "
                                          "an exported DIR/transformer).")] = "torch",
     provider: Annotated[str, typer.Option("--provider", help="onnxruntime execution provider: CPUExecutionProvider, "
@@ -66,12 +70,12 @@ def validate(
     output = _output.use(json_mode=json_, quiet=quiet, heavy=True)
     recipe = as_recipe(model, workspace)
     if recipe is not None:
-        model, out = recipe.transformer, out or recipe.reports
+        model = recipe.transformer
         if base is None and (recipe.base / "text_encoder").is_dir():
             base = recipe.base
     if prompt and base is None:
         raise PortError("--prompt needs --base (the base model's text encoder encodes it).")
-    out = out or (model.resolve().parent / "reports")
+    out = out or run_folder(recipe.reports if recipe is not None else model.resolve().parent / REPORTS, "validate")
     seed_list, timestep_list = parse_seeds(seeds), parse_timesteps(timesteps)
     check_options(resolution=resolution, text_len=text_len, timesteps=timestep_list, seeds=seed_list,
                   max_ratio=max_ratio)
@@ -106,6 +110,8 @@ def validate(
         record_step(recipe, "validate", {"report": str(out / "report.json"), "verdict": data["verdict"],
                                          "weights_sha256": data["weights_sha256"], "device": data["device"]})
     output.document(data)
+    for notice in data.get("notices") or []:
+        output.warning(notice)
     output.table(terminal_table(data))
     output.status(f"report: {out / 'report.json'} and {out / 'report.md'}")
     if report.verdict != "pass":

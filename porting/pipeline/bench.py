@@ -26,7 +26,8 @@ import torch
 from porting import __version__
 from porting.errors import InputError, PortError
 from porting.finite import dumps
-from porting.outputs import atomic_folder, check_output, timestamped_folder
+from porting.outputs import atomic_folder, check_output
+from porting.reports import REPORTS, prepare_run_folder, run_folder
 
 from . import pipeload
 from .generate import (
@@ -254,7 +255,7 @@ def to_markdown(doc: dict[str, Any]) -> str:
 
 def default_out(folder: Path, transformer: Path | None) -> Path:
     anchor = transformer if transformer is not None else folder
-    return timestamped_folder(anchor.resolve().parent / "reports" / "bench")
+    return run_folder(anchor.resolve().parent / REPORTS, "bench")
 
 
 def _device_name(device: torch.device) -> str:
@@ -385,6 +386,7 @@ def bench(folder: str | Path, *, transformer: str | Path | None = None, device: 
         "rows": [r.to_dict() for r in rows],
         "torch": torch.__version__,
     }
+    prepare_run_folder(out)
     with atomic_folder(out, force=force, verb="bench", inputs=read_paths) as staging:
         (staging / BENCH_JSON).write_text(dumps(doc, indent=2) + "\n")
         (staging / BENCH_MD).write_text(to_markdown(doc))
