@@ -6,7 +6,6 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from porting.errors import CheckFailed, PortError
 from porting.reports import REPORTS, run_folder
@@ -79,22 +78,19 @@ def validate(
     seed_list, timestep_list = parse_seeds(seeds), parse_timesteps(timesteps)
     check_options(resolution=resolution, text_len=text_len, timesteps=timestep_list, seeds=seed_list,
                   max_ratio=max_ratio)
-    progress = None
-    if not output.quiet:
-        progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                            console=output.err, transient=True)
-    task = None
+    from porting.progress import StepProgress, clock
+
+    bar: StepProgress | None = None
+    started = clock()
 
     def on_stage(stage: str, total: int) -> None:
-        nonlocal task
-        if progress is None:
-            return
-        if task is None:
-            task = progress.add_task("validating", total=total)
-        progress.update(task, advance=1, description=f"validated {stage}")
+        nonlocal bar
+        if bar is None:
+            bar = StepProgress(None if output.quiet else output.err, "validated stage", total, unit="stage")
+            bar.start()
+            bar.timed(clock() - started)  # the first stage includes loading; the estimate errs on the long side
+        bar.advance(stage)
 
-    if progress:
-        progress.start()
     try:
         report = run_validate(model, device=device, dtype=dtype, reference=reference, golden_dtype=golden_dtype,
                               out=out, resolution=resolution, text_len=text_len,
@@ -102,8 +98,8 @@ def validate(
                               max_ratio=max_ratio, config=config, intrinsic=intrinsic,
                               on_stage=on_stage, runtime=runtime, provider=provider)
     finally:
-        if progress:
-            progress.stop()
+        if bar is not None:
+            bar.stop()
     data = report.to_dict()
     if recipe is not None:
         from porting.hub.workspace import record_step
