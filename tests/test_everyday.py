@@ -47,6 +47,7 @@ def test_cpu_defaults_are_float32_and_a_small_size(published: Path, tmp_path: Pa
     from validation.image_compare import Side, _prepare
 
     assert default_size("cpu") == CPU_DEFAULT_SIZE == 256 and default_size("meta") == 1024
+    assert default_size("cpu", published) == 64  # 16x16 latent patches of the demo's VAE (factor 2)
     result = generate(published, "a fox", steps=1, size=32, output=tmp_path / "a.png", progress=False)
     assert result.dtype == "fp32"
     assert _prepare(Side(published, None, "cpu"), "--dtype").dtype_name == "fp32"  # compare's default

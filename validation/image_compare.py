@@ -29,9 +29,9 @@ from porting.outputs import InputPaths, atomic_folder, check_output
 from porting.pipeline import pipeload
 from porting.pipeline.compare_tables import COMPARE_JSON, COMPARE_MD, fmt, summary_markdown
 from porting.pipeline.generate import (
-    CPU_DEFAULT_SIZE,
     DEFAULT_SIZE,
     DTYPES,
+    default_size,
     default_steps,
     load_references,
     parse_size,
@@ -311,15 +311,16 @@ def compare(reference: Side, candidate: Side, *, prompts: Sequence[str] | None =
     say = on_status or (lambda text: None)
     started = time.perf_counter()
     on_cpu = "cpu" in (resolve_device(reference.device).type, resolve_device(candidate.device).type)
+    cpu_size = default_size("cpu", Path(reference.folder))
     if not prompts:
         builtin = builtin_prompts()
         prompts = builtin[:CPU_DEFAULT_PROMPTS] if on_cpu else builtin
         if on_cpu:
             say(f"on cpu: the first {len(prompts)} of the {len(builtin)} built-in prompts at "
-                f"{CPU_DEFAULT_SIZE if size is None else size} px by default (--prompts FILE and --size for more)")
+                f"{cpu_size if size is None else size} px by default (--prompts FILE and --size for more)")
     prompts = list(prompts)
     seed_list = assign_seeds(prompts, seeds)
-    width, height = parse_size((CPU_DEFAULT_SIZE if on_cpu else DEFAULT_SIZE) if size is None else size)
+    width, height = parse_size((cpu_size if on_cpu else DEFAULT_SIZE) if size is None else size)
     if diff_gain <= 0:
         raise PortError(f"--diff-gain {diff_gain}: must be positive.")
     ref, cand = _prepare(reference, "--reference-dtype"), _prepare(candidate, "--dtype")

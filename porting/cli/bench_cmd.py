@@ -39,8 +39,8 @@ def bench(
     task: Annotated[str, typer.Option("--task", help="Comma-separated: t2i (text to image), edit (with a "
                                       "reference image).")] = "t2i,edit",
     size: Annotated[Optional[str], typer.Option("--size", help="Side in pixels, or WIDTHxHEIGHT (default 1024 on an "
-                                                "accelerator, 256 on cpu so that a run finishes in "
-                                                "minutes).")] = None,
+                                                "accelerator; on cpu 16x16 latent patches, 256 px for "
+                                                "FLUX VAEs, so that a run finishes in minutes).")] = None,
     steps: StepsOpt = None,
     runs: Annotated[int, typer.Option("--runs", help="Timed runs per row (the median is reported).")] = 3,
     warmup: Annotated[int, typer.Option("--warmup", help="Untimed warm-up runs per row.")] = 1,

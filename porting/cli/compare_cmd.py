@@ -59,8 +59,9 @@ def compare(
     seeds: Annotated[Optional[str], typer.Option("--seeds", help="One seed for all prompts or one per prompt, "
                                                  "comma-separated (default: derived from each prompt).")] = None,
     steps: StepsOpt = None,
-    size: Annotated[Optional[str], typer.Option("--size", help="Side in pixels, or WIDTHxHEIGHT (default 1024; 256 "
-                                                "when either side runs on cpu).")] = None,
+    size: Annotated[Optional[str], typer.Option("--size", help="Side in pixels, or WIDTHxHEIGHT (default 1024; when "
+                                                "either side runs on cpu, 16x16 latent patches: 256 px for "
+                                                "FLUX VAEs).")] = None,
     guidance_scale: Annotated[Optional[float], typer.Option("--guidance-scale", help="CFG scale for both sides "
                                                             "(base and dev models).")] = None,
     image: Annotated[Optional[list[Path]], typer.Option("--image", help="Reference image passed with every prompt "

@@ -61,8 +61,8 @@ def generate(
     seed: Annotated[int, typer.Option("--seed", help="Noise seed (CPU generator: same image on every "
                                                      "device).")] = 0,
     size: Annotated[Optional[str], typer.Option("--size", help="Side in pixels, or WIDTHxHEIGHT (default 1024 on an "
-                                                "accelerator, 256 on cpu so that a run finishes in "
-                                                "minutes).")] = None,
+                                                "accelerator; on cpu 16x16 latent patches, 256 px for "
+                                                "FLUX VAEs, so that a run finishes in minutes).")] = None,
     output: Annotated[Path, out_option("--output", "-o", help="PNG file to write.")] = Path("image.png"),
     cpu_offload: Annotated[Optional[OffloadChoice], typer.Option("--cpu-offload", help="Keep weights on CPU and "
                                                                  "move them to the device per model or per "
@@ -82,7 +82,7 @@ def generate(
 ) -> None:
     """Generate an image from a published folder; prints load time, denoising time, s/it and peak memory.
 
-    On a CPU the defaults fit the machine: float32 compute and a 256 px image (both overridable), and a run whose
+    On a CPU the defaults fit the machine: float32 compute and 16x16 latent patches (256 px for FLUX VAEs; both overridable), and a run whose
     first step says it would pass a minute prints its estimate first."""
     out = _output.use(json_mode=json_, quiet=quiet, heavy=True)
     from porting.pipeline.generate import generate as run_generate

@@ -8,6 +8,7 @@ loading and denoising; peak memory is the device allocator's peak on an accelera
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import resource
 import sys
@@ -42,12 +43,25 @@ MIN_REFERENCE_SIDE = 64  # Flux2 pipelines refuse smaller reference images (flux
 MAX_REFERENCE_PIXELS = 8192 * 8192
 REFERENCE_AREA = 1024 * 1024  # what the pipelines resize a larger reference image to
 DEFAULT_SIZE = 1024  # on an accelerator
-CPU_DEFAULT_SIZE = 256  # on a CPU: a size that finishes in seconds to minutes (pass --size for more)
+CPU_PATCHES = 16  # on a CPU: 16 x 16 = 256 image tokens, a size that finishes in seconds to minutes
+CPU_DEFAULT_SIZE = CPU_PATCHES * 2 * 8  # 256 px for the FLUX.2 / FLUX.1 VAEs (factor 8, 2x2 patches)
 
 
-def default_size(device: torch.device | str) -> int:
-    """The side `--size` defaults to: 1024 on an accelerator, CPU_DEFAULT_SIZE on a CPU."""
-    return CPU_DEFAULT_SIZE if torch.device(device).type == "cpu" else DEFAULT_SIZE
+def vae_scale_factor(folder: Path | None) -> int:
+    """The pipeline's VAE factor from vae/config.json (2 ** (levels - 1)); 8, the FLUX VAEs', when unknown."""
+    try:
+        levels = json.loads((Path(folder) / "vae" / "config.json").read_text())["block_out_channels"]
+        return 2 ** (len(levels) - 1) if isinstance(levels, list) and 0 < len(levels) <= 8 else 8
+    except (OSError, ValueError, KeyError, TypeError):
+        return 8
+
+
+def default_size(device: torch.device | str, folder: Path | None = None) -> int:
+    """The side `--size` defaults to: 1024 on an accelerator; on a CPU, 16 x 16 latent patches (256 px for the
+    FLUX VAEs, less for a pipeline with a smaller VAE, such as the demo's)."""
+    if torch.device(device).type != "cpu":
+        return DEFAULT_SIZE
+    return CPU_PATCHES * 2 * vae_scale_factor(folder) if folder is not None else CPU_DEFAULT_SIZE
 
 
 @dataclass
@@ -267,7 +281,7 @@ def generate(folder: str | Path, prompt: str, *, device: str = "cpu", steps: int
     dtype_name = dtype or ("fp32" if dev.type == "cpu" else "bf16")
     if dtype_name not in DTYPES:
         raise PortError(f"--dtype {dtype_name!r}: choose one of {', '.join(DTYPES)}.")
-    width, height = parse_size(default_size(dev) if size is None else size)
+    width, height = parse_size(default_size(dev, onnx_source or folder) if size is None else size)
     sizes = [reference_size(Path(p)) for p in images]
     steps = default_steps(index) if steps is None else steps
     if steps < 1:
