@@ -82,8 +82,8 @@ def generate(
 ) -> None:
     """Generate an image from a published folder; prints load time, denoising time, s/it and peak memory.
 
-    On a CPU the defaults fit the machine: float32 compute and 16x16 latent patches (256 px for FLUX VAEs; both overridable), and a run whose
-    first step says it would pass a minute prints its estimate first."""
+    On a CPU the defaults fit the machine: float32 compute and 16x16 latent patches (256 px for FLUX VAEs; both
+    overridable), and a run whose first step says it would pass a minute prints its estimate first."""
     out = _output.use(json_mode=json_, quiet=quiet, heavy=True)
     from porting.pipeline.generate import generate as run_generate
     from porting.progress import StepProgress
