@@ -89,7 +89,8 @@ def demo(
     worst = max(b["teacher_forced"]["ratio"] for b in d["blocks"])
     out.result(f"[4/6] validate on cpu in bf16 vs float32 golden: {d['verdict'].upper()}; output error "
                f"{d['output']['device']['rel_l2']:.3%} = {d['output']['ratio']:.2f}x bf16's own error (emulated); "
-               f"worst block ratio {worst:.2f} (limit {d['rule']['max_ratio']}) -> {report_dir / 'report.md'}")
+               f"worst block ratio {worst:.2f} (limit {d['rule']['max_ratio']}) -> "
+               f"{workdir / REPORTS / 'validate' / report_dir.name / 'report.md'}")
 
     published = publish(base, converted.out, workdir / "published", report=workdir / "reports")
     _recorded(workdir, 'published')
