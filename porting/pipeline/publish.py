@@ -466,7 +466,8 @@ def publish(base: str | Path, transformer: str | Path, out: str | Path, *, repor
     found_report = report is None and latest_report(transformer.parent / REPORTS) is not None
     if found_report:  # the newest validate run under reports/ next to the transformer (port validate's default,
         report = latest_report(transformer.parent / REPORTS)  # and the workspace layout)
-    inputs = {"base": base, "transformer": transformer, "report": report, "adapter": list(adapters)}
+    inputs = {"base": base, "transformer": transformer, "adapter": list(adapters),
+              "report": transformer.parent / REPORTS if found_report else report}  # the folder publish looked in
     check_output(out, force=force, verb="publish", inputs=inputs)
     base_index = read_base(base)
     if not transformer.is_dir():
