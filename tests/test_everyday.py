@@ -56,6 +56,16 @@ def test_cpu_defaults_are_float32_and_a_small_size(published: Path, tmp_path: Pa
     assert pipe_dtype == {torch.float32}
 
 
+def test_compare_on_cpu_defaults_to_a_few_prompts_at_a_small_size(published: Path, tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture) -> None:
+    run = run_port(capsys, "compare", published, published, "--steps", "1", "--out", tmp_path / "c")
+    assert run.code == 0, run.err
+    doc = json.loads((tmp_path / "c" / "compare.json").read_text())
+    assert len(doc["images"]) == 4 and (doc["settings"]["width"], doc["settings"]["height"]) == (64, 64)
+    assert doc["reference"]["dtype"] == doc["candidate"]["dtype"] == "fp32"
+    assert "on cpu: the first 4 of the 37 built-in prompts at 64 px by default" in run.msg
+
+
 def test_help_says_the_cpu_defaults(capsys: pytest.CaptureFixture) -> None:
     for verb in ("generate", "compare", "bench"):
         text = " ".join(run_port(capsys, verb, "--help").out.split())
@@ -225,12 +235,11 @@ def test_compare_bench_validate_print_progress_lines(workspace: Path, capsys: py
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("FLUX_PORT_DEBUG", raising=False)
     verbs = _verbs(workspace)
-    run = run_port(capsys, *[a for a in verbs["compare"] if a != "--quiet"])
-    assert run.code == 0, run.err
-    assert "rendered 1/2 (reference 1/1)" in run.err and "rendered 2/2 (candidate 1/1)" in run.err
-    run = run_port(capsys, *[a for a in verbs["bench"] if a != "--quiet"])
-    assert run.code == 0 and "t2i/none run 1 done" in run.err
-    run = run_port(capsys, *[a for a in verbs["validate"] if a != "--quiet"])
-    assert run.code == 0 and "validated stage 1/" in run.err and "(embed)" in run.err
-    for r in (run,):
-        assert not TQDM_BAR.search(r.err)
+    runs = {verb: run_port(capsys, *[a for a in verbs[verb] if a != "--quiet"]) for verb in verbs}
+    for verb, run in runs.items():
+        assert run.code == 0, f"{verb}: {run.err}"
+        assert not TQDM_BAR.search(run.err), f"{verb}: {run.err}"
+    assert "rendered 1/2 (reference 1/1)" in runs["compare"].err
+    assert "rendered 2/2 (candidate 1/1)" in runs["compare"].err
+    assert "t2i/none run 1 done" in runs["bench"].err
+    assert "validated stage 1/" in runs["validate"].err and "(embed)" in runs["validate"].err
