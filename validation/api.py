@@ -40,7 +40,7 @@ def validate(model: str | Path, *, device: str = "cpu", dtype: str | None = None
              golden_dtype: str | None = None, out: Path | None = None, resolution: int = 512, text_len: int = 512,
              timesteps: Sequence[float] = (1.0, 0.5, 0.1), seeds: Sequence[int] = (0,),
              base: Path | None = None, prompt: str | None = None, max_ratio: float = 2.0,
-             config: Path | None = None, intrinsic: str = "native",
+             config: Path | None = None, intrinsic: str | None = None,
              device_weight_transform: WeightTransform | None = None,
              prepare_device_model: Callable[[torch.nn.Module], None] | None = None,
              on_stage: Callable[[str, int], None] | None = None,
@@ -74,7 +74,7 @@ def validate(model: str | Path, *, device: str = "cpu", dtype: str | None = None
     reference = reference or "cpu"
     if runtime not in RUNTIMES:
         raise PortError(f"--runtime {runtime!r}: choose one of {', '.join(RUNTIMES)}.")
-    if intrinsic not in ("native", "emulated"):
+    if intrinsic not in (None, "native", "emulated"):
         raise PortError(f"--intrinsic {intrinsic!r}: use native or emulated.")
     export: dict[str, Any] | None = None
     weights_path: str | Path = model
@@ -97,6 +97,7 @@ def validate(model: str | Path, *, device: str = "cpu", dtype: str | None = None
     ref = resolve_device(reference)
     dev = resolve_device(device) if runtime == "torch" else None
     check_not_one_computation(dtype=dtype, golden_dtype=golden_dtype, device=dev, reference=ref, runtime=runtime)
+    intrinsic = intrinsic or default_intrinsic(dev, ref, runtime)
     source = WeightSource(weights_path, config)
     if ref.type == "cpu":  # the golden and the intrinsic run live in host memory: refuse what cannot fit, up front
         check_validate_memory(source.config, [(k, shape) for k, shape, _ in source.plan.outputs()],
@@ -128,6 +129,27 @@ def validate(model: str | Path, *, device: str = "cpu", dtype: str | None = None
     if out is not None:
         report.write(Path(out), inputs=read_paths)
     return report
+
+
+def default_intrinsic(device: torch.device | None, reference: torch.device, runtime: str) -> str:
+    """emulated where the device under test is the reference CPU itself (a native intrinsic run there would be the
+    device's own computation, ratio 1 by construction); native everywhere else."""
+    if runtime == "torch" and device is not None and device == reference and reference.type == "cpu":
+        return "emulated"
+    return "native"
+
+
+def same_computation(device: str | torch.device | None, reference: str | torch.device, runtime: str,
+                     intrinsic: str, run_dtype: torch.dtype) -> bool:
+    """Whether the intrinsic run is the device run itself (same device, same arithmetic): its ratio is 1 by
+    construction and checks no device."""
+    if runtime != "torch" or device is None or str(device) != str(reference):
+        return False
+    return intrinsic == "native" or run_dtype == torch.float32  # emulating fp32 rounding in fp32 is fp32 itself
+
+
+BY_CONSTRUCTION = ("the intrinsic run is the device run itself ({why}): every ratio is 1 by construction and checks "
+                   "no device; on a CPU, --intrinsic emulated (the default) measures the CPU's {dtype} kernels")
 
 
 def _export_source(folder: Path, dtype: str | None) -> tuple[dict[str, Any], Path]:
@@ -242,6 +264,9 @@ def verdict(rows: list[dict[str, Any]], outputs: dict[str, torch.Tensor], where:
         known.append("attention may run through torch_npu.npu_fusion_attention (diffusers _native_npu backend) "
                      "instead of PyTorch SDPA; ACL_PRECISION_MODE and HF32 settings are recorded in environment.")
 
+    by_construction = same_computation(where.device, where.reference, where.runtime, intrinsic, run_dtype)
+    notices = [BY_CONSTRUCTION.format(why=f"--intrinsic {intrinsic} on {where.reference}, the device under test",
+                                      dtype=dtype)] if by_construction else []
     data: dict[str, Any] = {
         "tool": "flux-port", "version": __version__, "format_version": 1, "kind": "validation",
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -251,8 +276,11 @@ def verdict(rows: list[dict[str, Any]], outputs: dict[str, torch.Tensor], where:
                   **source.provenance()},
         "weights_sha256": weights_sha256 or source.weights_sha256(),
         "device": where.device, "dtype": dtype, "reference": where.reference, "golden_dtype": golden_dtype,
-        "intrinsic": intrinsic if intrinsic == "native" else f"emulated ({dtype} rounding of weights, inputs and every "
-                                                             "module output, float32 arithmetic)",
+        "intrinsic": intrinsic,
+        "intrinsic_run": (f"{dtype} on {where.reference}" if intrinsic == "native" else
+                          f"float32 arithmetic on {where.reference} with {dtype} rounding of weights, inputs and every "
+                          "module output"),
+        "ratio_by_construction": by_construction, "notices": notices,
         "runtime": where.runtime,
         "localisation": {"per_block": where.localises,
                          "note": None if where.localises else where.localisation_note},

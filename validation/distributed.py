@@ -578,7 +578,7 @@ def validate_pipeline(model: str | Path, *, devices: str | Sequence[str], dtype:
                       reference: str | None = None, golden_dtype: str | None = None, out: Path | None = None,
                       resolution: int = 512, text_len: int = 512, timesteps: Sequence[float] = (1.0, 0.5, 0.1),
                       seeds: Sequence[int] = (0,), base: Path | None = None, prompt: str | None = None,
-                      max_ratio: float = 2.0, config: Path | None = None, intrinsic: str = "native",
+                      max_ratio: float = 2.0, config: Path | None = None, intrinsic: str | None = None,
                       device_weight_transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
                       prepare_device_model: Callable[[torch.nn.Module], None] | None = None) -> Any:
     """Check everything that can be checked before any process starts, then run the ranks (spawned here, or this
@@ -599,8 +599,9 @@ def validate_pipeline(model: str | Path, *, devices: str | Sequence[str], dtype:
     if reference not in ("cpu", "devices"):
         raise UsageError(f"--reference {reference!r} with {OPTION}: use cpu (every rank's golden on its host's CPU) or "
                          "devices (on each rank's own device when it has room, else on the CPU).")
-    if intrinsic not in ("native", "emulated"):
+    if intrinsic not in (None, "native", "emulated"):
         raise UsageError(f"--intrinsic {intrinsic!r}: use native or emulated.")
+    intrinsic = intrinsic or ("emulated" if specs[0].type == "cpu" else "native")  # as validate's default_intrinsic
     dtype, golden_dtype = dtype or "bf16", golden_dtype or "fp32"
     run_dtype, gold_dtype = _dtype(dtype, "--dtype"), _dtype(golden_dtype, "--golden-dtype")
     if gold_dtype.itemsize <= run_dtype.itemsize and dtype != "fp32":

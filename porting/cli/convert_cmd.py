@@ -156,4 +156,6 @@ def convert(
         for row in result.plan.problems()[:20]:
             output.warning(f"{row['kind']}: {row['key']}")
     if result.out and to == Direction.diffusers:
-        output.hint(f"validate it next: port validate {result.out} --device npu:0")
+        from porting.devices import validate_device
+
+        output.hint(f"validate it next: port validate {result.out} --device {validate_device()}")
