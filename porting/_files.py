@@ -85,3 +85,45 @@ def json_int(doc: Any, field: str, where: str | Path, *, default: Any = _MISSING
     if minimum is not None and value < minimum:
         raise InputError(f"{where}: {field!r} is {value}; it must be at least {minimum}.")
     return value
+
+
+# fields of the diffusers configs flux-port reads (transformer, VAE, text encoder) that size tensors: a string or a
+# float there would reach torch.empty or a reshape as a traceback, so the config is refused first, naming the field
+CONFIG_INTS = ("attention_head_dim", "in_channels", "joint_attention_dim", "num_attention_heads", "num_layers",
+               "num_single_layers", "timestep_guidance_channels", "pooled_projection_dim", "out_channels",
+               "latent_channels", "hidden_size", "num_hidden_layers", "intermediate_size", "num_key_value_heads",
+               "vocab_size", "layers_per_block", "norm_num_groups")
+CONFIG_INT_OR_LISTS = ("patch_size", "sample_size")  # a transformer's patch_size is 1, a VAE's is [2, 2]
+CONFIG_INT_LISTS = ("axes_dims_rope", "block_out_channels")
+CONFIG_NUMBERS = ("mlp_ratio", "eps", "rope_theta")
+
+
+def check_config(config: dict[str, Any], where: str | Path) -> dict[str, Any]:
+    """`config` when its sizing fields have their types (an integer, a list of integers, a number; null where
+    diffusers allows it), else an InputError naming the file and the field."""
+    for field in CONFIG_INTS:
+        value = config.get(field)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise InputError(f"{where}: {field!r} is {value!r} ({type(value).__name__}); it must be a non-negative "
+                             "integer.", hint="The config is damaged or hand-edited; take it from the original model.")
+    for field in CONFIG_INT_LISTS + CONFIG_INT_OR_LISTS:
+        value = config.get(field)
+        if field in CONFIG_INT_OR_LISTS and isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            continue
+        if value is not None and not (isinstance(value, list) and all(
+                isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)):
+            raise InputError(f"{where}: {field!r} is {value!r}; it must be "
+                             + ("an integer or " if field in CONFIG_INT_OR_LISTS else "") + "a list of non-negative "
+                             "integers.",
+                             hint="The config is damaged or hand-edited; take it from the original model.")
+    for field in CONFIG_NUMBERS:
+        value = config.get(field)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise InputError(f"{where}: {field!r} is {value!r} ({type(value).__name__}); it must be a number.",
+                             hint="The config is damaged or hand-edited; take it from the original model.")
+    return config
+
+
+def read_config(path: Path, what: str) -> dict[str, Any]:
+    """A model config.json: a JSON object (read_json_object) whose sizing fields are typed (check_config)."""
+    return check_config(read_json_object(path, what), path)

@@ -88,9 +88,9 @@ class Component:
 
 
 def _read_config(folder: Path) -> dict[str, Any]:
-    from porting._files import read_json_object
+    from porting._files import read_config
 
-    config = read_json_object(folder / "config.json", "a component config")
+    config = read_config(folder / "config.json", "a component config")
     return {k: v for k, v in config.items() if not k.startswith("_")}
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
-from porting._files import json_int, read_json_object
+from porting._files import json_int, read_config, read_json_object
 from porting.errors import InputError
 
 from ._flux import common_config, flux_sizes
@@ -99,7 +99,7 @@ class Flux2(Family):
             problems.append(f"text encoder has {layers} hidden layers; {variant.pipeline} reads layers "
                             f"{list(variant.out_layers)} by default")
         vae_path = base / "vae" / "config.json"
-        vae_cfg = read_json_object(vae_path, "VAE config")
+        vae_cfg = read_config(vae_path, "VAE config")
         patch = vae_cfg.get("patch_size") or [2, 2]
         if not (isinstance(patch, list) and len(patch) == 2 and all(type(n) is int and n > 0 for n in patch)):
             raise InputError(f"{vae_path}: 'patch_size' is {patch!r}; it must be two positive integers.")

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from porting._files import read_json_object
+from porting._files import read_config
 from porting.errors import InputError, PortError
 from porting.progress import debug
 from porting.tensors.checkpoint import hash_checkpoint, open_checkpoint
@@ -76,7 +76,7 @@ def check_memory(verb: str, folder: Path, device: torch.device, dtype: str, widt
     components = {"transformer": tr, "vae": folder / "vae"}
     if text_encoder:
         components["text_encoder"] = folder / "text_encoder"
-    config = read_json_object(tr / "config.json", "the transformer's config") if (tr / "config.json").is_file() else {}
+    config = read_config(tr / "config.json", "the transformer's config") if (tr / "config.json").is_file() else {}
     return check_pipeline_memory(verb, {k: v for k, v in components.items() if v.is_dir()}, config, width=width,
                                  height=height, dtype=dtype, on_cpu=device.type == "cpu", extra_tokens=extra_tokens)
 

@@ -13,7 +13,7 @@ import os
 import struct
 from pathlib import Path
 
-from porting._files import parse_json, read_json, read_json_object
+from porting._files import parse_json, read_config, read_json
 from porting.errors import InputError, UnsupportedFormatError
 from porting.paths import check_plain_name
 
@@ -148,7 +148,7 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
                          "checkpoint files and folders only.")
     config = None
     if (path / "config.json").is_file():
-        config = read_json_object(path / "config.json", "a diffusers model folder's config")
+        config = read_config(path / "config.json", "a diffusers model folder's config")
     indexes = _index_files(path)
     if len(indexes) > 1:
         raise InputError(f"{path}: several index files ({', '.join(p.name for p in indexes)}); pass one of them.")
