@@ -26,6 +26,25 @@ def transformer_folder(folder: Path, transformer: Path | None) -> Path:
     return path
 
 
+# what the rest of the pipeline (text encoder, VAE) fixes about the transformer it can run
+PIPELINE_GEOMETRY = ("joint_attention_dim", "in_channels", "out_channels", "guidance_embeds")
+
+
+def check_swap_fits(folder: Path, transformer: Path) -> None:
+    """A transformer swapped into `folder`'s pipeline takes the same text features and latents as the folder's own
+    (joint_attention_dim, in_channels, ...): another geometry is refused by name, before anything loads."""
+    own_path, swap_path = Path(folder) / "transformer" / "config.json", Path(transformer) / "config.json"
+    if not own_path.is_file():
+        return
+    own = read_config(own_path, "the pipeline's transformer config")
+    swap = read_config(swap_path, "a transformer config")
+    for field in PIPELINE_GEOMETRY:
+        if own.get(field) != swap.get(field):
+            raise InputError(f"--transformer {transformer}: {field} is {swap.get(field)!r}, the pipeline {folder} "
+                             f"runs a transformer with {field} {own.get(field)!r}; its text encoder and VAE cannot "
+                             "feed this one.", hint="Swap in a transformer of the same model family and size.")
+
+
 def weights_sha256(transformer: Path) -> str:
     """The weights identity convert and publish record, recomputed from the files."""
     return hash_checkpoint(open_checkpoint(transformer))
