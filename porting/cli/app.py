@@ -11,6 +11,7 @@ import typer
 from porting.errors import EXIT_INTERRUPTED, EXIT_USAGE, DiskSpaceError, Interrupted, PlanError, PortError, UsageError
 
 from . import _output
+from ._lastresort import as_port_error
 from ._options import checked
 from .batch_cmd import BATCH_EXAMPLES, batch
 from .bench_cmd import BENCH_EXAMPLES, bench
@@ -85,6 +86,12 @@ def main(argv: list[str] | None = None) -> None:
     except OSError as err:  # the disk or the OS said no where no verb expected it: still one clear message
         report_error(os_error(err))
         sys.exit(os_error(err).exit_code)
+    except Exception as err:  # noqa: BLE001 - the last resort: one message and a documented code, no traceback
+        mapped = as_port_error(err, args)
+        report_error(mapped)
+        if os.environ.get("FLUX_PORT_DEBUG"):
+            raise
+        sys.exit(mapped.exit_code)
     if code == EXIT_INTERRUPTED:  # typer turns Ctrl-C into this exit code
         report_error(Interrupted(INTERRUPTED))
     sys.exit(code if isinstance(code, int) else 0)
