@@ -321,3 +321,74 @@ def test_a_mistyped_text_encoder_config_is_an_input_error(capsys, tmp_path: Path
                    "--out", tmp_path / "pub", "--json")
     assert_refused(run, 2, "text_encoder/config.json", repr(field))
     assert not (tmp_path / "pub").exists()
+
+
+# --- the last resort: whatever escapes the readers still ends in one message and a documented code -----------------
+
+@pytest.mark.parametrize("exc,code,phrase", [
+    (RecursionError("maximum recursion depth exceeded"), 2, "nested too deeply"),
+    (MemoryError(), 2, "more memory than this machine has"),
+    (ValueError("odd value"), 2, "cannot be read (ValueError: odd value)"),
+    (RuntimeError("No space left on device (os error 28)"), 5, "the disk is full"),
+    (TypeError("a flux-port bug"), 70, "internal error: TypeError: a flux-port bug"),
+], ids=["recursion", "memory", "value", "disk-full", "bug"])
+def test_an_escaped_exception_is_mapped_not_a_traceback(capsys, monkeypatch, tmp_path: Path, tiny2_file: Path,
+                                                        exc: BaseException, code: int, phrase: str) -> None:
+    import porting.tensors.checkpoint as checkpoint
+
+    def reader(path, *args, **kwargs):  # `path` in the failing frame: the message names it
+        raise exc
+
+    monkeypatch.setattr(checkpoint, "open_checkpoint", reader)
+    run = run_port(capsys, "inspect", tiny2_file, "--json")
+    doc = assert_refused(run, code, phrase)
+    if code == 2:
+        assert str(tiny2_file) in doc["error"]
+
+
+# --- a full disk: exit 5 naming the path, nothing half-built left ---------------------------------------------------
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    """A real 256 KiB filesystem (tmpfs) as in test_hardening; needs root, which CI and this machine have."""
+    import subprocess
+
+    mount = tmp_path / "small"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {done.stderr.decode().strip()}")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+@pytest.mark.parametrize("existing", [False, True], ids=["new-workdir", "earlier-demo-workdir"])
+def test_demo_on_a_full_disk_is_exit_5_and_leaves_no_half_built_folder(capsys, small_disk: Path,
+                                                                       existing: bool) -> None:
+    from porting.ownership import RECORD
+
+    workdir = small_disk / "demo"
+    if existing:  # an (empty) work folder an earlier demo claimed
+        from porting.cli.demo_cmd import prepare_workdir
+
+        prepare_workdir(workdir)
+    (small_disk / "keep.txt").write_text("mine")
+    run = run_port(capsys, "demo", "--workdir", workdir, "--json")
+    assert_refused(run, 5, "the disk is full", str(workdir))
+    if existing:
+        assert sorted(p.name for p in workdir.iterdir()) == [RECORD]  # what the record covers: nothing
+        assert "only its ownership record is left" in run.msg
+    else:
+        assert sorted(p.name for p in small_disk.iterdir()) == ["keep.txt"]
+        assert "removed its partial work folder" in run.msg
+    assert (small_disk / "keep.txt").read_text() == "mine"
+
+
+def test_an_adapter_convert_on_a_full_disk_is_exit_5_and_leaves_nothing(capsys, small_disk: Path, tmp_path: Path,
+                                                                         state) -> None:
+    adapter = _adapter(tmp_path, state, "kohya")  # ~34 KB; the disk keeps less than that free
+    (small_disk / "keep.txt").write_text("mine")
+    (small_disk / "filler.bin").write_bytes(b"\0" * (256 * 1024 - 16 * 1024))
+    run = run_port(capsys, "convert", adapter, "--out", small_disk / "out", "--json")
+    assert_refused(run, 5, "the disk is full", str(small_disk / "out"))
+    assert sorted(p.name for p in small_disk.iterdir()) == ["filler.bin", "keep.txt"]

@@ -20,22 +20,22 @@ from porting.errors import DiskSpaceError, InputError, InternalError, PortError
 INPUT_ERRORS = (RecursionError, MemoryError, ValueError, OverflowError, struct.error)
 # locals that name the file a reader was reading, innermost frame first
 PATH_LOCALS = ("path", "file", "filename", "index_path", "manifest_path", "src", "source", "folder", "base")
-OUT_LOCALS = ("staging", "out", "output", "workdir", "save_directory")  # where a full disk was being written
+OUT_LOCALS = ("out", "output", "workdir", "save_directory", "staging")  # where a full disk was being written
 DISK_FULL = ("No space left on device", "os error 28", "Disk quota exceeded")
 
 
-def _paths_in(tb: TracebackType | None, names: Sequence[str] = PATH_LOCALS) -> list[str]:
+def _paths_in(tb: TracebackType | None, names: Sequence[str] = PATH_LOCALS, exist: bool = True) -> list[str]:
     frames = []
     while tb is not None:
         frames.append(tb.tb_frame)
         tb = tb.tb_next
     found: list[str] = []
-    for frame in reversed(frames):  # innermost first: the reader closest to the failure
+    for frame in reversed(frames):  # innermost first: the reader (or writer) closest to the failure
         for name in names:
             value = frame.f_locals.get(name)
             if isinstance(value, (str, Path)) and str(value) and str(value) not in found:
                 try:
-                    if Path(value).exists():
+                    if not exist or Path(value).exists():
                         found.append(str(value))
                 except (OSError, ValueError):
                     continue
@@ -54,8 +54,8 @@ def as_port_error(err: BaseException, argv: Sequence[str]) -> PortError:
     """The PortError that `err` (not a PortError itself) stands for."""
     text = str(err)
     if any(s in text for s in DISK_FULL):
-        where = _where(err, [], OUT_LOCALS + PATH_LOCALS)
-        where = "" if where == "the input" else f"{where}: "
+        written = _paths_in(err.__traceback__, OUT_LOCALS, exist=False)  # a partial output is gone by now
+        where = f"{written[0]}: " if written else ""
         return DiskSpaceError(f"{where}the disk is full ({text}).", hint="Free some space and run it again.")
     if isinstance(err, RecursionError):
         return InputError(f"{_where(err, argv)}: nested too deeply to read ({text}); refused.",
