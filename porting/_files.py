@@ -31,22 +31,26 @@ def _depth(data: Any) -> int:
     return deepest
 
 
-def parse_json(text: str | bytes, where: str, *, kind: type | None = None,
+def parse_json(text: str | bytes, where: str, *, kind: type | None = None, what: str = "",
                object_pairs_hook: Callable[[list[tuple[str, Any]]], Any] | None = None) -> Any:
-    """JSON from `text` read at `where` (a file, or a file and a metadata key), nested at most MAX_JSON_DEPTH levels
-    and of type `kind` when given; anything else is an InputError naming `where`."""
+    """JSON from `text` read at `where` (a file; `what` names the part of it: "safetensors header", "metadata
+    'lora_adapter_metadata'"), nested at most MAX_JSON_DEPTH levels and of type `kind` when given; anything else is
+    an InputError naming `where` (and `what`)."""
+    subject = f"{where}: {what} is" if what else f"{where}:"
+    deep = InputError(f"{subject} JSON nested deeper than {MAX_JSON_DEPTH} levels; refused.",
+                      hint="The file is damaged or hostile; no file flux-port reads nests that deep.")
     try:
         data = json.loads(text, object_pairs_hook=object_pairs_hook)
     except RecursionError:
-        raise InputError(f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels; refused.",
-                         hint="The file is damaged or hostile; no file flux-port reads nests that deep.") from None
+        raise deep from None
     except (UnicodeDecodeError, ValueError) as e:
-        raise InputError(f"{where}: not valid JSON ({e}).") from e
+        raise InputError(f"{subject} not valid JSON ({e}).") from e
     if _depth(data) > MAX_JSON_DEPTH:
-        raise InputError(f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels; refused.",
-                         hint="The file is damaged or hostile; no file flux-port reads nests that deep.")
+        raise deep
     if kind is not None and not isinstance(data, kind):
-        raise InputError(f"{where}: expected {_KINDS.get(kind, kind.__name__)}, found {type(data).__name__}.")
+        raise InputError(f"{subject} expected to be {_KINDS.get(kind, kind.__name__)}, found "
+                         f"{type(data).__name__}." if what else
+                         f"{where}: expected {_KINDS.get(kind, kind.__name__)}, found {type(data).__name__}.")
     return data
 
 

@@ -169,7 +169,7 @@ def test_a_seed_out_of_range_is_refused_by_option(capsys, tmp_path: Path, port: 
     ({"r": 4, "lora_alpha": [8]}, 2, "lora_alpha [8]"),
     ({"r": [4], "lora_alpha": 8}, 2, "r [4]"),
     ({"r": 4, "lora_alpha": "1e999"}, 1, "lora_alpha"),
-    (["r", 4], 2, "expected a JSON object"),
+    (["r", 4], 2, "expected to be a JSON object, found list"),
 ], ids=["r0", "alpha-str", "alpha-list", "r-list", "alpha-inf", "list"])
 @pytest.mark.parametrize("verb", ["convert", "merge"])
 def test_bad_peft_metadata_is_refused(capsys, tmp_path: Path, state, meta, code: int, phrase: str,

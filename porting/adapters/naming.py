@@ -172,7 +172,7 @@ def _peft_scale(metadata: Mapping[str, str], path: Path) -> float | None:
     if not raw:
         return None
     where = f"{path}: metadata 'lora_adapter_metadata'"
-    meta = parse_json(raw, where, kind=dict)
+    meta = parse_json(raw, str(path), what="metadata 'lora_adapter_metadata'", kind=dict)
     meta = {k.removeprefix("transformer."): v for k, v in meta.items()}
     if meta.get("alpha_pattern") or meta.get("rank_pattern"):
         raise UnsupportedFormatError(f"{path}: peft metadata with per-module alpha_pattern / rank_pattern is not "

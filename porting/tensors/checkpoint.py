@@ -64,7 +64,7 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
                 f"{path}: not a safetensors file (header length field says {n} bytes, file has {size}).",
                 hint="Is this a pickle or GGUF file renamed to .safetensors, or a truncated download?")
         raw = f.read(n)
-    header = parse_json(raw, f"{path}: safetensors header", kind=dict, object_pairs_hook=_unique_keys)
+    header = parse_json(raw, str(path), what="safetensors header", kind=dict, object_pairs_hook=_unique_keys)
     metadata = header.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise InputError(f"{path}: safetensors header '__metadata__' must map names to strings (safetensors "

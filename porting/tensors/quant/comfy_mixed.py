@@ -57,7 +57,7 @@ def _configs(ckpt: Checkpoint) -> dict[str, dict]:
     configs: dict[str, dict] = {}
     if METADATA_KEY in ckpt.metadata:
         where = f"{ckpt.path}: header metadata {METADATA_KEY}"
-        doc = parse_json(ckpt.metadata[METADATA_KEY], where)
+        doc = parse_json(ckpt.metadata[METADATA_KEY], str(ckpt.path), what=f"header metadata {METADATA_KEY}")
         layers = doc.get("layers") if isinstance(doc, dict) else None
         if not isinstance(layers, dict):
             raise InputError(f"{where} is not the expected JSON {{\"layers\": {{...}}}}.")
@@ -69,7 +69,7 @@ def _configs(ckpt: Checkpoint) -> dict[str, dict]:
                 raise InputError(f"{ckpt.path}: {key!r} should be a small uint8 tensor of JSON, is {info.dtype} "
                                  f"{list(info.shape)}.")
             where = f"{ckpt.path}: {key!r}"
-            conf = parse_json(bytes(read_stored(info).numpy()), where)
+            conf = parse_json(bytes(read_stored(info).numpy()), str(ckpt.path), what=repr(key))
             configs[key[: -len(MARKER)] + "."] = _layer_config(conf, where)
     return configs
 
