@@ -42,7 +42,7 @@ MIN_REFERENCE_SIDE = 64  # Flux2 pipelines refuse smaller reference images (flux
 MAX_REFERENCE_PIXELS = 8192 * 8192
 REFERENCE_AREA = 1024 * 1024  # what the pipelines resize a larger reference image to
 DEFAULT_SIZE = 1024  # on an accelerator
-MAX_SIDE = 16384  # --size: beyond this, even the latents' position ids would not fit on one device
+MAX_SIDE = 16384  # --size: FLUX models are trained up to about 4 MP; this is 64x that, past any real use
 CPU_PATCHES = 16  # on a CPU: 16 x 16 = 256 image tokens, a size that finishes in seconds to minutes
 CPU_DEFAULT_SIZE = CPU_PATCHES * 2 * 8  # 256 px for the FLUX.2 / FLUX.1 VAEs (factor 8, 2x2 patches)
 
