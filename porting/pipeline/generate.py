@@ -42,7 +42,6 @@ MIN_REFERENCE_SIDE = 64  # Flux2 pipelines refuse smaller reference images (flux
 MAX_REFERENCE_PIXELS = 8192 * 8192
 REFERENCE_AREA = 1024 * 1024  # what the pipelines resize a larger reference image to
 DEFAULT_SIZE = 1024  # on an accelerator
-MAX_SIDE = 16384  # --size: FLUX models are trained up to about 4 MP; this is 64x that, past any real use
 CPU_PATCHES = 16  # on a CPU: 16 x 16 = 256 image tokens, a size that finishes in seconds to minutes
 CPU_DEFAULT_SIZE = CPU_PATCHES * 2 * 8  # 256 px for the FLUX.2 / FLUX.1 VAEs (factor 8, 2x2 patches)
 
@@ -99,10 +98,6 @@ def parse_size(text: str | int) -> tuple[int, int]:
         raise PortError(f"--size {text!r}: use one number (1024) or WIDTHxHEIGHT (768x1024).") from e
     if width <= 0 or height <= 0:
         raise PortError(f"--size {text!r}: sides must be positive.")
-    if max(width, height) > MAX_SIDE:
-        raise PortError(f"--size {text!r}: the largest side flux-port renders is {MAX_SIDE} px (FLUX models are "
-                        "trained up to about 4 MP; a larger canvas would not fit in memory anyway).",
-                        hint="Use a smaller --size, e.g. 1024 or 768x1344.")
     return width, height
 
 
