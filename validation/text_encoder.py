@@ -87,9 +87,9 @@ def dequantize_matmulnbits(b: np.ndarray, scales: np.ndarray, n: int, k: int, bl
 def check_weights(model_file: Path, source: dict[str, torch.Tensor]) -> dict[str, Any]:
     """Dequantize every MatMulNBits weight and compare it with its source weight's int4 blocks, block by block."""
     import onnx
+    from onnx import numpy_helper
 
     from porting.export.ryzenai import int4_dequantize_torch
-    from onnx import numpy_helper
 
     model = onnx.load(str(model_file))  # with its external data
     inits = {t.name: t for t in model.graph.initializer}
