@@ -215,9 +215,11 @@ def test_ryzenai_layout_opset_17_and_static_shapes(ryzen_export) -> None:
         onnx.checker.check_model(str(g))
     transformer = onnx.load(str(out / "transformer" / "model.onnx"), load_external_data=False)
     dtypes = {t.name: t.data_type for t in transformer.graph.initializer}
-    assert dtypes["model.transformer_blocks.0.ff.linear_in.weight"] == onnx.TensorProto.BFLOAT16
-    assert any(n.op_type == "Cast" and n.input[0] == "model.transformer_blocks.0.ff.linear_in.weight"
-               for n in transformer.graph.node)
+    name = "model.transformer_blocks.0.ff.linear_in.weight.T"  # the Linear's weight, transposed for MatMul
+    assert dtypes[name] == onnx.TensorProto.BFLOAT16
+    assert any(n.op_type == "Cast" and n.input[0] == name for n in transformer.graph.node)
+    floats = [k for k, v in dtypes.items() if v == onnx.TensorProto.FLOAT and k.startswith("model.")]
+    assert not [k for k in floats if k.endswith(".weight") or k.endswith(".weight.T")]  # every weight is bf16
     shapes = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in transformer.graph.input}
     assert shapes["hidden_states"] == [1, 4, 16] and shapes["encoder_hidden_states"] == [1, 8, 48]
 
@@ -231,7 +233,8 @@ def test_text_encoder_is_int4_matmulnbits_with_float_embedding_and_norms(ryzen_e
     ops = [n.op_type for n in model.graph.node]
     assert ops.count("MatMulNBits") == 3 * 7  # q, k, v, o, gate, up, down per layer
     inits = {t.name: t for t in model.graph.initializer}
-    assert inits["encoder.model.embed_tokens.weight"].data_type == onnx.TensorProto.FLOAT
+    embedding = next(n.input[0] for n in model.graph.node if n.op_type == "Gather" and n.input[1] == "input_ids")
+    assert inits[embedding].data_type == onnx.TensorProto.FLOAT  # tied: named encoder.lm_head.weight
     assert inits["encoder.model.layers.0.input_layernorm.weight"].data_type == onnx.TensorProto.FLOAT
     node = next(n for n in model.graph.node if n.op_type == "MatMulNBits")
     attrs = {a.name: a.i for a in node.attribute}
