@@ -138,6 +138,13 @@ def validate_text_encoder(folder: Path, *, out: Path | None = None, max_ratio: f
     if out is not None:
         check_output(Path(out), verb="validate", replace="owned", inputs=read_paths)
     comp = manifest["components"]["text_encoder"]
+    from porting.resources import MEMORY_OVERHEAD, gib, require_memory
+
+    weights_bytes = 4 * int(comp.get("params") or 0)  # float32: the model, and the source copy the block check reads
+    require_memory(f"{folder}: validating a {int(comp.get('params') or 0) / 1e9:.2f} B-parameter text encoder",
+                   2 * weights_bytes + MEMORY_OVERHEAD,
+                   f"{gib(weights_bytes)} of float32 weights x 2 + {gib(MEMORY_OVERHEAD)}",
+                   hint="Run it on a machine with more memory.")
     text_len, block = manifest["profile"]["text_len"], comp["block_size"]
     from transformers import AutoTokenizer
 
