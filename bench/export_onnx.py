@@ -100,7 +100,7 @@ def measure(cmd: list[str], log: Path) -> tuple[float, float, int]:
 
 def last_json(log: Path) -> dict:
     text = log.read_text()
-    return json.loads(text[text.index("{"):]) if "{" in text else {}
+    return json.JSONDecoder().raw_decode(text[text.index("{"):])[0] if "{" in text else {}
 
 
 def main(argv: list[str] | None = None) -> int:

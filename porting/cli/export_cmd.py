@@ -110,7 +110,12 @@ def export(
     output.table(table)
     for notice in result.notices:
         output.warning(notice)
-    if any(c.name == "transformer" for c in result.components):
+    if target is ExportTarget.ryzenai:
+        todo = [f"port validate {Path(result.out) / c.name} --runtime onnxruntime" for c in result.components
+                if c.name in ("transformer", "text_encoder")]
+        if todo:
+            output.hint("validate it next: " + "; ".join(todo))
+    elif any(c.name == "transformer" for c in result.components):
         output.hint(f"validate it next: port validate {Path(result.out) / 'transformer'} --runtime onnxruntime "
                     "--provider CPUExecutionProvider")
 

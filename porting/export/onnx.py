@@ -140,15 +140,16 @@ def check_opset(opset: object, target: str = "generic") -> int:
     return opset
 
 
-def check_fits(name: str, params: int, dtype: torch.dtype, available: int | None = None) -> int:
+def check_fits(name: str, params: int, dtype: torch.dtype, available: int | None = None,
+               hint: str | None = None) -> int:
     """Refuse (exit 2) a component whose export would not fit in `available` bytes (default: the machine's)."""
     weights = nbytes(params, dtype)
     return require_memory(
         f"{name}: exporting {params / 1e9:.2f} B parameters in {str(dtype).removeprefix('torch.')}",
         estimate_bytes(params, dtype), f"{gib(weights)} of weights x {MEMORY_FACTOR} + {gib(MEMORY_OVERHEAD)}",
         available=available,
-        hint="Export in fp16 (half the weights), on a machine with more memory, or one component at a time with "
-             "--components.")
+        hint=hint or ("Export in fp16 (half the weights), on a machine with more memory, or one component at a time "
+                      "with --components."))
 
 
 def _version(package: str) -> str | None:
@@ -338,7 +339,10 @@ def _export_ryzenai(folder: Path, out: Path, *, opset: int, components: Sequence
                          f"{', '.join(missing)} from.")
     params = {c: COMPONENTS[c].count_params(sources[c]) for c in wanted}
     for c in wanted:  # traced in float32, then rounded: the float32 weights are what is held
-        check_fits(c, params[c], torch.float32, available_bytes)
+        check_fits(c, params[c], torch.float32, available_bytes,
+                   hint="The ryzenai export loads each component in float32 (block-by-block export with streamed "
+                        "weights is not built yet): use a machine with more memory, or --components to export one "
+                        "component at a time.")
     copies = files_to_copy(folder, kind)
     read_paths = {"source": folder, "component": list(sources.values()),
                   "copied folder": [folder / name for name in copies]}
