@@ -3,8 +3,8 @@ would run, on the tiny klein.
 
 Fast tests (graph passes, lint, int4 arithmetic, option refusals) run on small hand-made graphs. The tests on a real
 export share one module fixture (a tiny klein with a 3-layer text encoder and float32 transformer weights that bf16
-rounds, so the bf16 intrinsic error is not zero); tracing three components takes ~1-2 minutes on 2 cores, so they are
-marked slow.
+rounds, so the bf16 intrinsic error is not zero); the whole file took 50 s on 2 cores, the export most of it, so
+those are marked slow.
 """
 
 from __future__ import annotations
@@ -215,11 +215,13 @@ def test_ryzenai_layout_opset_17_and_static_shapes(ryzen_export) -> None:
         onnx.checker.check_model(str(g))
     transformer = onnx.load(str(out / "transformer" / "model.onnx"), load_external_data=False)
     dtypes = {t.name: t.data_type for t in transformer.graph.initializer}
-    name = "model.transformer_blocks.0.ff.linear_in.weight.T"  # the Linear's weight, transposed for MatMul
+    name = "model.transformer_blocks.0.ff.linear_in.weight"  # streamed from the safetensors file as it is named
+    name = name if name in dtypes else name + ".T"  # a weight under 1024 values may have its transpose folded
     assert dtypes[name] == onnx.TensorProto.BFLOAT16
     assert any(n.op_type == "Cast" and n.input[0] == name for n in transformer.graph.node)
     floats = [k for k, v in dtypes.items() if v == onnx.TensorProto.FLOAT and k.startswith("model.")]
-    assert not [k for k in floats if k.endswith(".weight") or k.endswith(".weight.T")]  # every weight is bf16
+    assert not [k for k in floats if k.endswith(".weight") and "norm" not in k]  # every weight >= 16 values: bf16
+    assert manifest["components"]["transformer"]["streamed"] is True  # hollow trace, weights streamed to .data
     shapes = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in transformer.graph.input}
     assert shapes["hidden_states"] == [1, 4, 16] and shapes["encoder_hidden_states"] == [1, 8, 48]
 

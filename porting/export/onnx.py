@@ -338,7 +338,9 @@ def _export_ryzenai(folder: Path, out: Path, *, opset: int, components: Sequence
         raise InputError(f"{folder}: no {', '.join(COMPONENTS[c].source + '/' for c in missing)} folder to export "
                          f"{', '.join(missing)} from.")
     params = {c: COMPONENTS[c].count_params(sources[c]) for c in wanted}
-    for c in wanted:  # traced in float32, then rounded: the float32 weights are what is held
+    for c in wanted:  # the text encoder is traced with its float32 weights (the int4 quantizer reads them);
+        if c in ryzenai.STREAMED:  # transformer and VAE decoder: hollow trace, one weight at a time
+            continue
         check_fits(c, params[c], torch.float32, available_bytes,
                    hint="The ryzenai export loads each component in float32 (block-by-block export with streamed "
                         "weights is not built yet): use a machine with more memory, or --components to export one "
@@ -356,12 +358,16 @@ def _export_ryzenai(folder: Path, out: Path, *, opset: int, components: Sequence
         for c in wanted:
             say(f"exporting {c} for ryzenai ({params[c] / 1e6:.1f} M parameters, opset {opset}, static shapes)")
             t0 = time.perf_counter()
-            traced = COMPONENTS[c].load(sources[c], torch.float32)
-            proto, facts = ryzenai.finish_component(c, traced, profile)
-            del traced
-            gc.collect()
             file = ryzenai.FILES[c]
-            ryzenai.save(proto, staging / c, file)
+            if c in ryzenai.STREAMED:
+                proto, facts = ryzenai.stream_bf16_component(c, sources[c], profile, staging / c)
+                ryzenai.save_streamed(proto, staging / c, file)
+            else:
+                traced = COMPONENTS[c].load(sources[c], torch.float32)
+                proto, facts = ryzenai.finish_component(c, traced, profile)
+                del traced
+                gc.collect()
+                ryzenai.save(proto, staging / c, file)
             inputs = [i.name for i in proto.graph.input]
             shapes = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in proto.graph.input}
             outputs = [o.name for o in proto.graph.output]

@@ -108,6 +108,7 @@ def static_text_encoder(traced: Traceable, profile: Profile) -> Traceable:
                      {**traced.facts, "text_len": profile.text_len})
 
 
+STREAMED = ("transformer", "vae_decoder")  # exported with hollow weights, the weights streamed to disk
 STATIC = {"transformer": static_transformer, "vae_decoder": static_vae_decoder, "text_encoder": static_text_encoder}
 
 
@@ -144,9 +145,10 @@ def trace_static(traced: Traceable) -> Any:
 
 
 def _const_values(proto: Any) -> dict[str, np.ndarray]:
-    from onnx import numpy_helper
+    from onnx import TensorProto, numpy_helper
 
-    values = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer if len(t.dims) <= 1}
+    values = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer
+              if len(t.dims) <= 1 and t.data_location != TensorProto.EXTERNAL}
     for node in proto.graph.node:
         if node.op_type == "Constant":
             for a in node.attribute:
@@ -325,4 +327,154 @@ def save(proto: Any, dest: Path, file: str) -> None:
     dest.mkdir(parents=True, exist_ok=True)
     onnx.save_model(proto, str(dest / file), save_as_external_data=True, all_tensors_to_one_file=True,
                     location=file + ".data", size_threshold=1024)
+    onnx.checker.check_model(str(dest / file))
+
+
+# ---------------------------------------------------------------- bounded memory: hollow trace, streamed weights
+
+def hollow(module: torch.nn.Module) -> torch.nn.Module:
+    """Replace every parameter and buffer by a zero-stride float view of its shape: CPU tensors that hold no memory,
+    enough for torch.export (which traces with fake tensors) to see shapes and dtypes."""
+    for m in module.modules():
+        for name, p in list(m.named_parameters(recurse=False)):
+            setattr(m, name, torch.nn.Parameter(torch.zeros((), dtype=torch.float32).expand(p.shape),
+                                                requires_grad=False))
+        for name, b in list(m.named_buffers(recurse=False)):
+            m._buffers[name] = torch.zeros((), dtype=b.dtype if b.is_floating_point() else b.dtype).expand(b.shape)
+    return module
+
+
+def hollow_traceable(name: str, folder: Path, profile: Profile) -> tuple[Traceable, str]:
+    """The component's graph module built from its config with hollow weights, static example inputs, and the prefix
+    its parameter names carry in the graph. Nothing of the weights is read."""
+    import json as _json
+
+    from .onnx_components import GuidedTransformerGraph, TransformerGraph, VaeDecoderGraph
+
+    cfg = {k: v for k, v in _json.loads((folder / "config.json").read_text()).items() if not k.startswith("_")}
+    if name == "transformer":
+        from diffusers import Flux2Transformer2DModel
+
+        with torch.device("meta"):
+            model = Flux2Transformer2DModel.from_config(cfg).eval().requires_grad_(False)
+        graph = (GuidedTransformerGraph if model.config.guidance_embeds else TransformerGraph)(hollow(model))
+        shape = Traceable(graph, {"hidden_states": torch.zeros(1, 16, model.config.in_channels),
+                                  "encoder_hidden_states": torch.zeros(1, 6, model.config.joint_attention_dim),
+                                  **({"guidance": torch.zeros(1)} if model.config.guidance_embeds else {})},
+                          {}, ["sample"], {"timestep": "sigma in [0, 1] (the pipeline's t / 1000)"})
+        return static_transformer(shape, profile), "model."
+    if name == "vae_decoder":
+        from diffusers import AutoencoderKLFlux2
+
+        with torch.device("meta"):
+            vae = AutoencoderKLFlux2.from_config(cfg).eval().requires_grad_(False)
+        shape = Traceable(VaeDecoderGraph(hollow(vae)), {"latent_sample": torch.zeros(1, vae.config.latent_channels,
+                                                                                        2, 2)}, {}, ["sample"], {})
+        return static_vae_decoder(shape, profile), "vae."
+    raise ValueError(f"{name}: no streamed export")
+
+
+def _tensor_index(folder: Path) -> dict[str, Path]:
+    from safetensors import safe_open
+
+    index = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as sf:
+            for k in sf.keys():
+                index[k] = f
+    return index
+
+
+def stream_bf16_component(name: str, folder: Path, profile: Profile, dest: Path) -> tuple[Any, dict[str, Any]]:
+    """Export a bf16-cast component (transformer, VAE decoder) holding at most one weight tensor at a time.
+
+    The module is traced with hollow weights; then every weight is read from the safetensors files one tensor at a
+    time, rounded to bfloat16 (float32 when smaller than BF16_MIN_ELEMENTS, as in `torch_bf16_weights`) and appended
+    to `dest/model.onnx.data`; the graph's initializers point at it. Returns the proto (weights external) and facts.
+    """
+    require("onnxscript")
+    import onnx_ir as ir
+    import onnxscript.optimizer as opt
+    from onnx_ir.passes.common import RemoveUnusedNodesPass
+    from safetensors import safe_open
+
+    traced, prefix = hollow_traceable(name, folder, profile)
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(traced.module, (), kwargs=traced.example, dynamo=True, opset_version=18,
+                                    input_names=traced.inputs, output_names=traced.outputs, verbose=False,
+                                    optimize=False)
+    model = program.model
+    params = {k for k, _ in traced.module.named_parameters()}
+    dest.mkdir(parents=True, exist_ok=True)
+    file = FILES[name]
+    data_path = dest / (file + ".data")
+    index = _tensor_index(folder)
+    weights: set[str] = set()
+    offset = 0
+    with open(data_path, "wb") as data:
+        for value_name, value in list(model.graph.initializers.items()):
+            if value_name not in params:
+                continue
+            key = value_name[len(prefix):] if value_name.startswith(prefix) else value_name
+            if key not in index:
+                raise ValueError(f"{folder}: no tensor {key} in its safetensors files")
+            with safe_open(str(index[key]), framework="pt") as sf:
+                tensor = sf.get_tensor(key)
+            small = tensor.numel() < BF16_MIN_ELEMENTS
+            tensor = tensor.to(torch.float32 if small else torch.bfloat16).contiguous()
+            raw = (tensor.view(torch.int16) if not small else tensor).numpy().tobytes()
+            pad = (-offset) % 64  # aligned, as onnx writes external data
+            data.write(b"\0" * pad)
+            offset += pad
+            data.write(raw)
+            dtype = ir.DataType.FLOAT if small else ir.DataType.BFLOAT16
+            value.const_value = ir.ExternalTensor(file + ".data", offset, len(raw), dtype,
+                                                  shape=ir.Shape(list(tensor.shape)), name=value_name,
+                                                  base_dir=str(dest))
+            value.dtype = dtype
+            if not small:
+                weights.add(value_name)
+            offset += len(raw)
+            del tensor, raw
+    initializers = model.graph.initializers
+    for node in model.graph:  # a small weight's transpose may be folded: keep its name (`W.T`)
+        if node.op_type == "Transpose" and node.inputs and node.inputs[0] is not None \
+                and node.inputs[0].name in initializers:
+            node.outputs[0].name = node.inputs[0].name + ".T"
+    # fold only small constants (Reduce axes, shape arithmetic, transposes of weights under 1024 values): large
+    # weights stay on disk and their transposes stay nodes
+    opt.fold_constants(model, input_size_limit=1024, output_size_limit=1024)
+    RemoveUnusedNodesPass()(model)
+    proto = ir.serde.serialize_model(model)
+    del program, model
+    proto = downgrade_to_17(proto)
+    converted = add_casts(proto, weights)
+    return proto, {"weights": WEIGHTS[name], "file": file, "bf16_initializers": len(converted), "streamed": True}
+
+
+def add_casts(proto: Any, weights: set[str]) -> list[str]:
+    """A `Cast` to float32 after every bfloat16 weight initializer named in `weights` (consumers renamed)."""
+    from onnx import TensorProto, helper
+
+    # every bf16 initializer is a weight or a folded transpose of a small one (the folder may fold those)
+    names = [t.name for t in proto.graph.initializer if t.data_type == TensorProto.BFLOAT16]
+    casts = [helper.make_node("Cast", [n], [n + "/fp32"], name=n + "/cast", to=TensorProto.FLOAT) for n in names]
+    renamed = {n: n + "/fp32" for n in names}
+    for node in proto.graph.node:
+        for i, n in enumerate(node.input):
+            if n in renamed:
+                node.input[i] = renamed[n]
+    nodes = casts + list(proto.graph.node)
+    del proto.graph.node[:]
+    proto.graph.node.extend(nodes)
+    return names
+
+
+def save_streamed(proto: Any, dest: Path, file: str) -> None:
+    """Save a graph whose weights already sit in `file`.data; small inline constants stay in the graph."""
+    import onnx
+
+    onnx.save_model(proto, str(dest / file))
     onnx.checker.check_model(str(dest / file))
