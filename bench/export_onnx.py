@@ -56,6 +56,10 @@ ORT_SCRIPT = STEP_INPUTS + textwrap.dedent("""
     t0 = time.perf_counter()
     options = ort.SessionOptions()
     options.log_severity_level = 3
+    if os.environ.get("BENCH_ORT_LEAN") == "1":  # bf16 weights: no load-time folding of Cast into fp32 copies
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        options.enable_mem_pattern = False
+        options.enable_cpu_mem_arena = False
     session = ort.InferenceSession(folder + "/model.onnx", sess_options=options, providers=["CPUExecutionProvider"])
     load = time.perf_counter() - t0
     dtype = torch.float16 if session.get_inputs()[0].type == "tensor(float16)" else torch.float32
@@ -136,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         port = [sys.executable, "-m", "porting"]
         os.environ["BENCH_SIDE"], os.environ["BENCH_TEXT"] = str(args.size // 16), str(args.text_len)
         if args.target == "ryzenai":
+            os.environ["BENCH_ORT_LEAN"] = "1"
             how = ["--target", "ryzenai", "--size", str(args.size), "--text-len", str(args.text_len)]
         else:
             how = ["--dtype", args.dtype, "--opset", str(args.opset or 18)]
