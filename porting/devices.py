@@ -92,6 +92,30 @@ def resolve_device(text: str) -> torch.device:
     return torch.device(str(spec))
 
 
+def npu_importable() -> bool:
+    """Whether torch_npu imports here (the probe tests replace)."""
+    if importlib.util.find_spec("torch_npu") is None:
+        return False
+    try:
+        importlib.import_module("torch_npu")
+        return True
+    except Exception:  # a broken CANN install raises many kinds of errors
+        return False
+
+
+def validate_device() -> str:
+    """The `--device` a hint names: a device this machine has (npu:0 only where torch_npu imports, else cuda when
+    CUDA is available, else cpu)."""
+    if npu_importable():
+        return "npu:0"
+    try:
+        if torch.cuda.is_available():
+            return "cuda"
+    except Exception:  # a broken driver: not a device to suggest
+        pass
+    return "cpu"
+
+
 def device_facts(device: torch.device) -> dict[str, object]:
     """What a report must record about the device and its software (validation-practice.md 6.7)."""
     facts: dict[str, object] = {"device": str(device), "torch": torch.__version__}

@@ -182,6 +182,16 @@ def extend_record(folder: Path, verb: str, entries: Iterable[str]) -> None:
     (folder / RECORD).write_text(_sealed_doc(folder, doc))
 
 
+def add_folders(folder: Path, verb: str, names: Iterable[str]) -> None:
+    """Add the named top-level folders (as folders, not their contents: each run folder in them carries its own
+    record) to the record of `folder`, keeping what it lists and the verb that wrote it (`verb` for a new record)."""
+    record = read_record(folder)
+    files = dict(record.files) if record else {}
+    files.update({name: "dir" for name in names})
+    doc = {"format_version": RECORD_VERSION, "verb": record.verb if record else verb, "files": files}
+    (folder / RECORD).write_text(_sealed_doc(folder, doc))
+
+
 def read_record(folder: Path) -> Record | None:
     """The ownership record of `folder`, or None where there is none that proves anything."""
     doc = _verified(folder, RECORD)

@@ -114,6 +114,15 @@ def flux1_inputs(params, batch=2, seed=0):
     }
 
 
+def run_flux1_pair(reference, model, inp) -> tuple[torch.Tensor, torch.Tensor]:
+    with torch.no_grad():
+        ref = reference(**inp)
+        out = model(hidden_states=inp["x"], encoder_hidden_states=inp["ctx"], pooled_projections=inp["y"],
+                    timestep=inp["timesteps"], img_ids=inp["x_ids"][0], txt_ids=inp["ctx_ids"][0],
+                    guidance=inp["guidance"]).sample
+    return ref, out
+
+
 @pytest.mark.parametrize("params", [TINY1_DEV, TINY1_SCHNELL], ids=["FLUX.1-dev-like", "FLUX.1-schnell-like"])
 def test_flux1_converted_weights_compute_the_reference_output(tmp_path, capsys, params):
     reference = reference_model(params, seed=4)
@@ -123,12 +132,7 @@ def test_flux1_converted_weights_compute_the_reference_output(tmp_path, capsys, 
     model = load_strict(FluxTransformer2DModel, tmp_path / "transformer")
     assert model.config.guidance_embeds == params.guidance
     assert list(model.config.axes_dims_rope) == [16, 56, 56]
-    inp = flux1_inputs(params)
-    with torch.no_grad():
-        ref = reference(**inp)
-        out = model(hidden_states=inp["x"], encoder_hidden_states=inp["ctx"], pooled_projections=inp["y"],
-                    timestep=inp["timesteps"], img_ids=inp["x_ids"][0], txt_ids=inp["ctx_ids"][0],
-                    guidance=inp["guidance"]).sample
+    ref, out = run_flux1_pair(reference, model, flux1_inputs(params))
     assert ref.abs().max() > 0.5
     assert (ref - out).abs().max().item() <= TOL, compare_outputs(ref, out)
 

@@ -9,6 +9,7 @@ import pytest
 from porting.cli.app import main
 from porting.demo.tiny import TINY_FLUX2, write_random_checkpoint
 from porting.demo.tinypipe import build_demo_base
+from porting.reports import latest_report
 
 
 def _run(argv):
@@ -25,7 +26,7 @@ def test_convert_validate_publish_by_recipe_name(tmp_path, capsys):
     assert (ws / "my-port" / "transformer" / "config.json").is_file()
     assert _run(["validate", "my-port", "--workspace", str(ws), "--resolution", "64", "--text-len", "32",
                  "--timesteps", "0.5", "--prompt", "a fox", "--quiet"]) == 0
-    report = json.loads((ws / "my-port" / "reports" / "report.json").read_text())
+    report = json.loads(latest_report(ws / "my-port" / "reports").read_text())  # reports/validate/<time>/
     assert report["verdict"] == "pass" and report["inputs"]["prompt"] == "a fox"
     record = json.loads((ws / "my-port" / "port.json").read_text())
     assert record["convert"]["weights_sha256"] == record["validate"]["weights_sha256"]

@@ -37,14 +37,17 @@ def converted(finetune, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def clean_report(converted, tmp_path_factory):
-    return validate(converted, out=tmp_path_factory.mktemp("rep"), **SMALL)
+    # native intrinsic forced on the CPU (the CPU default is emulated since issue 21): the device run is then the
+    # intrinsic run, ratio 1 by construction, the controlled baseline the checks below compare against
+    return validate(converted, out=tmp_path_factory.mktemp("rep"), intrinsic="native", **SMALL)
 
 
 def test_correct_port_passes_and_writes_the_report_contract(clean_report, converted):
     d = clean_report.to_dict()
     assert d["verdict"] == "pass" and d["reasons"] == [] and d["blame"] is None
-    # device == reference here, so the device run is the intrinsic run: ratio exactly 1
+    # device == reference and --intrinsic native: the device run is the intrinsic run, ratio exactly 1, said so
     assert d["output"]["ratio"] == pytest.approx(1.0)
+    assert d["intrinsic"] == "native" and d["ratio_by_construction"] is True
     assert 0 < d["output"]["intrinsic"]["rel_l2"] < 0.05  # bf16 vs float32 golden: a real, small error
     for key in ("weights_sha256", "device", "dtype", "reference", "golden_dtype", "inputs", "output", "rule",
                 "summary", "blocks", "blame", "tool", "version"):
@@ -129,7 +132,7 @@ def test_streamed_golden_equals_a_normal_float32_forward(converted):
 
 
 def test_original_naming_file_is_validated_through_the_tables(finetune, clean_report):
-    d = validate(finetune, **SMALL).to_dict()
+    d = validate(finetune, intrinsic="native", **SMALL).to_dict()  # the same intrinsic as clean_report
     assert d["verdict"] == "pass"
     assert d["model"]["naming"] == "original"
     assert d["weights_sha256"] == clean_report.to_dict()["weights_sha256"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -35,15 +36,16 @@ def _dtype(name: str, option: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def validate(model: str | Path, *, device: str = "cpu", dtype: str | None = None, reference: str = "cpu",
+def validate(model: str | Path, *, device: str = "cpu", dtype: str | None = None, reference: str | None = None,
              golden_dtype: str | None = None, out: Path | None = None, resolution: int = 512, text_len: int = 512,
              timesteps: Sequence[float] = (1.0, 0.5, 0.1), seeds: Sequence[int] = (0,),
              base: Path | None = None, prompt: str | None = None, max_ratio: float = 2.0,
-             config: Path | None = None, intrinsic: str = "native",
+             config: Path | None = None, intrinsic: str | None = None,
              device_weight_transform: WeightTransform | None = None,
              prepare_device_model: Callable[[torch.nn.Module], None] | None = None,
              on_stage: Callable[[str, int], None] | None = None,
-             runtime: str = "torch", provider: str = "CPUExecutionProvider") -> Report:
+             runtime: str = "torch", provider: str = "CPUExecutionProvider",
+             devices: str | Sequence[str] | None = None) -> Report:
     """Run golden, intrinsic reference and device under test in lock-step and judge the device.
 
     `runtime="torch"`: `model` is a transformer (folder or file) run on `device` in `dtype` (default bf16).
@@ -52,10 +54,27 @@ def validate(model: str | Path, *, device: str = "cpu", dtype: str | None = None
     to fp64 for an fp32 export (an fp32 golden would make the intrinsic fp32 error zero).
     `device_weight_transform` and `prepare_device_model` act on the device-side torch model only (fault injection,
     or hooks for a custom attention backend).
+    `devices` (two or more, e.g. `cuda:0,cuda:1`): the staged run split as pipeline stages over them with
+    torch.distributed (validation.distributed); the report is the one a single-device run writes. Under torchrun,
+    ranks other than 0 return None.
     """
+    if devices is not None:
+        if runtime != "torch":
+            raise PortError(f"--devices with --runtime {runtime}: a pipeline over several devices runs the torch "
+                            "staged runner; drop one of them.")
+        if device != "cpu":
+            raise PortError(f"--devices with --device {device}: give the devices once, in --devices.")
+        from .distributed import validate_pipeline
+
+        return validate_pipeline(model, devices=devices, dtype=dtype, reference=reference, golden_dtype=golden_dtype,
+                                 out=out, resolution=resolution, text_len=text_len, timesteps=timesteps, seeds=seeds,
+                                 base=base, prompt=prompt, max_ratio=max_ratio, config=config, intrinsic=intrinsic,
+                                 device_weight_transform=device_weight_transform,
+                                 prepare_device_model=prepare_device_model)
+    reference = reference or "cpu"
     if runtime not in RUNTIMES:
         raise PortError(f"--runtime {runtime!r}: choose one of {', '.join(RUNTIMES)}.")
-    if intrinsic not in ("native", "emulated"):
+    if intrinsic not in (None, "native", "emulated"):
         raise PortError(f"--intrinsic {intrinsic!r}: use native or emulated.")
     export: dict[str, Any] | None = None
     weights_path: str | Path = model
@@ -85,6 +104,7 @@ def validate(model: str | Path, *, device: str = "cpu", dtype: str | None = None
     ref = resolve_device(reference)
     dev = resolve_device(device) if runtime == "torch" else None
     check_not_one_computation(dtype=dtype, golden_dtype=golden_dtype, device=dev, reference=ref, runtime=runtime)
+    intrinsic = intrinsic or default_intrinsic(dev, ref, runtime)
     source = WeightSource(weights_path, config)
     if ref.type == "cpu":  # the golden and the intrinsic run live in host memory: refuse what cannot fit, up front
         check_validate_memory(source.config, [(k, shape) for k, shape, _ in source.plan.outputs()],
@@ -130,6 +150,27 @@ def _is_text_encoder_export(folder: Path) -> bool:
     return folder.name == "text_encoder" and (folder.parent / MANIFEST).is_file()
 
 
+def default_intrinsic(device: torch.device | None, reference: torch.device, runtime: str) -> str:
+    """emulated where the device under test is the reference CPU itself (a native intrinsic run there would be the
+    device's own computation, ratio 1 by construction); native everywhere else."""
+    if runtime == "torch" and device is not None and device == reference and reference.type == "cpu":
+        return "emulated"
+    return "native"
+
+
+def same_computation(device: str | torch.device | None, reference: str | torch.device, runtime: str,
+                     intrinsic: str, run_dtype: torch.dtype) -> bool:
+    """Whether the intrinsic run is the device run itself (same device, same arithmetic): its ratio is 1 by
+    construction and checks no device."""
+    if runtime != "torch" or device is None or str(device) != str(reference):
+        return False
+    return intrinsic == "native" or run_dtype == torch.float32  # emulating fp32 rounding in fp32 is fp32 itself
+
+
+BY_CONSTRUCTION = ("the intrinsic run is the device run itself ({why}): every ratio is 1 by construction and checks "
+                   "no device; on a CPU, --intrinsic emulated (the default) measures the CPU's {dtype} kernels")
+
+
 def _export_source(folder: Path, dtype: str | None) -> tuple[dict[str, Any], Path]:
     """The export manifest's facts and the source transformer it names, checked."""
     from porting.export.onnx import find_manifest
@@ -154,6 +195,26 @@ def _export_source(folder: Path, dtype: str | None) -> tuple[dict[str, Any], Pat
     return facts, Path(src)
 
 
+@dataclass
+class RunFacts:
+    """What the report says about where the runs happened (one device, or a pipeline over several)."""
+    device: str
+    reference: str
+    device_type: str | None
+    reference_type: str
+    facts_device: dict[str, Any]
+    facts_reference: dict[str, Any]
+    runtime: str
+    localises: bool
+    localisation_note: str
+
+    @classmethod
+    def of(cls, runs: Runs) -> "RunFacts":
+        dev, ref = runs.device.device, runs.golden.device
+        return cls(str(dev), str(ref), getattr(dev, "type", None), ref.type, runs.device.facts(), runs.golden.facts(),
+                   runs.device.runtime, runs.device.localises, runs.device.localisation_note)
+
+
 def judge(runs: Runs, source: WeightSource, inputs: Inputs, *, dtype: str, golden_dtype: str, model: str | Path,
           max_ratio: float, intrinsic: str, export: dict[str, Any] | None = None,
           on_stage: Callable[[str, int], None] | None = None, weights_sha256: str | None = None,
@@ -161,11 +222,21 @@ def judge(runs: Runs, source: WeightSource, inputs: Inputs, *, dtype: str, golde
     """Run the lock-step comparison and apply the verdict rule; the same for every runner.
 
     Raises `Unmeasurable` (exit 2) instead of judging when nothing was measured (validation.checks)."""
-    run_dtype = _dtype(dtype, "--dtype")
-    dev, ref = runs.device.device, runs.golden.device
     total = len(runs.golden.stage_names()) + (0 if runs.device.localises else 1)
     rows, outputs = lockstep(runs, inputs.state,
                              (lambda s: on_stage(s, total)) if on_stage else None)
+    return verdict(rows, outputs, RunFacts.of(runs), source, inputs, dtype=dtype, golden_dtype=golden_dtype,
+                   model=model, max_ratio=max_ratio, intrinsic=intrinsic, export=export,
+                   weights_sha256=weights_sha256, golden_weights=golden_weights)
+
+
+def verdict(rows: list[dict[str, Any]], outputs: dict[str, torch.Tensor], where: RunFacts, source: WeightSource,
+            inputs: Inputs, *, dtype: str, golden_dtype: str, model: str | Path, max_ratio: float, intrinsic: str,
+            export: dict[str, Any] | None = None, weights_sha256: str | None = None,
+            golden_weights: GoldenWeights | None = None, extra: dict[str, Any] | None = None) -> Report:
+    """The report from the lock-step rows and final outputs, wherever they were computed (validation.distributed
+    gathers them from its ranks and calls this on rank 0)."""
+    run_dtype = _dtype(dtype, "--dtype")
     table = source.detection.table
     for row in rows:
         row["original"] = original_name(table, row["stage"])
@@ -207,14 +278,18 @@ def judge(runs: Runs, source: WeightSource, inputs: Inputs, *, dtype: str, golde
     growth = [r["stage"] for r in rows if r["growth_flag"]]
 
     known = []
-    facts_dev, facts_ref = runs.device.facts(), runs.golden.facts()
+    facts_dev, facts_ref = where.facts_device, where.facts_reference
     if facts_dev.get("rope_freqs_dtype", facts_ref["rope_freqs_dtype"]) != facts_ref["rope_freqs_dtype"]:
-        known.append(f"diffusers computes RoPE frequencies in {facts_dev['rope_freqs_dtype']} on {dev.type} but in "
-                     f"{facts_ref['rope_freqs_dtype']} on {ref.type}; both then cast cos/sin to float32.")
-    if getattr(dev, "type", None) == "npu":
+        known.append(f"diffusers computes RoPE frequencies in {facts_dev['rope_freqs_dtype']} on {where.device_type} "
+                     f"but in {facts_ref['rope_freqs_dtype']} on {where.reference_type}; both then cast cos/sin to "
+                     "float32.")
+    if where.device_type == "npu":
         known.append("attention may run through torch_npu.npu_fusion_attention (diffusers _native_npu backend) "
                      "instead of PyTorch SDPA; ACL_PRECISION_MODE and HF32 settings are recorded in environment.")
 
+    by_construction = same_computation(where.device, where.reference, where.runtime, intrinsic, run_dtype)
+    notices = [BY_CONSTRUCTION.format(why=f"--intrinsic {intrinsic} on {where.reference}, the device under test",
+                                      dtype=dtype)] if by_construction else []
     data: dict[str, Any] = {
         "tool": "flux-port", "version": __version__, "format_version": 1, "kind": "validation",
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -223,25 +298,29 @@ def judge(runs: Runs, source: WeightSource, inputs: Inputs, *, dtype: str, golde
                   "config": {k: v for k, v in source.config.items() if not k.startswith("_")},
                   **source.provenance()},
         "weights_sha256": weights_sha256 or source.weights_sha256(),
-        "device": str(dev), "dtype": dtype, "reference": str(ref), "golden_dtype": golden_dtype,
-        "intrinsic": intrinsic if intrinsic == "native" else f"emulated ({dtype} rounding of weights, inputs and every "
-                                                             "module output, float32 arithmetic)",
-        "runtime": runs.device.runtime,
-        "localisation": {"per_block": runs.device.localises,
-                         "note": None if runs.device.localises else runs.device.localisation_note},
+        "device": where.device, "dtype": dtype, "reference": where.reference, "golden_dtype": golden_dtype,
+        "intrinsic": intrinsic,
+        "intrinsic_run": (f"{dtype} on {where.reference}" if intrinsic == "native" else
+                          f"float32 arithmetic on {where.reference} with {dtype} rounding of weights, inputs and every "
+                          "module output"),
+        "ratio_by_construction": by_construction, "notices": notices,
+        "runtime": where.runtime,
+        "localisation": {"per_block": where.localises,
+                         "note": None if where.localises else where.localisation_note},
         "environment": {"device": facts_dev, "reference": facts_ref},
         "inputs": inputs.description, "cases": inputs.cases,
         "rule": {"metric": "relative L2 error against the golden", "max_ratio": max_ratio,
                  "denominator_floor": error_floor(run_dtype), "growth_flag": GROWTH_FLAG_TEXT,
                  "statement": f"pass iff no NaN/Inf, the final output's error is at most {max_ratio}x the intrinsic "
-                              f"{dtype} error (same model in {dtype} on {ref})"
+                              f"{dtype} error (same model in {dtype} on {where.reference})"
                               + (f", and no block's teacher-forced error exceeds {max_ratio}x its intrinsic error"
-                                 if runs.device.localises else " (final output only: no per-block check)")},
+                                 if where.localises else " (final output only: no per-block check)")},
         "output": {"device": overall_dev, "intrinsic": overall_int, "ratio": ratio},
         "summary": summary, "blocks": rows, "blame": blame, "growth_flags": growth,
         "known_differences": known,
         "verdict": "fail" if reasons else "pass", "reasons": reasons,
     }
+    data.update(extra or {})
     if export is not None:
         data["export"] = export
         if export.get("ran"):

@@ -47,18 +47,44 @@ def _where(runner: Runner) -> str:
     return f"{str(runner.dtype).removeprefix('torch.')} on {runner.device}"
 
 
+@dataclass
+class Carry:
+    """What flows from one stage to the next: the three runs' states and the previous stage's accumulated errors
+    (for the growth flag). A pipeline stage boundary (validation.distributed) hands exactly this on."""
+    golden: dict[str, Any]
+    intrinsic: dict[str, Any]
+    device: dict[str, Any]
+    prev: dict[str, float] | None = None
+
+    def outputs(self) -> dict[str, torch.Tensor]:
+        return {"golden": self.golden["out"], "intrinsic": self.intrinsic["out"], "device": self.device["out"]}
+
+
+def start(runs: Runs, inputs: dict[str, Any]) -> Carry:
+    """The carry entering the first stage: the golden gets the inputs in its dtype, the others take them as built."""
+    return Carry(cast_state(inputs, runs.golden.dtype, runs.golden.device), inputs, inputs)
+
+
 def lockstep(runs: Runs, inputs: dict[str, Any],
              on_stage: Callable[[str], None] | None = None) -> tuple[list[dict[str, Any]], dict[str, torch.Tensor]]:
     """Per-stage metrics and the three final outputs (golden, intrinsic, device); no rows for a whole-graph
     device runner."""
     if not runs.device.localises:
         return [], whole_output(runs, inputs, on_stage)
+    rows, carry = lockstep_stages(runs, list(enumerate(runs.golden.stage_names())), start(runs, inputs), on_stage)
+    return rows, carry.outputs()
+
+
+def lockstep_stages(runs: Runs, stages: list[tuple[int, str]], carry: Carry,
+                    on_stage: Callable[[str], None] | None = None) -> tuple[list[dict[str, Any]], Carry]:
+    """The lock-step loop over `stages` ((index in the whole model, name), contiguous), from `carry` on.
+
+    The whole model is one call over every stage; a pipeline rank calls it over its own range with the carry it
+    received, so the numbers are the same wherever the range boundaries fall."""
     dtype = runs.device.dtype
-    golden_state = cast_state(inputs, runs.golden.dtype, runs.golden.device)
-    intrinsic_state, device_state = inputs, inputs
+    golden_state, intrinsic_state, device_state, prev = carry.golden, carry.intrinsic, carry.device, carry.prev
     rows: list[dict[str, Any]] = []
-    prev: dict[str, float] | None = None
-    for index, stage in enumerate(runs.golden.stage_names()):
+    for index, stage in stages:
         (g_out,) = runs.golden.run(stage, [golden_state])
         if index == 0:  # same inputs for both runs: teacher forcing is the accumulated run
             i_acc, = runs.intrinsic.run(stage, [intrinsic_state])
@@ -99,5 +125,4 @@ def lockstep(runs: Runs, inputs: dict[str, Any],
         golden_state, intrinsic_state, device_state = g_out, i_acc, d_acc
         if on_stage:
             on_stage(stage)
-    outputs = {"golden": golden_state["out"], "intrinsic": intrinsic_state["out"], "device": device_state["out"]}
-    return rows, outputs
+    return rows, Carry(golden_state, intrinsic_state, device_state, prev)

@@ -25,19 +25,23 @@ import torch
 
 from porting import __version__
 from porting.errors import DeviceError, InputError, PortError
-from porting.outputs import InputPaths, atomic_folder, check_output, timestamped_folder
+from porting.outputs import InputPaths, atomic_folder, check_output
 from porting.pipeline import pipeload
 from porting.pipeline.compare_tables import COMPARE_JSON, COMPARE_MD, fmt, summary_markdown
 from porting.pipeline.generate import (
+    DEFAULT_SIZE,
     DTYPES,
+    default_size,
     default_steps,
     load_references,
     parse_size,
+    progress_clock,
     read_model_index,
     reference_size,
     reference_tokens,
     resolve_device,
 )
+from porting.reports import REPORTS, prepare_run_folder, run_folder
 
 from . import image_metrics as im
 
@@ -45,6 +49,7 @@ GRID_PNG = "grid.png"
 GRID_TILE = 256  # longest side of one grid cell in pixels
 GRID_MIN_TILE = 96  # shortest side a tiny image is enlarged to in the grid
 DEFAULT_DIFF_GAIN = 8.0
+CPU_DEFAULT_PROMPTS = 4  # of the built-in set, on a CPU: a run that finishes in minutes
 
 
 @dataclass
@@ -168,13 +173,24 @@ def _encode(pipe: Any, prompt: str, device: torch.device) -> torch.Tensor:
 
 
 def _render(pipe: Any, side: _Prepared, embeds: torch.Tensor, negative: torch.Tensor | None, seed: int,
-            width: int, height: int, steps: int, kwargs: dict[str, Any]) -> Any:
+            width: int, height: int, steps: int, kwargs: dict[str, Any],
+            on_step: Callable[[float], None] | None = None) -> Any:
     dtype = DTYPES[side.dtype_name]
     call = dict(kwargs, prompt=None, prompt_embeds=embeds.to(side.device, dtype), height=height, width=width,
                 num_inference_steps=steps, latents=pipeload.initial_latents(pipe, width, height, seed),
                 generator=torch.Generator("cpu").manual_seed(seed))
     if negative is not None:
         call["negative_prompt_embeds"] = negative.to(side.device, dtype)
+    if on_step is not None:
+        marks = {"start": progress_clock()}
+
+        def step_end(pipeline: Any, i: int, t: Any, cb: dict[str, Any]) -> dict[str, Any]:
+            now = progress_clock()
+            on_step(now - marks["start"])
+            marks["start"] = now
+            return cb
+
+        call["callback_on_step_end"] = step_end
     with torch.no_grad():
         return pipe(**call).images[0]
 
@@ -234,7 +250,7 @@ def default_out(candidate: Side) -> Path:
     """reports/compare/<UTC time>/ next to the candidate's transformer (a swap) or its folder, where publish finds
     it (the workspace layout: <recipe>/reports/)."""
     anchor = Path(candidate.transformer) if candidate.transformer else Path(candidate.folder)
-    return timestamped_folder(anchor.resolve().parent / "reports" / "compare")
+    return run_folder(anchor.resolve().parent / REPORTS, "compare")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -255,10 +271,10 @@ def lpips_scorer(backbone: torch.nn.Module | None, weights: str | Path | None, w
 
 def _render_side(pipe: Any, side: _Prepared, embeds: Sequence[torch.Tensor], negative: torch.Tensor | None,
                  seeds: Sequence[int], size: tuple[int, int], steps: int, kwargs: dict[str, Any], folder: Path,
-                 tick: Callable[[str], None]) -> None:
+                 tick: Callable[[str], None], on_step: Callable[[float], None] | None = None) -> None:
     width, height = size
     for i, (embed, seed) in enumerate(zip(embeds, seeds)):
-        image = _render(pipe, side, embed, negative, seed, width, height, steps, kwargs)
+        image = _render(pipe, side, embed, negative, seed, width, height, steps, kwargs, on_step)
         image.save(folder / f"{i:03d}.png", format="PNG")
         tick(f"{folder.name} {i + 1}/{len(embeds)}")
 
@@ -273,26 +289,38 @@ def _gate(summary: dict[str, Any], min_psnr: float | None, max_lpips: float | No
 
 
 def compare(reference: Side, candidate: Side, *, prompts: Sequence[str] | None = None,
-            seeds: Sequence[int] | None = None, steps: int | None = None, size: str | int = 1024,
+            seeds: Sequence[int] | None = None, steps: int | None = None, size: str | int | None = None,
             out: str | Path | None = None, force: bool = False, lpips_weights: str | Path | None = None,
             lpips_backbone: torch.nn.Module | None = None, guidance_scale: float | None = None,
             min_psnr: float | None = None, max_lpips: float | None = None, diff_gain: float = DEFAULT_DIFF_GAIN,
             images: Sequence[str | Path] = (), on_status: Callable[[str], None] | None = None,
             on_image: Callable[[int, int, str], None] | None = None,
-            inputs: InputPaths | None = None) -> CompareResult:
+            inputs: InputPaths | None = None, on_step: Callable[[float], None] | None = None,
+            on_render_start: Callable[[int, int], None] | None = None) -> CompareResult:
     """Render `prompts` (default: the built-in set) through both sides and write the comparison into `out`.
 
     `images` are reference images passed with every prompt on both sides (an editing comparison).
     `lpips_backbone` injects an AlexNet-shaped feature network (tests); otherwise `lpips_weights` or the torch hub
     cache provide it, and LPIPS is reported unavailable without them. `on_image(done, total, label)` is called after
-    each rendered image. Gates apply to the means; a missed gate is in `failures` (the caller decides the exit).
+    each rendered image, `on_step(seconds)` after each denoising step. On a CPU (either side), `size` defaults to
+    CPU_DEFAULT_SIZE and the built-in set to its first CPU_DEFAULT_PROMPTS prompts, so that a run finishes in
+    minutes; otherwise 1024 px and the whole set. Gates apply to the means; a missed gate is in `failures` (the
+    caller decides the exit).
     `inputs` names further paths the caller read (the --prompts file): `out` keeps clear of them as of every input.
     """
     say = on_status or (lambda text: None)
     started = time.perf_counter()
-    prompts = list(prompts) if prompts else builtin_prompts()
+    on_cpu = "cpu" in (resolve_device(reference.device).type, resolve_device(candidate.device).type)
+    cpu_size = default_size("cpu", Path(reference.folder))
+    if not prompts:
+        builtin = builtin_prompts()
+        prompts = builtin[:CPU_DEFAULT_PROMPTS] if on_cpu else builtin
+        if on_cpu:
+            say(f"on cpu: the first {len(prompts)} of the {len(builtin)} built-in prompts at "
+                f"{cpu_size if size is None else size} px by default (--prompts FILE and --size for more)")
+    prompts = list(prompts)
     seed_list = assign_seeds(prompts, seeds)
-    width, height = parse_size(size)
+    width, height = parse_size((cpu_size if on_cpu else DEFAULT_SIZE) if size is None else size)
     if diff_gain <= 0:
         raise PortError(f"--diff-gain {diff_gain}: must be positive.")
     ref, cand = _prepare(reference, "--reference-dtype"), _prepare(candidate, "--dtype")
@@ -336,6 +364,7 @@ def compare(reference: Side, candidate: Side, *, prompts: Sequence[str] | None =
             on_image(done, 2 * len(prompts), label)
 
     timings: dict[str, float] = {}
+    prepare_run_folder(out)
     with atomic_folder(out, force=force, verb="compare", inputs=read_paths) as staging:
         say(f"loading the reference from {ref.folder} on {ref.device} ({ref.dtype_name})")
         t0 = time.perf_counter()
@@ -348,9 +377,11 @@ def compare(reference: Side, candidate: Side, *, prompts: Sequence[str] | None =
         embeds = [_encode(pipe, p, ref.device) for p in prompts]
         negative = _encode(pipe, "", ref.device) if _needs_negative(pipe, kwargs) else None
         pipe.text_encoder = None  # not needed any more; frees its memory before denoising
+        if on_render_start:
+            on_render_start(2 * len(prompts), steps)
         (staging / "reference").mkdir()
         _render_side(pipe, ref, embeds, negative, seed_list, (width, height), steps, kwargs, staging / "reference",
-                     tick)
+                     tick, on_step)
         del pipe
         pipeload.release_memory(ref.device)
         timings["reference_s"] = time.perf_counter() - t0
@@ -369,7 +400,7 @@ def compare(reference: Side, candidate: Side, *, prompts: Sequence[str] | None =
                              "compare two folders of the same kind.")
         (staging / "candidate").mkdir()
         _render_side(pipe, cand, embeds, negative, seed_list, (width, height), steps, ckwargs,
-                     staging / "candidate", tick)
+                     staging / "candidate", tick, on_step)
         del pipe
         pipeload.release_memory(cand.device)
         timings["candidate_s"] = time.perf_counter() - t0

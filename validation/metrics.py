@@ -37,7 +37,9 @@ def compare(candidate: torch.Tensor, golden: torch.Tensor, dtype: torch.dtype = 
     rel = diff.abs() / b.abs().clamp_min(SMALL_VALUE.get(dtype, 2.0**-8))
     denom = float(a.norm()) * norm_b
     return {
-        "cosine": float(a @ b) / denom if denom else (1.0 if float(diff.norm()) == 0 else 0.0),
+        # (a * b).sum(), not a @ b: BLAS dot products may split the sum differently from run to run (MKL picks its
+        # thread count by load), and a report must be reproducible to the last digit, across processes too
+        "cosine": float((a * b).sum()) / denom if denom else (1.0 if float(diff.norm()) == 0 else 0.0),
         "rel_l2": float(diff.norm()) / norm_b if norm_b else float(diff.norm()),
         "rmse": float(diff.pow(2).mean().sqrt()),
         "max_abs": float(diff.abs().max()) if diff.numel() else 0.0,

@@ -12,6 +12,7 @@ from rich.table import Table
 
 from porting.engine.mapping import MappingTable
 from porting.outputs import atomic_folder
+from porting.reports import prepare_run_folder
 
 REPORT_JSON = "report.json"
 REPORT_MD = "report.md"
@@ -44,7 +45,8 @@ class Report:
         return self.data
 
     def write(self, folder: Path, inputs: Mapping[str, Path | str | None] | None = None) -> list[Path]:
-        """Write report.json and report.md as a new folder, replacing only a reports folder flux-port wrote."""
+        """Write report.json and report.md as a new folder, replacing only a report folder validate wrote."""
+        prepare_run_folder(folder)
         with atomic_folder(folder, verb="validate", replace="owned", inputs=inputs) as staging:
             (staging / REPORT_JSON).write_text(json.dumps(_finite(self.data), indent=2) + "\n")
             (staging / REPORT_MD).write_text(to_markdown(self.data))
@@ -70,6 +72,13 @@ def _ratio(x: float) -> str:
     return f"{x:.2f}" if math.isfinite(x) else "inf"
 
 
+def _pipeline_line(dist: dict[str, Any]) -> str:
+    ranks = "; ".join(f"rank {r['rank']} on `{r['device']}` (golden on `{r['reference']}`): {r['stages'][0]}.."
+                      f"{r['stages'][-1]}" for r in dist["ranks"])
+    return (f"- pipeline over {dist['world_size']} ranks ({dist['backend']}): {ranks}; the numbers are those of a "
+            "single-device run with its golden at the same place")
+
+
 def to_markdown(d: dict[str, Any]) -> str:
     lines = [f"# Validation report: **{d['verdict'].upper()}**", "",
              f"- model: `{d['model']['path']}` ({d['model']['variant']}, {d['model']['naming']} naming)",
@@ -78,10 +87,13 @@ def to_markdown(d: dict[str, Any]) -> str:
              f"- weights sha256: `{d['weights_sha256']}`",
              f"- device under test: `{d['device']}` in {d['dtype']}; "
              f"golden: `{d['reference']}` in {d['golden_dtype']}; "
-             f"intrinsic reference: `{d['reference']}` in {d['dtype']}",
+             f"intrinsic reference ({d.get('intrinsic', 'native')}): "
+             + d.get("intrinsic_run", f"`{d['reference']}` in {d['dtype']}"),
+             *[f"- **note:** {n}" for n in d.get("notices") or []],
              f"- inputs: {d['inputs']['resolution']}x{d['inputs']['resolution']} ({d['inputs']['image_tokens']} image "
              f"tokens), {d['inputs']['text_tokens']} text tokens, timesteps {d['inputs']['timesteps']}, seeds "
              f"{d['inputs']['seeds']}, text features: {d['inputs']['text_features']}",
+             *([_pipeline_line(d["distributed"])] if d.get("distributed") else []),
              f"- rule: {d['rule']['statement']}", ""]
     if d["reasons"]:
         lines += ["## Why it failed", ""] + [f"- {r}" for r in d["reasons"]] + [""]
@@ -110,22 +122,39 @@ def to_markdown(d: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+_SHORT = {"transformer_blocks": "double", "single_transformer_blocks": "single"}
+
+
+def short_stage(stage: str) -> str:
+    """`transformer_blocks.3` -> `double 3`, `single_transformer_blocks.17` -> `single 17` (the terminal table's
+    names; report.json and report.md keep the full ones)."""
+    head, _, index = stage.rpartition(".")
+    return f"{_SHORT[head]} {index}" if head in _SHORT and index.isdigit() else stage
+
+
 def terminal_table(d: dict[str, Any], max_rows: int = 80) -> Table:
+    """The per-block table at 80 columns: short stage names, no original names (report.md and --json carry both),
+    and a flag column only when some row is flagged."""
+    intrinsic = "intrinsic " + ("emu." if d.get("intrinsic") == "emulated" else "err")
     table = Table(title=f"port validate: {d['verdict'].upper()}  (device {d['device']} {d['dtype']} vs golden "
                         f"{d['reference']} {d['golden_dtype']}; limit ratio {d['rule']['max_ratio']})")
-    for col in ("stage", "original", "device err", "bf16-on-ref err" if d["dtype"] == "bf16" else "intrinsic err",
-                "ratio", "acc. ratio", ""):
-        table.add_column(col)
     blame = d["blame"]["stage"] if d["blame"] else None
-    for b in d["blocks"][:max_rows]:
+    blocks = d["blocks"][:max_rows]
+    flags = ["BLAME" if b["stage"] == blame else ("growth" if b["growth_flag"] else "") for b in blocks]
+    flagged = any(flags)
+    for col in ("stage", "device err", intrinsic, "ratio", "acc. ratio") + (("flag",) if flagged else ()):
+        table.add_column(col, no_wrap=True)
+    for b, flag in zip(blocks, flags):
         tf = b["teacher_forced"]
-        flag = "<- first bad block" if b["stage"] == blame else ("growth" if b["growth_flag"] else "")
-        table.add_row(b["stage"], b["original"], _pct(tf["device"]["rel_l2"]), _pct(tf["intrinsic"]["rel_l2"]),
-                      _ratio(tf["ratio"]), _ratio(b["accumulated"]["ratio"]), flag)
+        table.add_row(short_stage(b["stage"]), _pct(tf["device"]["rel_l2"]), _pct(tf["intrinsic"]["rel_l2"]),
+                      _ratio(tf["ratio"]), _ratio(b["accumulated"]["ratio"]), *((flag,) if flagged else ()))
     for row in d["summary"]:
-        table.add_row(f"output {row['name']}", "", _pct(row["device_error"]), _pct(row["intrinsic_error"]),
-                      _ratio(row["ratio"]), "", "")
+        name = "output" if row["name"] == "all cases" else row["name"].replace("seed ", "s").replace(", ", " ")
+        table.add_row(name, _pct(row["device_error"]), _pct(row["intrinsic_error"]), _ratio(row["ratio"]), "",
+                      *(("",) if flagged else ()))
     localisation = d.get("localisation") or {"per_block": True}
     if not localisation["per_block"]:
         table.caption = f"no per-block rows: {localisation['note']}"
+    elif len(d["blocks"]) > max_rows:
+        table.caption = f"{len(d['blocks']) - max_rows} more block(s) in report.md"
     return table

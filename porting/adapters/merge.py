@@ -9,9 +9,11 @@ is written by `port convert`'s engine (strict plan, shards, manifest), in the ba
 
 from __future__ import annotations
 
+import fnmatch
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -19,12 +21,13 @@ from porting.engine.convert import ConvertResult, convert, iter_tensors
 from porting.engine.detect import Detection, detect
 from porting.engine.mapping import Naming, Step
 from porting.engine.plan import Plan
-from porting.errors import PlanError
+from porting.errors import PlanError, UsageError
 from porting.finite import check_number, check_tensor
 from porting.tensors.checkpoint import ST_TO_TORCH, Checkpoint, open_checkpoint
 from porting.tensors.writer import Segments
 
 from .delta import Shape, delta, delta_shape, multiplier, read32
+from .describe import variant_configs
 from .naming import Adapter, ModuleAdapter, read_adapter
 
 
@@ -192,23 +195,75 @@ def mismatch_error(base: str | Path, leftovers: list[tuple[str, str]]) -> Adapte
         details="\n".join(lines), report={"leftovers": [{"keys": k, "why": w} for k, w in leftovers]})
 
 
+def skip_keys(adapter: Adapter, patterns: Sequence[str]) -> list[str]:
+    """Drop from `adapter` every module with a stored key matching one of the glob `patterns`, and every unreadable
+    key matching one; return the stored keys dropped (sorted)."""
+    if not patterns:
+        return []
+    hit = lambda key: any(fnmatch.fnmatchcase(key, p) for p in patterns)  # noqa: E731
+    skipped: list[str] = []
+    for param, m in list(adapter.modules.items()):
+        if any(hit(k) for k in m.keys.values()):
+            skipped += m.keys.values()
+            del adapter.modules[param]
+    skipped += [k for k, _ in adapter.unknown if hit(k)]
+    adapter.unknown = [(k, why) for k, why in adapter.unknown if not hit(k)]
+    return sorted(skipped)
+
+
+def adapter_width(adapter: Adapter) -> int | None:
+    """The model width the adapter was trained at: the most common dimension of its full-size deltas."""
+    dims = Counter(d for m in adapter.modules.values() for d in delta_shape(adapter, m))
+    return dims.most_common(1)[0][0] if dims else None
+
+
+def check_width(adapter: Adapter, detection: Detection, base: str | Path) -> None:
+    """A LoRA made for another size of the model (a klein-4B LoRA on a klein-9B base) is refused up front with both
+    widths, instead of one shape error per module."""
+    base_width = detection.config.get("num_attention_heads", 0) * detection.config.get("attention_head_dim", 0)
+    width = adapter_width(adapter)
+    if not base_width or width is None or width == base_width:
+        return
+    made_for = [name for name, cfg in variant_configs(adapter.table.name).items()
+                if cfg["num_attention_heads"] * cfg["attention_head_dim"] == width]
+    raise AdapterMismatchError(
+        f"{adapter.path}: this adapter is {width} wide" + (f" (made for {' / '.join(made_for)})" if made_for else "")
+        + f"; the base {base} is {base_width} wide ({detection.variant}); nothing was written.",
+        hint="Merge it into the base it was trained on, or use the adapter made for this base.")
+
+
 def merge(base: str | Path, adapters: list[tuple[str | Path, float]], out: str | Path, to: Naming | None = None,
-          max_shard_size: str | int = "5GB", force: bool = False, dry_run: bool = False,
+          max_shard_size: str | int | None = None, force: bool = False, dry_run: bool = False,
           on_start: Callable[[int], None] | None = None,
-          on_bytes: Callable[[int], None] | None = None) -> ConvertResult:
-    """Merge `adapters` [(file, strength)] into `base`; write it in the base's naming, or `to`."""
+          on_bytes: Callable[[int], None] | None = None,
+          on_notice: Callable[[str], None] | None = None, skip: Sequence[str] = ()) -> ConvertResult:
+    """Merge `adapters` [(file, strength)] into `base`; write it in the base's naming, or `to`.
+
+    `skip`: glob patterns of adapter keys to drop on purpose (a dev LoRA's `guidance_in.*` on a klein base); what
+    they drop is listed in the result and the manifest, never silently.
+    """
     for path, strength in adapters:
         check_number(float(strength), "strength", path)
     ckpt = open_checkpoint(base)
     detection = detect(ckpt)
     read = [(read_adapter(path), float(strength)) for path, strength in adapters]
+    skipped = {str(a.path): skip_keys(a, skip) for a, _ in read}
+    for pattern in skip:
+        if not any(fnmatch.fnmatchcase(k, pattern) for keys in skipped.values() for k in keys):
+            raise UsageError(f"--skip {pattern!r}: matches no key of the adapters; nothing was written.",
+                             hint="Patterns are globs on the keys as stored (see port inspect ADAPTER --json).")
+    for adapter, _ in read:
+        if adapter.table.name == detection.table.name:
+            check_width(adapter, detection, base)
     placement = Placement(ckpt, detection, read)
     if placement.leftovers:
         raise mismatch_error(base, placement.leftovers)
     merged: list[dict[str, Any]] = [
         {"adapter": str(Path(a.path).resolve()), "strength": s, "format": a.format, "naming": a.naming,
-         "modules": len(a.modules), "kinds": a.kinds} for a, s in read]
-    return convert(base, out, to=to or detection.naming, strict=True, max_shard_size=max_shard_size,
-                   dry_run=dry_run, force=force, on_start=on_start, on_bytes=on_bytes,
-                   tensors=placement.tensors, manifest_extra={"merged_adapters": merged},
-                   inputs={"adapter": [a.path for a, _ in read]})
+         "modules": len(a.modules), "kinds": a.kinds, "skipped": skipped[str(a.path)]} for a, s in read]
+    result = convert(base, out, to=to or detection.naming, strict=True, max_shard_size=max_shard_size,
+                     dry_run=dry_run, force=force, on_start=on_start, on_bytes=on_bytes,
+                     tensors=placement.tensors, manifest_extra={"merged_adapters": merged},
+                     inputs={"adapter": [a.path for a, _ in read]}, on_notice=on_notice)
+    result.extra["skipped"] = {path: keys for path, keys in skipped.items() if keys}
+    return result

@@ -53,8 +53,12 @@ def convert(output: Output, src: Path, out: Optional[Path], to: str, style: Opti
 
 def inspect(output: Output, path: Path) -> None:
     from porting.adapters.describe import describe_adapter
+    from porting.compat import adapter_runtimes
+
+    from ._compat import compatibility_table
 
     info = describe_adapter(path)
+    info["compatibility"] = [v.to_dict() for v in adapter_runtimes(path, info)]
     output.document(info)
     table = Table(title=f"{path}", show_header=False)
     table.add_row("kind", f"adapter ({info['format']})")
@@ -71,6 +75,7 @@ def inspect(output: Output, path: Path) -> None:
     for target, n in info["targets"].items():
         table.add_row("targets", f"{target} x{n}")
     output.table(table)
+    output.table(compatibility_table(info))
     for row in info["unreadable"][:20]:
         output.warning(f"{row['key']}: {row['why']}")
 

@@ -25,6 +25,15 @@ def nonempty_path(text: str) -> Path:
     return Path(text)
 
 
+def transformer_of(path: Path, say: Callable[[str], None]) -> Path:
+    """A pipeline folder (one with `model_index.json`) stands for its `transformer/`: the verbs that read a
+    transformer take either, and say which they used."""
+    if path.is_dir() and (path / "model_index.json").is_file() and (path / "transformer").is_dir():
+        say(f"{path} is a pipeline folder (model_index.json): reading its transformer/")
+        return path / "transformer"
+    return path
+
+
 def out_option(*decls: str, help: str) -> Any:
     """A typer option naming something flux-port writes: never empty."""
     return typer.Option(*decls, help=help, parser=nonempty_path)

@@ -12,6 +12,7 @@ from porting.errors import EXIT_INTERRUPTED, EXIT_USAGE, DiskSpaceError, Interru
 
 from . import _output
 from ._options import checked
+from .batch_cmd import BATCH_EXAMPLES, batch
 from .bench_cmd import BENCH_EXAMPLES, bench
 from .compare_cmd import COMPARE_EXAMPLES, compare
 from .convert_cmd import CONVERT_EXAMPLES, convert
@@ -40,6 +41,7 @@ app.command(epilog=GENERATE_EXAMPLES)(checked(generate))
 app.command(epilog=COMPARE_EXAMPLES)(checked(compare))
 app.command(epilog=BENCH_EXAMPLES)(checked(bench))
 app.command(epilog=EXPORT_EXAMPLES)(checked(export))
+app.command(epilog=BATCH_EXAMPLES)(checked(batch))
 
 
 # typer vendors click; its ClickException (unknown option, bad value) is reached through a public subclass

@@ -32,13 +32,15 @@ def bench(
         "--transformer", help="Run with this transformer folder instead of the folder's own.")] = None,
     device: Annotated[str, typer.Option("--device", help="cpu, cuda[:N] or npu[:N].")] = "cpu",
     dtype: Annotated[Optional[RunDtype], typer.Option("--dtype", help="Default bf16 on accelerators, fp32 on "
-                                                      "cpu.")] = None,
+                                                      "cpu (CPUs have no fast bf16 kernels).")] = None,
     offload: Annotated[str, typer.Option("--offload", help="Comma-separated modes: none, model (model CPU "
                                          "offload), sequential (sequential CPU offload), group (group "
                                          "offloading).")] = "none,model,sequential,group",
     task: Annotated[str, typer.Option("--task", help="Comma-separated: t2i (text to image), edit (with a "
                                       "reference image).")] = "t2i,edit",
-    size: Annotated[str, typer.Option("--size", help="Side in pixels, or WIDTHxHEIGHT.")] = "1024",
+    size: Annotated[Optional[str], typer.Option("--size", help="Side in pixels, or WIDTHxHEIGHT (default 1024 on an "
+                                                "accelerator; on cpu 16x16 latent patches, 256 px for "
+                                                "FLUX VAEs, so that a run finishes in minutes).")] = None,
     steps: StepsOpt = None,
     runs: Annotated[int, typer.Option("--runs", help="Timed runs per row (the median is reported).")] = 3,
     warmup: Annotated[int, typer.Option("--warmup", help="Untimed warm-up runs per row.")] = 1,

@@ -53,11 +53,15 @@ def compare(
     dtype: Annotated[Optional[RunDtype], typer.Option("--dtype", help="The candidate's dtype (same default).")] = None,
     prompt: Annotated[Optional[list[str]], typer.Option("--prompt", "-p", help="A prompt (repeatable).")] = None,
     prompts: Annotated[Optional[Path], typer.Option("--prompts", help="Text file, one prompt per line "
-                                                    "(# comments). Default: the built-in set.")] = None,
+                                                    "(# comments). Default: the built-in set of 37 (its first 4 when "
+                                                    "either side runs on cpu, so that the run finishes in "
+                                                    "minutes).")] = None,
     seeds: Annotated[Optional[str], typer.Option("--seeds", help="One seed for all prompts or one per prompt, "
                                                  "comma-separated (default: derived from each prompt).")] = None,
     steps: StepsOpt = None,
-    size: Annotated[str, typer.Option("--size", help="Side in pixels, or WIDTHxHEIGHT.")] = "1024",
+    size: Annotated[Optional[str], typer.Option("--size", help="Side in pixels, or WIDTHxHEIGHT (default 1024; when "
+                                                "either side runs on cpu, 16x16 latent patches: 256 px for "
+                                                "FLUX VAEs).")] = None,
     guidance_scale: Annotated[Optional[float], typer.Option("--guidance-scale", help="CFG scale for both sides "
                                                             "(base and dev models).")] = None,
     image: Annotated[Optional[list[Path]], typer.Option("--image", help="Reference image passed with every prompt "
@@ -79,7 +83,6 @@ def compare(
     quiet: QuietOpt = False,
 ) -> None:
     """Render the same prompts through two pipelines and report PSNR / SSIM / LPIPS (mean, p50, p90), with a grid."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
     from porting.pipeline.compare_tables import summary_rows
@@ -90,28 +93,30 @@ def compare(
     if prompt and prompts:
         raise PortError("give --prompt or --prompts, not both.")
     prompt_list = list(prompt) if prompt else (read_prompts(prompts) if prompts else None)
-    progress = None
-    if not output.quiet:
-        progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                            console=output.err, transient=True)
-    task = None
+    from porting.progress import StepProgress
+
+    bar: StepProgress | None = None
+
+    def on_render_start(images: int, steps_per_image: int) -> None:
+        nonlocal bar
+        bar = StepProgress(None if output.quiet else output.err, "rendered", images, unit="denoising step",
+                           estimate_units=images * steps_per_image)
+        bar.start()
 
     def on_image(done: int, total: int, label: str) -> None:
-        nonlocal task
-        if progress is None:
-            return
-        if task is None:
-            task = progress.add_task("rendering", total=total)
-        progress.update(task, completed=done, description=f"rendered {label}")
+        if bar is not None:
+            bar.advance(label)
+
+    def on_step(seconds: float) -> None:
+        if bar is not None:
+            bar.timed(seconds)
 
     def say(text: str) -> None:  # status lines above the live bar
-        if progress is None:
+        if bar is None:
             output.status(text)
-        else:
-            progress.console.print(text, markup=False, soft_wrap=True)
+        elif not output.quiet:
+            bar.say(text)
 
-    if progress:
-        progress.start()
     try:
         result = run_compare(
             Side(reference, reference_transformer, reference_device,
@@ -119,10 +124,11 @@ def compare(
             Side(candidate, candidate_transformer, device, dtype.value if dtype else None),
             prompts=prompt_list, seeds=_seeds(seeds), steps=steps, size=size, out=out, force=force,
             lpips_weights=lpips_weights, guidance_scale=guidance_scale, min_psnr=min_psnr, max_lpips=max_lpips,
-            diff_gain=diff_gain, images=image or [], on_status=say, on_image=on_image, inputs={"--prompts": prompts})
+            diff_gain=diff_gain, images=image or [], on_status=say, on_image=on_image, inputs={"--prompts": prompts},
+            on_step=on_step, on_render_start=on_render_start)
     finally:
-        if progress:
-            progress.stop()
+        if bar is not None:
+            bar.stop()
     doc = result.doc
     if not output.json_mode:
         table = Table(title=f"{len(doc['images'])} image(s): candidate against reference")

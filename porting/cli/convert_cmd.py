@@ -12,7 +12,16 @@ from rich.table import Table
 from porting.errors import PortError, UsageError
 
 from . import _adapter, _output
-from ._options import Direction, DtypeChoice, ForceOpt, JsonOpt, OptionalOutDirOpt, QuietOpt, WorkspaceOpt
+from ._options import (
+    Direction,
+    DtypeChoice,
+    ForceOpt,
+    JsonOpt,
+    OptionalOutDirOpt,
+    QuietOpt,
+    WorkspaceOpt,
+    transformer_of,
+)
 from ._recipe import as_recipe, base_config, finetune_file, raise_unfetched_recipe
 
 if TYPE_CHECKING:
@@ -77,7 +86,9 @@ def convert(
     dtype: Annotated[DtypeChoice, typer.Option("--dtype", help="Cast weights on the way.")] = DtypeChoice.keep,
     config: Annotated[Optional[Path], typer.Option("--config", help="Base model folder or config.json the "
                                                    "checkpoint must fit.")] = None,
-    max_shard_size: Annotated[str, typer.Option("--max-shard-size", help="Largest output shard.")] = "5GB",
+    max_shard_size: Annotated[Optional[str], typer.Option(
+        "--max-shard-size", help="Largest output shard (default: 5GB shards for diffusers naming, one file for "
+                                 "original naming, which ComfyUI, Forge and BFL's code need).")] = None,
     strict: Annotated[bool, typer.Option("--strict/--no-strict", help="Refuse unless every key and shape is "
                                          "accounted for.")] = True,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan, write nothing.")] = False,
@@ -104,6 +115,7 @@ def convert(
         config = config or base_config(recipe)
     elif not src.exists():
         raise_unfetched_recipe(src)
+    src = transformer_of(src, output.status)
     if _adapter.is_adapter(src):
         if dtype != DtypeChoice.keep:
             raise PortError("--dtype applies to weights; a converted adapter keeps its factors' dtype.")
@@ -144,4 +156,6 @@ def convert(
         for row in result.plan.problems()[:20]:
             output.warning(f"{row['kind']}: {row['key']}")
     if result.out and to == Direction.diffusers:
-        output.hint(f"validate it next: port validate {result.out} --device npu:0")
+        from porting.devices import validate_device
+
+        output.hint(f"validate it next: port validate {result.out} --device {validate_device()}")

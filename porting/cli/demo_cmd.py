@@ -10,6 +10,7 @@ import typer
 
 from porting.outputs import check_replaceable, check_writable_parent
 from porting.ownership import RECORD, extend_record, write_record
+from porting.reports import REPORTS, run_folder
 
 from . import _output
 from ._options import out_option
@@ -79,15 +80,17 @@ def demo(
     out.result(f"[3/6] convert --strict --config base: {s['source_tensors']} -> {s['target_tensors']} tensors, "
                f"every key and shape accounted for -> {converted.out}")
 
-    report = validate(converted.out, device="cpu", out=workdir / "reports", resolution=64, text_len=32,
+    report_dir = run_folder(workdir / REPORTS, "validate")
+    report = validate(converted.out, device="cpu", out=report_dir, resolution=64, text_len=32,
                       base=base, prompt=PROMPT)
     _recorded(workdir, 'reports')
     d = report.to_dict()
     steps["validate"] = {k: d[k] for k in ("verdict", "output", "summary", "blame", "weights_sha256")}
     worst = max(b["teacher_forced"]["ratio"] for b in d["blocks"])
     out.result(f"[4/6] validate on cpu in bf16 vs float32 golden: {d['verdict'].upper()}; output error "
-               f"{d['output']['device']['rel_l2']:.3%} = {d['output']['ratio']:.2f}x bf16's own error; "
-               f"worst block ratio {worst:.2f} (limit {d['rule']['max_ratio']}) -> {workdir / 'reports' / 'report.md'}")
+               f"{d['output']['device']['rel_l2']:.3%} = {d['output']['ratio']:.2f}x bf16's own error (emulated); "
+               f"worst block ratio {worst:.2f} (limit {d['rule']['max_ratio']}) -> "
+               f"{workdir / REPORTS / 'validate' / report_dir.name / 'report.md'}")
 
     published = publish(base, converted.out, workdir / "published", report=workdir / "reports")
     _recorded(workdir, 'published')

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Optional
 
 import typer
 from rich.table import Table
 
 from . import _adapter, _output
-from ._options import JsonOpt
+from ._compat import companions_table, compatibility_table
+from ._options import JsonOpt, transformer_of
 
 INSPECT_EXAMPLES = """\b
 Examples:
@@ -19,30 +20,42 @@ Examples:
 """
 
 
-def describe(path: Path) -> dict[str, Any]:
+def describe(path: Path, base: Path | None = None) -> dict[str, Any]:
+    from porting.compat import companions, facts_of, runtimes
     from porting.engine.detect import detect
     from porting.tensors.checkpoint import open_checkpoint
 
     ckpt = open_checkpoint(path)
     d = detect(ckpt)
-    return {
+    info = {
         "path": str(path), "files": [str(f) for f in ckpt.files], "family": d.table.name,
         "naming": d.naming, "prefix": d.prefix, "variant": d.variant, "diffusers_class": d.table.diffusers_class,
         "tensors": len(ckpt.tensors), "parameters": ckpt.parameter_count, "bytes": ckpt.total_bytes,
         "dtypes": ckpt.dtypes(), "config": {k: v for k, v in d.config.items() if not k.startswith("_")},
         "container": ckpt.container,
         "quantization": ckpt.quantization.to_dict() if ckpt.quantization else None,
+        "spelling": ({"saved_by": "ComfyUI", "respelled": len(d.respelled),
+                      "example": next(iter(sorted(d.respelled.items())))} if d.respelled else None),
+        "compatibility": [v.to_dict() for v in runtimes(facts_of(path, ckpt, d))],
     }
+    if base is not None:
+        info["companions"] = {"base": str(base), "checks": companions(base, d.config, d.family)}
+    return info
 
 
 def inspect(path: Annotated[Path, typer.Argument(
-                help="A .safetensors file, a sharded folder or a diffusers model folder.")],
+                help="A .safetensors or .gguf file, a sharded folder, a diffusers model folder or a pipeline folder.")],
+            base: Annotated[Optional[Path], typer.Option(
+                "--base", help="A base pipeline folder: check its text encoder, VAE and variant against this "
+                               "transformer.")] = None,
             json_: JsonOpt = False) -> None:
-    """Show naming, family, variant, dtypes, counts and the inferred diffusers config (reads headers only)."""
+    """Show naming, family, variant, dtypes, counts, the inferred diffusers config and which runtimes load the file
+    (reads headers only)."""
     out = _output.use(json_mode=json_)
+    path = transformer_of(path, out.status)
     if _adapter.is_adapter(path):
         return _adapter.inspect(out, path)
-    info = describe(path)
+    info = describe(path, base)
     out.document(info)
     table = Table(title=f"{path}", show_header=False)
     for key in ("family", "naming", "prefix", "variant", "diffusers_class", "tensors"):
@@ -63,6 +76,13 @@ def inspect(path: Annotated[Path, typer.Argument(
         for note in quant["notes"]:
             table.add_row("  note", note)
         table.add_row("  convert", "writes the dequantized weights (bf16 unless --dtype says otherwise)")
+    if info["spelling"]:
+        old, new = info["spelling"]["example"]
+        table.add_row("spelling", f"saved by ComfyUI: {info['spelling']['respelled']} norm scale(s) read as the "
+                                  f"table spells them ({old} -> {new})")
     for k, v in info["config"].items():
         table.add_row(f"config.{k}", str(v))
     out.table(table)
+    out.table(compatibility_table(info))
+    if "companions" in info:
+        out.table(companions_table(info["companions"]))

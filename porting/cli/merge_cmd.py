@@ -4,18 +4,19 @@ from __future__ import annotations
 
 from enum import Enum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
 from . import _output
-from ._options import ForceOpt, JsonOpt, OutDirOpt, QuietOpt, require_finite
+from ._options import ForceOpt, JsonOpt, OutDirOpt, QuietOpt, require_finite, transformer_of
 
 MERGE_EXAMPLES = """\b
 Examples:
   port merge flux-2-klein-9b.safetensors style.safetensors --out ./merged
   port merge flux-2-klein-9b.safetensors style.safetensors:0.8 detail.safetensors:0.5 --out ./merged
   port merge flux-2-klein-9b.safetensors style.safetensors --out ./transformer --to diffusers
+  port merge flux-2-klein-9b.safetensors dev-lora.safetensors --skip 'guidance_in*' --out ./merged
 """
 
 
@@ -32,9 +33,14 @@ def merge(
     out: OutDirOpt,
     to: Annotated[MergeTarget, typer.Option("--to", help="Naming of the output: the base's (keep), or convert on "
                                             "the way.")] = MergeTarget.keep,
-    max_shard_size: Annotated[str, typer.Option("--max-shard-size", help="Largest output shard.")] = "5GB",
+    max_shard_size: Annotated[Optional[str], typer.Option(
+        "--max-shard-size", help="Largest output shard (default: 5GB shards for diffusers naming, one file for "
+                                 "original naming, which ComfyUI, Forge and BFL's code need).")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Check where every adapter key lands, write "
                                           "nothing.")] = False,
+    skip: Annotated[Optional[list[str]], typer.Option(
+        "--skip", help="Drop adapter keys matching this glob on purpose (repeatable), e.g. 'guidance_in*' of a dev "
+                       "LoRA on a klein base; what is dropped is listed and recorded in the manifest.")] = None,
     force: ForceOpt = False,
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -49,15 +55,20 @@ def merge(
     from .convert_cmd import summary_table
 
     output = _output.use(json_mode=json_, quiet=quiet)
+    base = transformer_of(base, output.status)
     specs = [parse_strength(a) for a in adapters]
     for text, (_, strength) in zip(adapters, specs):
         require_finite(strength, f"ADAPTER:STRENGTH {text!r}: strength")
     with output.bytes_progress("merging") as (on_start, on_bytes):
         result = run_merge(base, specs, out, to=None if to == MergeTarget.keep else to.value,
                            max_shard_size=max_shard_size, force=force, dry_run=dry_run,
-                           on_start=on_start, on_bytes=on_bytes)
+                           on_start=on_start, on_bytes=on_bytes, on_notice=output.warning,
+                           skip=skip or ())
     doc = {**result.to_dict(), "adapters": [{"path": str(p), "strength": s} for p, s in specs]}
     output.document(doc)
     output.table(summary_table(result))
+    for path, keys in result.extra.get("skipped", {}).items():
+        output.warning(f"skipped {len(keys)} key(s) of {path} (--skip): {', '.join(keys[:6])}"
+                       + (f" and {len(keys) - 6} more" if len(keys) > 6 else ""))
     names = ", ".join(f"{p.name} x{s:g}" for p, s in specs)
     output.result(f"merged {names} into {base.name}" + (f" -> {result.out}" if result.out else " (dry run)"))

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from porting.errors import CheckFailed, PortError
+from porting.reports import REPORTS, run_folder
 
 from . import _output
-from ._options import JsonOpt, QuietOpt, WorkspaceOpt, out_option
+from ._options import JsonOpt, QuietOpt, WorkspaceOpt, out_option, transformer_of
 from ._recipe import as_recipe
 
 VALIDATE_EXAMPLES = """\b
@@ -21,6 +22,8 @@ Examples:
   port validate ./transformer --device npu:0 --base ./FLUX.2-klein-9B --prompt "a red fox in snow"
   port validate flux2-klein-9b-true-v1 --device npu:0 --prompt "a red fox in snow"   (a recipe's workspace)
   port validate ./klein-onnx/transformer --runtime onnxruntime --provider CUDAExecutionProvider
+  port validate ./transformer --devices npu:0,npu:1              (pipeline stages over two NPUs)
+  torchrun --nproc-per-node 2 -m porting validate ./transformer --devices cuda:0,cuda:1
 """
 
 
@@ -29,13 +32,21 @@ def validate(
                                           "recipe name in the workspace.")],
     device: Annotated[str, typer.Option(
         "--device", help="Device under test: cpu, cuda[:N], npu[:N], mps, xpu[:N].")] = "cpu",
-    reference: Annotated[str, typer.Option("--reference", help="Where the golden and intrinsic runs happen.")] = "cpu",
+    devices: Annotated[Optional[str], typer.Option(
+        "--devices", help="Two or more devices of one type (cuda:0,cuda:1; npu:0,npu:1; cpu,cpu): the staged run "
+                          "split as pipeline stages over them (torch.distributed; spawned here, or one rank per "
+                          "process under torchrun).")] = None,
+    reference: Annotated[Optional[str], typer.Option(
+        "--reference", help="Where the golden and intrinsic runs happen (default cpu; with --devices: devices, "
+                            "each rank's own device when it has room, else cpu).")] = None,
     dtype: Annotated[Optional[str], typer.Option("--dtype", help="dtype on the device: bf16, fp16 or fp32 (default "
                                                  "bf16; with onnxruntime, the export's).")] = None,
     golden_dtype: Annotated[Optional[str], typer.Option("--golden-dtype", help="fp32, or fp64 to judge fp32 runs "
                                                         "(default fp32; fp64 for an fp32 ONNX export).")] = None,
     out: Annotated[Optional[Path], out_option("--out", "-o", help="Folder for report.json and report.md "
-                                                "(default: reports/ next to MODEL).")] = None,
+                                                "(default: a new run folder reports/validate/<UTC time>/ next to "
+                                                "MODEL, "
+                                                "where port publish finds the newest).")] = None,
     resolution: Annotated[int, typer.Option("--resolution", help="Image side in pixels.")] = 512,
     text_len: Annotated[int, typer.Option("--text-len", help="Text tokens (the pipeline pads to 512).")] = 512,
     timesteps: Annotated[str, typer.Option("--timesteps", help="Comma-separated, in [0, 1].")] = "1.0,0.5,0.1",
@@ -46,9 +57,10 @@ def validate(
     max_ratio: Annotated[float, typer.Option(
         "--max-ratio", help="Largest accepted device/intrinsic error ratio.")] = 2.0,
     config: Annotated[Optional[Path], typer.Option("--config", help="Base config the weights must fit.")] = None,
-    intrinsic: Annotated[str, typer.Option(
-        "--intrinsic", help="native: run --dtype on the reference device; emulated: "
-                            "float32 arithmetic with --dtype rounding (fast on CPUs without bf16).")] = "native",
+    intrinsic: Annotated[Optional[str], typer.Option(
+        "--intrinsic", help="native: run --dtype on the reference device; emulated: float32 arithmetic with --dtype "
+                            "rounding (fast on CPUs without bf16). Default: emulated when --device is the reference "
+                            "CPU (so the run measures the CPU's own kernels), else native.")] = None,
     runtime: Annotated[str, typer.Option("--runtime", help="torch (MODEL is a transformer) or onnxruntime (MODEL is "
                                          "an exported DIR/transformer).")] = "torch",
     provider: Annotated[str, typer.Option("--provider", help="onnxruntime execution provider: CPUExecutionProvider, "
@@ -60,52 +72,61 @@ def validate(
 ) -> None:
     """Run the full transformer on the device against a float32 golden and judge it against bf16's own error."""
     from validation.api import validate as run_validate
+    from validation.distributed import launched_by_torchrun, parse_devices
     from validation.options import check_options, parse_seeds, parse_timesteps
     from validation.report import terminal_table
 
-    output = _output.use(json_mode=json_, quiet=quiet, heavy=True)
+    if devices is not None:
+        parse_devices(devices)  # a malformed list is refused (exit 2, naming --devices) before any work
+    follower = devices is not None and launched_by_torchrun() and os.environ.get("RANK", "0") != "0"
+    output = _output.use(json_mode=json_, quiet=quiet or follower, heavy=True)
     recipe = as_recipe(model, workspace)
     if recipe is not None:
-        model, out = recipe.transformer, out or recipe.reports
+        model = recipe.transformer
         if base is None and (recipe.base / "text_encoder").is_dir():
             base = recipe.base
+    model = transformer_of(model, output.status)
     if prompt and base is None:
         raise PortError("--prompt needs --base (the base model's text encoder encodes it).")
-    out = out or (model.resolve().parent / "reports")
+    out = out or run_folder(recipe.reports if recipe is not None else model.resolve().parent / REPORTS, "validate")
     seed_list, timestep_list = parse_seeds(seeds), parse_timesteps(timesteps)
     check_options(resolution=resolution, text_len=text_len, timesteps=timestep_list, seeds=seed_list,
                   max_ratio=max_ratio)
-    progress = None
-    if not output.quiet:
-        progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                            console=output.err, transient=True)
-    task = None
+    from porting.progress import StepProgress, clock
+
+    bar: StepProgress | None = None
+    started = clock()
 
     def on_stage(stage: str, total: int) -> None:
-        nonlocal task
-        if progress is None:
-            return
-        if task is None:
-            task = progress.add_task("validating", total=total)
-        progress.update(task, advance=1, description=f"validated {stage}")
+        nonlocal bar
+        if bar is None:
+            bar = StepProgress(None if output.quiet else output.err, "validated stage", total, unit="stage")
+            bar.start()
+            bar.timed(clock() - started)  # the first stage includes loading; the estimate errs on the long side
+        bar.advance(stage)
 
-    if progress:
-        progress.start()
+    if devices is not None and not follower:  # ranks run in other processes: no per-stage progress here
+        output.status(f"validating as pipeline stages over {devices} (one process per device; the report comes "
+                      "when the last rank is done)")
     try:
         report = run_validate(model, device=device, dtype=dtype, reference=reference, golden_dtype=golden_dtype,
                               out=out, resolution=resolution, text_len=text_len,
                               timesteps=timestep_list, seeds=seed_list, base=base, prompt=prompt,
                               max_ratio=max_ratio, config=config, intrinsic=intrinsic,
-                              on_stage=on_stage, runtime=runtime, provider=provider)
+                              on_stage=on_stage, runtime=runtime, provider=provider, devices=devices)
     finally:
-        if progress:
-            progress.stop()
+        if bar is not None:
+            bar.stop()
+    if report is None:  # a torchrun rank other than 0: rank 0 writes the one report
+        return
     data = report.to_dict()
     if recipe is not None:
         from porting.hub.workspace import record_step
         record_step(recipe, "validate", {"report": str(out / "report.json"), "verdict": data["verdict"],
                                          "weights_sha256": data["weights_sha256"], "device": data["device"]})
     output.document(data)
+    for notice in data.get("notices") or []:
+        output.warning(notice)
     output.table(terminal_table(data))
     output.status(f"report: {out / 'report.json'} and {out / 'report.md'}")
     if report.verdict != "pass":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +21,16 @@ from porting.outputs import InputPaths, atomic_folder, check_output
 from porting.tensors.checkpoint import Checkpoint, open_checkpoint
 from porting.tensors.dtypes import itemsize, torch_dtype
 from porting.tensors.sidecars import is_sidecar
-from porting.tensors.writer import Chunks, Entry, Segments, WeightsHasher, parse_size, write_shards
+from porting.tensors.writer import (
+    Chunks,
+    Entry,
+    Segments,
+    WeightsHasher,
+    parse_size,
+    plan_shards,
+    shard_names,
+    write_shards,
+)
 
 from .detect import Detection, detect, load_base_config
 from .mapping import MappingTable, Naming
@@ -183,8 +193,32 @@ def _row_blocks(ckpt: Checkpoint, keys: tuple[str, ...], shapes: list[tuple[int,
             yield ckpt.read(keys[i], (a, min(a + step, last)), dtype=target).contiguous()
 
 
+OUTPUT_STEM: dict[str, str] = {"diffusers": "diffusion_pytorch_model", "original": "model"}
+DEFAULT_SHARD_SIZE: dict[str, str | None] = {"diffusers": "5GB", "original": None}  # None: one file
+ONE_FILE_RUNTIMES = "ComfyUI, Forge and BFL's reference code"
+
+
+def shard_limit(to: Naming, max_shard_size: str | int | None,
+                on_notice: Callable[[str], None] | None = None) -> int:
+    """The largest shard in bytes for output in `to` naming (see `convert`)."""
+    size = DEFAULT_SHARD_SIZE[to] if max_shard_size is None else max_shard_size
+    if size is None:
+        return sys.maxsize
+    if to == "original" and max_shard_size is not None and on_notice:
+        on_notice(f"--max-shard-size {max_shard_size}: original-naming shards; {ONE_FILE_RUNTIMES} load one "
+                  ".safetensors per diffusion model and cannot load shards (leave --max-shard-size out for one file)")
+    return parse_size(size)
+
+
+def planned_files(stem: str, entries: list[Entry], limit: int) -> list[dict[str, Any]]:
+    """The files a run would write: name, tensor count and bytes, from the same sharding the writer uses."""
+    shards = plan_shards(entries, limit)
+    return [{"name": name, "tensors": len(shard), "bytes": sum(e.nbytes for e in shard)}
+            for name, shard in zip(shard_names(stem, len(shards)), shards)]
+
+
 def convert(src: str | Path, out: str | Path | None, to: Naming = "diffusers", dtype: str = "keep",
-            config: str | Path | None = None, max_shard_size: str | int = "5GB", strict: bool = True,
+            config: str | Path | None = None, max_shard_size: str | int | None = None, strict: bool = True,
             dry_run: bool = False, force: bool = False,
             on_start: Callable[[int], None] | None = None,
             on_bytes: Callable[[int], None] | None = None,
@@ -194,6 +228,11 @@ def convert(src: str | Path, out: str | Path | None, to: Naming = "diffusers", d
             on_notice: Callable[[str], None] | None = None,
             inputs: InputPaths | None = None) -> ConvertResult:
     """Convert a checkpoint; with `strict`, refuse any plan that does not account for every key and shape.
+
+    `max_shard_size` None: diffusers output in 5 GB shards (what `save_pretrained` writes), original output as one
+    file whatever its size (ComfyUI, Forge and BFL's code load one `.safetensors` per diffusion model and cannot
+    load shards; given shard 1 ComfyUI silently detects a smaller model). An explicit size shards either naming,
+    with a warning through `on_notice` for original naming.
 
     `tensors` replaces `iter_tensors` as the source of the target tensors (e.g. `port merge` adds adapter deltas on
     the way); `manifest_extra` adds fields to the manifest; `inputs` names further paths the caller reads (merge's
@@ -207,14 +246,15 @@ def convert(src: str | Path, out: str | Path | None, to: Naming = "diffusers", d
     stranded = stranded_sidecars(plan)  # refused with --no-strict too
     if stranded is not None:
         raise stranded
+    limit = shard_limit(to, max_shard_size, on_notice)
+    entries = [Entry(k, s, d) for k, s, d in plan.outputs()]
+    stem = OUTPUT_STEM[to]
     if dry_run or out is None:
-        return ConvertResult(plan, None, seconds=time.perf_counter() - started, quantization=quant)
+        return ConvertResult(plan, None, seconds=time.perf_counter() - started, quantization=quant,
+                             extra={"planned_files": planned_files(stem, entries, limit)})
     out = Path(out)
-    limit = parse_size(max_shard_size)
     read_paths = {"source": src, "--config": config, **(inputs or {})}
     check_output(out, force=force, verb="convert", inputs=read_paths)
-    entries = [Entry(k, s, d) for k, s, d in plan.outputs()]
-    stem = "diffusion_pytorch_model" if to == "diffusers" else "model"
     hasher = WeightsHasher()
     if on_start:
         on_start(plan.output_bytes)

@@ -25,6 +25,7 @@ class Detection:
     config: dict[str, Any]  # diffusers config for table.diffusers_class
     variant: str
     inferred: dict[str, Any] = field(default_factory=dict)  # raw facts read from shapes
+    respelled: dict[str, str] = field(default_factory=dict)  # stored key -> the table's spelling (`[aliases]`)
 
     @property
     def family(self) -> Family:
@@ -116,12 +117,18 @@ def load_base_config(path: str | Path) -> dict[str, Any]:
 
 def detect(ckpt: Checkpoint, base_config: Mapping[str, Any] | None = None,
            tables: Mapping[str, MappingTable] | None = None) -> Detection:
-    """Identify the checkpoint and build its diffusers config from shapes (no tensor data is read)."""
+    """Identify the checkpoint and build its diffusers config from shapes (no tensor data is read).
+
+    Keys another tool spelled its own way (the table's `[aliases]`) are respelled in `ckpt` as the table spells
+    them, so every verb reads them alike; `Detection.respelled` lists them.
+    """
     tables = tables or builtin_tables()
     found = _find_naming(ckpt, tables)
     if found is None:
         raise _unknown_architecture(ckpt, tables)
     table, naming, prefix = found
+    respelled = table.respelling(ckpt.tensors, naming, prefix)
+    ckpt.respell(respelled)  # another tool's spelling (ComfyUI's saved `.weight` norms) read as the table's
     facts = infer_facts(ckpt, table, naming, prefix)
     family = family_for(table)
     config = family.derive_config(facts)
@@ -141,4 +148,4 @@ def detect(ckpt: Checkpoint, base_config: Mapping[str, Any] | None = None,
                 details=rows, report={"config_mismatch": [dict(field=n, base=b, checkpoint=c) for n, b, c in bad]})
         merged = {k: v for k, v in base_config.items() if not k.startswith("_")}
         config = {"_class_name": table.diffusers_class, **merged}
-    return Detection(table, naming, prefix, config, match_variant(table, config), facts)
+    return Detection(table, naming, prefix, config, match_variant(table, config), facts, respelled)

@@ -10,7 +10,7 @@ import itertools
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Literal, Mapping
+from typing import Any, Iterable, Iterator, Literal, Mapping
 
 import tomllib
 
@@ -58,6 +58,22 @@ class MappingTable:
     variants: tuple[Mapping[str, Any], ...]
     rules: tuple[Rule, ...]
     source: Path | None = field(default=None, compare=False)
+    aliases: Mapping[str, tuple[tuple[str, str], ...]] = field(default_factory=dict)  # naming -> (saved, table)
+
+    def respelling(self, keys: Iterable[str], naming: Naming, prefix: str = "") -> dict[str, str]:
+        """Stored key -> the table's spelling, for keys under `prefix` that another tool spelled its own way
+        (`[aliases]`); a key whose table spelling is also present is left as it is (the file is then ambiguous and
+        the strict plan names it)."""
+        keys = set(keys)
+        found: dict[str, str] = {}
+        for key in keys:
+            for saved, ours in self.aliases.get(naming, ()):
+                if key.startswith(prefix) and key.endswith(saved):
+                    respelled = key[: len(key) - len(saved)] + ours
+                    if respelled not in keys:
+                        found[key] = respelled
+                    break
+        return found
 
     def expand(self, config: Mapping[str, Any], source: Naming) -> list[Step]:
         """All steps for a model of this config, reading keys in `source` naming."""
@@ -143,12 +159,27 @@ def parse_table(data: Mapping[str, Any], source: Path | None = None) -> MappingT
             rules.append(rule)
         infer = {n: {k: (v[0], int(v[1])) for k, v in data["infer"][n].items()} for n in NAMINGS}
         present = {k: (v[0], v[1]) for k, v in data["infer"].get("present", {}).items()}
+        aliases = _parse_aliases(data.get("aliases", {}), where)
         return MappingTable(
             name=head["name"], description=head.get("description", ""), diffusers_class=head["diffusers_class"],
             blocks=dict(head["blocks"]), detect={n: tuple(data["detect"][n]) for n in NAMINGS}, infer=infer,
-            present=present, variants=tuple(data.get("variant", ())), rules=tuple(rules), source=source)
+            present=present, variants=tuple(data.get("variant", ())), rules=tuple(rules), source=source,
+            aliases=aliases)
     except KeyError as e:
         raise MappingTableError(f"{where}: missing field {e}.") from e
+
+
+def _parse_aliases(raw: Any, where: str) -> dict[str, tuple[tuple[str, str], ...]]:
+    if not isinstance(raw, dict) or set(raw) - set(NAMINGS):
+        raise MappingTableError(f"{where}: [aliases] holds one table per naming ({', '.join(NAMINGS)}).")
+    out = {}
+    for naming, pairs in raw.items():
+        if not isinstance(pairs, dict) or not all(isinstance(k, str) and isinstance(v, str) and k and v and k != v
+                                                  for k, v in pairs.items()):
+            raise MappingTableError(f"{where}: [aliases.{naming}] maps a saved suffix to the table's suffix "
+                                    "(two different non-empty strings).")
+        out[naming] = tuple(pairs.items())
+    return out
 
 
 def load_table_file(path: str | Path) -> MappingTable:

@@ -26,15 +26,19 @@ import torch
 from porting import __version__
 from porting.errors import InputError, PortError
 from porting.finite import dumps
-from porting.outputs import atomic_folder, check_output, timestamped_folder
+from porting.outputs import atomic_folder, check_output
+from porting.progress import estimate_line
+from porting.reports import REPORTS, prepare_run_folder, run_folder
 
 from . import pipeload
 from .generate import (
     DTYPES,
     MIN_REFERENCE_SIDE,
+    default_size,
     default_steps,
     load_references,
     parse_size,
+    progress_clock,
     read_model_index,
     resolve_device,
 )
@@ -147,15 +151,21 @@ def edit_image(width: int, height: int) -> Any:
 
 def _run_task(pipe: Any, task: str, memory: _Memory, *, prompt: str, image: Any, width: int, height: int,
               steps: int, runs: int, warmup: int, kwargs: dict[str, Any],
-              on_run: Callable[[str], None]) -> tuple[list[float], list[float], dict[str, Any]]:
+              on_run: Callable[[str], None],
+              on_step: Callable[[float], None] | None = None) -> tuple[list[float], list[float], dict[str, Any]]:
     marks: dict[str, float] = {}
 
     def first_forward(module: Any, args: Any) -> None:
         marks.setdefault("start", time.perf_counter())
+        marks.setdefault("step", progress_clock())
 
     def step_end(pipeline: Any, i: int, t: Any, cb: dict[str, Any]) -> dict[str, Any]:
         memory.sync()
         marks["end"] = time.perf_counter()
+        now = progress_clock()
+        if on_step is not None:
+            on_step(now - marks.get("step", now))
+        marks["step"] = now
         return cb
 
     call = dict(kwargs, prompt=prompt, height=height, width=width, num_inference_steps=steps,
@@ -254,7 +264,7 @@ def to_markdown(doc: dict[str, Any]) -> str:
 
 def default_out(folder: Path, transformer: Path | None) -> Path:
     anchor = transformer if transformer is not None else folder
-    return timestamped_folder(anchor.resolve().parent / "reports" / "bench")
+    return run_folder(anchor.resolve().parent / REPORTS, "bench")
 
 
 def _device_name(device: torch.device) -> str:
@@ -272,12 +282,15 @@ def _device_name(device: torch.device) -> str:
 # the verb
 
 def bench(folder: str | Path, *, transformer: str | Path | None = None, device: str = "cpu", dtype: str | None = None,
-          modes: Sequence[str] = pipeload.OFFLOADS, tasks: Sequence[str] = TASKS, size: str | int = 1024,
+          modes: Sequence[str] = pipeload.OFFLOADS, tasks: Sequence[str] = TASKS, size: str | int | None = None,
           steps: int | None = None, runs: int = 3, warmup: int = 1, prompt: str = DEFAULT_PROMPT,
           edit_prompt: str = EDIT_PROMPT, image: str | Path | None = None, guidance_scale: float | None = None,
           out: str | Path | None = None, force: bool = False, on_status: Callable[[str], None] | None = None,
           on_row: Callable[[Row], None] | None = None) -> BenchResult:
-    """Benchmark `folder` (optionally with `transformer` swapped in) and write bench.json / bench.md into `out`."""
+    """Benchmark `folder` (optionally with `transformer` swapped in) and write bench.json / bench.md into `out`.
+
+    `size` defaults to 1024 on an accelerator and 256 on a CPU; compute is float32 on a CPU unless `dtype` says
+    otherwise. After the first timed denoising step, a run whose estimate passes a minute says so."""
     say = on_status or (lambda text: None)
     folder = Path(folder)
     swap = Path(transformer) if transformer is not None else None
@@ -298,7 +311,7 @@ def bench(folder: str | Path, *, transformer: str | Path | None = None, device: 
         raise PortError("--offload and --task need at least one value each.")
     if runs < 1 or warmup < 0:
         raise PortError(f"--runs {runs} / --warmup {warmup}: at least one timed run, no negative warm-up.")
-    width, height = parse_size(size)
+    width, height = parse_size(default_size(dev, folder) if size is None else size)
     steps = default_steps(index) if steps is None else steps
     if steps < 1:
         raise PortError(f"--steps {steps}: needs at least 1.")
@@ -312,6 +325,15 @@ def bench(folder: str | Path, *, transformer: str | Path | None = None, device: 
     memory = _Memory(dev)
 
     rows: list[Row] = []
+    runnable = [m for m in modes if m == "none" or dev.type != "cpu"]
+    step_count = {"units": steps * (warmup + runs) * len(tasks) * len(runnable), "timed": False}
+
+    def on_step(seconds: float) -> None:
+        if not step_count["timed"]:
+            step_count["timed"] = True
+            line = estimate_line(seconds, int(step_count["units"]), "denoising step")
+            if line:
+                say(line)
 
     def emit(row: Row) -> None:
         rows.append(row)
@@ -354,7 +376,7 @@ def bench(folder: str | Path, *, transformer: str | Path | None = None, device: 
                 totals, denoise, mem = _run_task(
                     pipe, task, memory, prompt=edit_prompt if task == "edit" else prompt, image=reference,
                     width=width, height=height, steps=steps, runs=runs, warmup=warmup, kwargs=kwargs,
-                    on_run=lambda what: say(f"  {task}/{mode} {what} done"))
+                    on_run=lambda what: say(f"  {task}/{mode} {what} done"), on_step=on_step)
             except Exception as e:
                 if not _is_oom(e):
                     raise
@@ -385,6 +407,7 @@ def bench(folder: str | Path, *, transformer: str | Path | None = None, device: 
         "rows": [r.to_dict() for r in rows],
         "torch": torch.__version__,
     }
+    prepare_run_folder(out)
     with atomic_folder(out, force=force, verb="bench", inputs=read_paths) as staging:
         (staging / BENCH_JSON).write_text(dumps(doc, indent=2) + "\n")
         (staging / BENCH_MD).write_text(to_markdown(doc))

@@ -8,6 +8,7 @@ loading and denoising; peak memory is the device allocator's peak on an accelera
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import resource
 import sys
@@ -25,6 +26,14 @@ from porting.devices import resolve_device
 from porting.errors import InputError, OutputExistsError, PortError
 from porting.outputs import UnsafeOutputError, check_disjoint, check_writable_parent, umask, write_error
 from porting.paths import check_component_names
+from porting.progress import debug
+
+
+def progress_clock() -> float:
+    """The clock step times are read from (porting.progress.clock, which tests replace)."""
+    from porting import progress
+
+    return progress.clock()
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 OFFLOAD_MODES = ("model", "sequential")
@@ -33,6 +42,26 @@ MIN_REFERENCE_SIDE = 64  # Flux2 pipelines refuse smaller reference images (flux
 # header claiming more is a decompression bomb (PIL's own limit, Image.MAX_IMAGE_PIXELS, is 89 MP)
 MAX_REFERENCE_PIXELS = 8192 * 8192
 REFERENCE_AREA = 1024 * 1024  # what the pipelines resize a larger reference image to
+DEFAULT_SIZE = 1024  # on an accelerator
+CPU_PATCHES = 16  # on a CPU: 16 x 16 = 256 image tokens, a size that finishes in seconds to minutes
+CPU_DEFAULT_SIZE = CPU_PATCHES * 2 * 8  # 256 px for the FLUX.2 / FLUX.1 VAEs (factor 8, 2x2 patches)
+
+
+def vae_scale_factor(folder: Path | None) -> int:
+    """The pipeline's VAE factor from vae/config.json (2 ** (levels - 1)); 8, the FLUX VAEs', when unknown."""
+    try:
+        levels = json.loads((Path(folder) / "vae" / "config.json").read_text())["block_out_channels"]
+        return 2 ** (len(levels) - 1) if isinstance(levels, list) and 0 < len(levels) <= 8 else 8
+    except (OSError, ValueError, KeyError, TypeError):
+        return 8
+
+
+def default_size(device: torch.device | str, folder: Path | None = None) -> int:
+    """The side `--size` defaults to: 1024 on an accelerator; on a CPU, 16 x 16 latent patches (256 px for the
+    FLUX VAEs, less for a pipeline with a smaller VAE, such as the demo's)."""
+    if torch.device(device).type != "cpu":
+        return DEFAULT_SIZE
+    return CPU_PATCHES * 2 * vae_scale_factor(folder) if folder is not None else CPU_DEFAULT_SIZE
 
 
 @dataclass
@@ -220,11 +249,16 @@ def save_png(image: Any, output: Path) -> None:
 
 
 def generate(folder: str | Path, prompt: str, *, device: str = "cpu", steps: int | None = None, seed: int = 0,
-             size: str | int = 1024, output: str | Path = "image.png", cpu_offload: str | None = None,
+             size: str | int | None = None, output: str | Path = "image.png", cpu_offload: str | None = None,
              images: Sequence[str | Path] = (), dtype: str | None = None, guidance_scale: float | None = None,
              progress: bool = True, on_status: Callable[[str], None] | None = None,
-             provider: str = "CPUExecutionProvider", force: bool = False) -> GenerateResult:
+             provider: str = "CPUExecutionProvider", force: bool = False,
+             on_step: Callable[[int, int, float], None] | None = None) -> GenerateResult:
     """Generate one image from a published folder and write it as PNG to `output`.
+
+    `size` defaults to 1024 on an accelerator and CPU_DEFAULT_SIZE on a CPU; compute is float32 on a CPU unless
+    `dtype` says otherwise. `on_step(done, total, seconds)` is called after each denoising step (`seconds`: that
+    step's time). diffusers' own progress bar shows only with `progress` and FLUX_PORT_DEBUG=1.
 
     An ONNX export folder (`port export`) runs its transformer in onnxruntime with `provider`; the other components
     come from the source pipeline folder its manifest names and run in torch.
@@ -247,7 +281,7 @@ def generate(folder: str | Path, prompt: str, *, device: str = "cpu", steps: int
     dtype_name = dtype or ("fp32" if dev.type == "cpu" else "bf16")
     if dtype_name not in DTYPES:
         raise PortError(f"--dtype {dtype_name!r}: choose one of {', '.join(DTYPES)}.")
-    width, height = parse_size(size)
+    width, height = parse_size(default_size(dev, onnx_source or folder) if size is None else size)
     sizes = [reference_size(Path(p)) for p in images]
     steps = default_steps(index) if steps is None else steps
     if steps < 1:
@@ -275,7 +309,7 @@ def generate(folder: str | Path, prompt: str, *, device: str = "cpu", steps: int
         pipe = load_onnx_pipeline(folder, DTYPES[dtype_name], provider).to(dev)
     else:
         pipe = load_pipeline(folder, dev, DTYPES[dtype_name], cpu_offload)
-    pipe.set_progress_bar_config(disable=not progress)
+    pipe.set_progress_bar_config(disable=not (progress and debug()))
     load_s = time.perf_counter() - started
 
     multiple = getattr(pipe, "vae_scale_factor", 8) * 2
@@ -287,9 +321,14 @@ def generate(folder: str | Path, prompt: str, *, device: str = "cpu", steps: int
 
     def first_forward(module: Any, args: Any) -> None:
         marks.setdefault("denoise_start", time.perf_counter())
+        marks.setdefault("step_start", progress_clock())
 
     def step_end(pipeline: Any, i: int, t: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
         marks["denoise_end"] = time.perf_counter()
+        now = progress_clock()
+        if on_step is not None:
+            on_step(i + 1, steps, now - marks.get("step_start", now))
+        marks["step_start"] = now
         return kwargs
 
     handle = pipe.transformer.register_forward_pre_hook(first_forward)

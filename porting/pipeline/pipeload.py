@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from porting.errors import InputError, PortError
+from porting.progress import debug
 from porting.tensors.checkpoint import hash_checkpoint, open_checkpoint
 
 OFFLOADS = ("none", "model", "sequential", "group")
@@ -58,7 +59,7 @@ def load(folder: Path, device: torch.device, dtype: torch.dtype, *, transformer:
                                   offload_type="leaf_level", use_stream=device.type == "cuda")
     else:
         pipe.to(device)
-    pipe.set_progress_bar_config(disable=True)
+    pipe.set_progress_bar_config(disable=not debug())  # flux-port prints its own progress
     return pipe
 
 

@@ -23,11 +23,13 @@ from typing import Any, Callable, Literal, Sequence
 from porting import __version__
 from porting._files import read_json_object
 from porting.adapters.publishing import adapter_sources, card_section, check_adapters
+from porting.devices import validate_device
 from porting.engine.convert import MANIFEST as CONVERT_MANIFEST
 from porting.errors import CheckFailed, DiskSpaceError, InputError, PortError, UnsupportedFormatError, UsageError
 from porting.families import Family, PipelineVariant, pipeline_variants
 from porting.outputs import atomic_folder, check_output
 from porting.paths import check_component_names, check_within, files_within, link_roots
+from porting.reports import REPORTS, latest_report
 from porting.tensors.checkpoint import hash_checkpoint, open_checkpoint
 
 LinkMode = Literal["hardlink", "symlink", "copy"]
@@ -184,7 +186,7 @@ def check_report(report: Path | None, weights: str, config: dict[str, Any] | Non
     given, this config.json: a config edited after validation (rope_theta, say) computes something else."""
     if report is None:
         return Gate("missing", "no validation report was given")
-    path = report / "report.json" if report.is_dir() else report
+    path = (latest_report(report) or report / "report.json") if report.is_dir() else report
     if not path.is_file():
         return Gate("missing", f"{path} does not exist", path)
     try:
@@ -215,8 +217,9 @@ def check_report(report: Path | None, weights: str, config: dict[str, Any] | Non
 
 def refusal(gate: Gate, transformer: Path) -> CheckFailed:
     hints = {
-        "missing": f"Validate first: port validate {transformer} --device npu:0 (it writes "
-                   f"{transformer.parent / 'reports'}/report.json, which publish then finds), or pass --report.",
+        "missing": f"Validate first: port validate {transformer} --device {validate_device()} (it writes "
+                   f"{transformer.parent / REPORTS}/validate/<UTC time>/report.json, which publish then finds), or "
+                   "pass --report.",
         "mismatch": f"The report belongs to other weights or another config: validate this transformer "
                     f"({transformer}) as it is now and pass its report.",
         "fail": "Read report.md for the blamed block; a failing port must not be published.",
@@ -460,10 +463,11 @@ def publish(base: str | Path, transformer: str | Path, out: str | Path, *, repor
         variant_spec(variant)
     if base_model is not None:
         check_base_model(base_model)
-    found_report = report is None and (transformer.parent / "reports" / "report.json").is_file()
-    if found_report:
-        report = transformer.parent / "reports"  # where port validate writes by default (and the workspace layout)
-    inputs = {"base": base, "transformer": transformer, "report": report, "adapter": list(adapters)}
+    found_report = report is None and latest_report(transformer.parent / REPORTS) is not None
+    if found_report:  # the newest validate run under reports/ next to the transformer (port validate's default,
+        report = latest_report(transformer.parent / REPORTS)  # and the workspace layout)
+    inputs = {"base": base, "transformer": transformer, "adapter": list(adapters),
+              "report": transformer.parent / REPORTS if found_report else report}  # the folder publish looked in
     check_output(out, force=force, verb="publish", inputs=inputs)
     base_index = read_base(base)
     if not transformer.is_dir():

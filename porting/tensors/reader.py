@@ -13,9 +13,9 @@ safetensors layouts, detected from the header), `gguf_reader.py` (GGUF). The eng
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Mapping, Protocol
 
 if TYPE_CHECKING:
     import torch
@@ -99,6 +99,16 @@ class Checkpoint:
     quantization: Quantization | None = None
     decoder: Decoder | None = None
     container: str = "safetensors"
+    spelled_as: dict[str, str] = field(default_factory=dict)  # key -> the key as stored, where they differ
+
+    def respell(self, renames: Mapping[str, str]) -> None:
+        """Address the stored keys in `renames` by another name: another tool's spelling of the same tensor
+        (mapping tables' `[aliases]`). Order and bytes are kept; reads go to the stored key."""
+        if not renames:
+            return
+        self.tensors = {renames.get(k, k): replace(info, name=renames[k]) if k in renames else info
+                        for k, info in self.tensors.items()}
+        self.spelled_as.update({new: self.spelled_as.get(old, old) for old, new in renames.items()})
 
     @property
     def stored_tensors(self) -> dict[str, TensorInfo]:
@@ -132,7 +142,7 @@ class Checkpoint:
         if info.computed:
             if self.decoder is None:
                 raise InputError(f"internal: {key!r} is computed but {self.path} has no decoder.")
-            out = self.decoder.dequantize(key, rows, dtype or torch.float32)
+            out = self.decoder.dequantize(self.spelled_as.get(key, key), rows, dtype or torch.float32)
             _check_dequantized(out, key, self.path, rows, out.dtype)
             return out
         t = read_stored(info, rows)

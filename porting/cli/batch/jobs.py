@@ -1,0 +1,173 @@
+"""The jobs file: [defaults] and [[job]] tables, checked before any work (unknown keys and options are exit 2)."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+from porting.errors import UsageError
+
+STEP_ORDER = ("fetch", "convert", "validate", "publish", "compare", "export")
+JOB_KEYS = {"name", "source", "files", "revision", "base", "steps", *STEP_ORDER}
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+@dataclass(frozen=True)
+class Job:
+    """One model to port. `source`: a known recipe, `hf:ORG/NAME` / `modelscope:ORG/NAME` (with `files`), or a
+    local checkpoint path (absolute here). `base`: a local diffusers folder (absolute), a recipe name or a hub id."""
+
+    name: str
+    source: str
+    source_kind: str  # recipe | hub | local
+    base: str | None
+    base_kind: str | None  # local | recipe | hub | None
+    steps: tuple[str, ...]
+    options: dict[str, dict[str, Any]] = field(default_factory=dict)  # step -> {long option name: value}
+    files: tuple[str, ...] = ()
+    revision: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "source": self.source, "source_kind": self.source_kind, "base": self.base,
+                "base_kind": self.base_kind, "steps": list(self.steps), "options": self.options,
+                "files": list(self.files), "revision": self.revision}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Job:
+        return cls(name=d["name"], source=d["source"], source_kind=d["source_kind"], base=d["base"],
+                   base_kind=d["base_kind"], steps=tuple(d["steps"]), options=d["options"],
+                   files=tuple(d["files"]), revision=d["revision"])
+
+
+def _is_hub(text: str) -> bool:
+    return text.startswith(("hf:", "modelscope:"))
+
+
+def _known_recipe(text: str) -> bool:
+    from porting.errors import InputError
+    from porting.hub.recipes import get_recipe
+
+    try:
+        get_recipe(text)
+        return True
+    except InputError:
+        return False
+
+
+def _where(i: int | None, name: str | None = None) -> str:
+    return "[defaults]" if i is None else f"[[job]] #{i + 1}" + (f" ({name})" if name else "")
+
+
+def _check_options(where: str, step: str, raw: Any, allowed: dict[str, set[str]]) -> dict[str, Any]:
+    if not isinstance(raw, dict):
+        raise UsageError(f"{where}: {step} must be a table of {step}'s long option names, e.g. "
+                         f"{step} = {{ device = \"cpu\" }}.")
+    for key, value in raw.items():
+        if key not in allowed[step]:
+            raise UsageError(f"{where}: {step}.{key} is not an option batch can pass to `port {step}`.",
+                             hint=f"Options of port {step} that batch passes: {', '.join(sorted(allowed[step]))} "
+                                  "(batch sets the paths, --out, --force, --json itself).")
+        for v in value if isinstance(value, list) else [value]:
+            if isinstance(v, float) and not math.isfinite(v):
+                raise UsageError(f"{where}: {step}.{key} = {v!r} is not a finite number.",
+                                 hint="Give it a finite value, or leave it out for its default.")
+            if not isinstance(v, (str, int, float, bool)):
+                raise UsageError(f"{where}: {step}.{key} must be a string, number, boolean or a list of them.")
+    return dict(raw)
+
+
+def _check_steps(where: str, steps: Any) -> tuple[str, ...]:
+    if not isinstance(steps, list) or not steps or any(s not in STEP_ORDER for s in steps):
+        raise UsageError(f"{where}: steps must be a non-empty list of {', '.join(STEP_ORDER)}; got {steps!r}.")
+    if list(steps) != sorted(set(steps), key=STEP_ORDER.index):
+        raise UsageError(f"{where}: steps {steps} are not in the order {' -> '.join(STEP_ORDER)} (or repeat one).")
+    return tuple(steps)
+
+
+def _resolve(text: str, here: Path) -> Path:
+    path = Path(text).expanduser()
+    return path if path.is_absolute() else (here / path)
+
+
+def load_jobs(path: Path, allowed: dict[str, set[str]]) -> list[Job]:
+    """Parse and check a jobs file; `allowed[step]` are the option names batch may pass to that step's verb."""
+    try:
+        doc = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UsageError(f"{path}: no such jobs file.") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise UsageError(f"{path}: not a valid TOML jobs file ({e}).") from None
+    unknown = set(doc) - {"defaults", "job"}
+    if unknown:
+        raise UsageError(f"{path}: unknown table(s) {', '.join(sorted(unknown))}; a jobs file has [defaults] and "
+                         "[[job]] tables.")
+    defaults = doc.get("defaults", {})
+    raw_jobs = doc.get("job", [])
+    if not isinstance(defaults, dict) or not isinstance(raw_jobs, list) or not raw_jobs:
+        raise UsageError(f"{path}: no [[job]] tables; list at least one job.")
+    bad = set(defaults) - (JOB_KEYS - {"name", "source", "files"})
+    if bad:
+        raise UsageError(f"{path} [defaults]: unknown key(s) {', '.join(sorted(bad))}.",
+                         hint=f"[defaults] may set: base, steps, revision, {', '.join(STEP_ORDER)}.")
+    here = path.resolve().parent
+    jobs: list[Job] = []
+    for i, raw in enumerate(raw_jobs):
+        name = raw.get("name") if isinstance(raw, dict) else None
+        where = f"{path} {_where(i, name if isinstance(name, str) else None)}"
+        if not isinstance(raw, dict):
+            raise UsageError(f"{where}: a job is a table.")
+        bad = set(raw) - JOB_KEYS
+        if bad:
+            raise UsageError(f"{where}: unknown key(s) {', '.join(sorted(bad))}.",
+                             hint=f"A job may set: {', '.join(sorted(JOB_KEYS))}.")
+        if not isinstance(name, str) or not _NAME.fullmatch(name) or ".." in name:
+            raise UsageError(f"{where}: name must be a plain folder name (letters, digits, '.', '_', '-'); "
+                             f"got {name!r}.")
+        if name in {j.name for j in jobs}:
+            raise UsageError(f"{where}: two jobs are named {name}; each job writes DIR/NAME/.")
+        merged = {**defaults, **raw}
+        source = merged.get("source")
+        if not isinstance(source, str) or not source.strip():
+            raise UsageError(f"{where}: source must name a recipe, hf:ORG/NAME, modelscope:ORG/NAME or a file.")
+        files = merged.get("files", [])
+        if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+            raise UsageError(f"{where}: files must be a list of file paths in the repository.")
+        if _is_hub(source):
+            kind = "hub"
+            if not files:
+                raise UsageError(f"{where}: source {source} needs files = [\"...safetensors\"] (the checkpoint).")
+        elif _known_recipe(source) and not _resolve(source, here).exists():
+            kind = "recipe"
+        else:
+            kind, source = "local", str(_resolve(source, here))
+        if kind != "hub" and files:
+            raise UsageError(f"{where}: files applies to a hf: or modelscope: source only.")
+        base = merged.get("base")
+        base_kind = None
+        if base is not None:
+            if not isinstance(base, str) or not base.strip():
+                raise UsageError(f"{where}: base must name a folder, a recipe or a hub id.")
+            if _is_hub(base):
+                base_kind = "hub"
+            elif _resolve(base, here).exists():
+                base_kind, base = "local", str(_resolve(base, here))
+            elif _known_recipe(base):
+                base_kind = "recipe"
+            else:
+                raise UsageError(f"{where}: base {base!r} is neither a folder, a known recipe nor a hub id.")
+        elif kind == "recipe":
+            base_kind, base = "recipe", source
+        steps = _check_steps(where, merged.get("steps", ["convert", "validate", "publish"]))
+        options = {s: {**_check_options(f"{path} [defaults]", s, defaults.get(s, {}), allowed),
+                       **_check_options(where, s, raw.get(s, {}), allowed)} for s in steps}
+        revision = merged.get("revision")
+        if revision is not None and not isinstance(revision, str):
+            raise UsageError(f"{where}: revision must be a string.")
+        jobs.append(Job(name=name, source=source, source_kind=kind, base=base, base_kind=base_kind, steps=steps,
+                        options=options, files=tuple(files), revision=revision))
+    return jobs

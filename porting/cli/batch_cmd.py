@@ -1,0 +1,104 @@
+"""`port batch JOBS.toml --out DIR`: many ports, each step a call of an existing verb, resumable (docs/batch.md)."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import time
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from porting.errors import CheckFailed, UsageError
+
+from . import _output
+from ._options import JsonOpt, OutDirOpt, QuietOpt, at_least
+
+BATCH_EXAMPLES = """\b
+Examples:
+  port batch week.toml --out ./ports-week
+  port batch week.toml --out /shared/ports --executor ray --address 10.0.0.1:6379
+  port batch week.toml --out ./ports-week --json          (the summary only)
+"""
+
+
+class Executor(str, Enum):
+    local = "local"
+    ray = "ray"
+
+
+def batch(
+    jobs_file: Annotated[Path, typer.Argument(metavar="JOBS.toml", help="Jobs file: [defaults] and [[job]] tables "
+                                              "(docs/batch.md).")],
+    out: OutDirOpt,
+    executor: Annotated[Executor, typer.Option("--executor", help="local: this machine, one job per free device; "
+                                               "ray: each step a Ray task.")] = Executor.local,
+    address: Annotated[Optional[str], typer.Option("--address", help="Ray cluster address (ray start --head "
+                                                   "prints it); default: RAY_ADDRESS, else a local "
+                                                   "cluster.")] = None,
+    parallel: Annotated[Optional[int], typer.Option("--parallel", callback=at_least(1), help="Local executor: jobs "
+                                                    "at a time (default: one per device).")] = None,
+    max_retries: Annotated[int, typer.Option("--max-retries", min=0, max=20, help="Ray: retries of a step whose "
+                                             "worker died.")] = 3,
+    json_: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Run fetch / convert / validate / publish / compare / export for many models; a rerun redoes nothing
+    finished."""
+    from .batch.driver import JobRun, Progress, local_paths, markdown, ray_missing, run_local, run_ray, summary
+    from .batch.jobs import load_jobs
+    from .batch.steps import allowed_options
+
+    output = _output.use(json_mode=json_, quiet=quiet)
+    if executor == Executor.ray:
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            raise ray_missing() from None
+    elif address is not None:
+        raise UsageError("--address applies to --executor ray.")
+    jobs = load_jobs(jobs_file, allowed_options())
+    out = Path(os.path.abspath(out))
+    from porting.outputs import check_disjoint, check_writable_parent
+
+    inputs = local_paths(jobs, jobs_file)
+    check_writable_parent(out)
+    check_disjoint(out, inputs)
+    out.mkdir(parents=True, exist_ok=True)
+    lock = os.open(out, os.O_RDONLY | os.O_DIRECTORY)  # one driver per batch folder
+    try:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UsageError(f"{out}: another port batch is running on this folder.",
+                                        hint="Wait for it to finish; rerunning afterwards redoes nothing.") from None
+        runs = [JobRun(job, out) for job in jobs]
+        started = time.time()
+        with Progress(runs, output) as progress:
+            if executor == Executor.ray:
+                run_ray(runs, progress, address, max_retries)
+            else:
+                run_local(runs, progress, parallel)
+        doc = summary(runs, jobs_file.resolve(), out, executor.value, time.time() - started)
+        from porting.outputs import atomic_folder
+
+        with atomic_folder(out / "_batch", verb="batch", replace="owned", inputs=inputs) as tmp:
+            from porting.finite import dumps
+
+            (tmp / "batch.json").write_text(dumps(doc, indent=2) + "\n", encoding="utf-8")
+            (tmp / "batch.md").write_text(markdown(doc), encoding="utf-8")
+    finally:
+        os.close(lock)
+    failed = doc["jobs_failed"]
+    if output.json_mode:
+        output.document({**doc, **({"exit_code": CheckFailed.exit_code} if failed else {})})
+    else:
+        output.result(markdown(doc))
+    output.status(f"summary: {out / '_batch' / 'batch.json'} and batch.md")
+    if failed:
+        if output.json_mode:
+            raise typer.Exit(CheckFailed.exit_code)
+        raise CheckFailed(f"{failed} of {len(runs)} job(s) failed; see {out / '_batch' / 'batch.md'}.",
+                          hint="Fix the cause and run the same command again: finished steps are not redone.")

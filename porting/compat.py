@@ -1,0 +1,220 @@
+"""Which runtime loads a checkpoint as it is, which after one `port convert`, which not at all; and whether the
+companions in a base folder fit the transformer.
+
+Each runtime is one small function of the checkpoint's facts (naming, prefix, spelling, files, quantized layout),
+written from what the runtimes' own loaders accept (../shared/targets-and-scale.md section 1,
+flux2-checkpoints.md section 10): a new runtime is a new function in `RUNTIMES`, not a branch elsewhere.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+AS_IS, AFTER, NEVER = "loads as is", "after port convert", "not at all"
+COMFY_LAYOUTS = ("ComfyUI",)  # quantized layouts ComfyUI core reads: its own scaled fp8 and comfy_quant files
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What a runtime's loader looks at, read from headers."""
+
+    path: Path
+    family: str  # flux1 / flux2
+    naming: str  # original / diffusers
+    prefix: str
+    respelled: int  # keys in another tool's spelling (ComfyUI-saved `.weight` norms)
+    files: int
+    has_config: bool  # a diffusers model folder with config.json
+    container: str  # safetensors / gguf
+    quantized: str | None  # the quantized layout's label
+
+
+@dataclass(frozen=True)
+class Verdict:
+    runtime: str
+    status: str
+    detail: str
+    command: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"runtime": self.runtime, "status": self.status, "detail": self.detail, "command": self.command}
+
+
+def _original_file(f: Facts) -> str:
+    return f"port convert {shlex.quote(str(f.path))} --to original --out {shlex.quote(_out_name(f, 'original'))}"
+
+
+def _diffusers_folder(f: Facts) -> str:
+    return f"port convert {shlex.quote(str(f.path))} --out {shlex.quote(_out_name(f, 'transformer'))}"
+
+
+def _gguf(f: Facts) -> str:
+    return (f"port convert {shlex.quote(str(f.path))} --to original --quantize gguf-q8_0 "
+            f"--out {shlex.quote(_out_name(f, 'gguf'))}")
+
+
+def _out_name(f: Facts, what: str) -> str:
+    stem = f.path.stem if f.path.is_file() else f.path.name
+    return f"{stem}-{what}"
+
+
+def diffusers_from_pretrained(f: Facts) -> Verdict:
+    name = "diffusers from_pretrained"
+    if f.naming == "diffusers" and f.has_config and f.quantized is None:
+        return Verdict(name, AS_IS, "a diffusers model folder with its config.json")
+    why = {True: f"{f.quantized} weights", False: "original (BFL) naming" if f.naming == "original"
+           else "no config.json beside the weights"}[f.quantized is not None]
+    return Verdict(name, AFTER, f"{why}; convert writes a diffusers folder", _diffusers_folder(f))
+
+
+def diffusers_from_single_file(f: Facts) -> Verdict:
+    name = "diffusers from_single_file"
+    if f.files > 1:
+        return Verdict(name, AFTER, "one file only; this checkpoint is sharded", _original_file(f))
+    if f.container == "gguf":
+        return Verdict(name, AS_IS, "with GGUFQuantizationConfig and config= a local pipeline folder")
+    if f.quantized is not None and not f.quantized.startswith("BFL"):
+        return Verdict(name, AFTER, f"{f.quantized}: its scales are not consumed by diffusers' converter",
+                       _original_file(f))
+    if f.family == "flux2" and f.prefix:
+        return Verdict(name, AFTER, f"the FLUX.2 converter does not strip the {f.prefix!r} prefix (KeyError)",
+                       _original_file(f))
+    if f.respelled:
+        return Verdict(name, AFTER, "ComfyUI-saved `.weight` norm scales are not in diffusers' converter",
+                       _original_file(f))
+    return Verdict(name, AS_IS, "pass config= a local pipeline folder (klein is otherwise detected as dev)")
+
+
+def comfyui_core(f: Facts) -> Verdict:
+    name = "ComfyUI (core)"
+    if f.container == "gguf":
+        return Verdict(name, AFTER, "GGUF needs the ComfyUI-GGUF node; core loads safetensors",
+                       _original_file(f))
+    if f.naming != "original":
+        return Verdict(name, AFTER, "ComfyUI has no FLUX.2 diffusers-naming path (KeyError 'x_embedder.bias')",
+                       _original_file(f))
+    if f.files > 1:
+        return Verdict(name, AFTER, "no sharded loader: given shard 1 it detects a smaller model without an error",
+                       _original_file(f))
+    if f.quantized is not None and not f.quantized.startswith(COMFY_LAYOUTS):
+        return Verdict(name, AFTER, f"{f.quantized} is not a ComfyUI layout; convert writes bf16 (or add "
+                       "--quantize fp8-scaled)", _original_file(f))
+    return Verdict(name, AS_IS, "original naming, one file" + (f", prefix {f.prefix!r}" if f.prefix else ""))
+
+
+def comfyui_gguf(f: Facts) -> Verdict:
+    name = "ComfyUI-GGUF"
+    if f.container == "gguf":
+        return Verdict(name, AS_IS, "Unet Loader (GGUF); dequant_dtype float32 for exact values")
+    return Verdict(name, AFTER, "it loads .gguf files", _gguf(f))
+
+
+def bfl_reference(f: Facts) -> Verdict:
+    name = "BFL reference code"
+    ok = (f.naming == "original" and not f.prefix and not f.respelled and f.files == 1 and f.quantized is None
+          and f.container == "safetensors")
+    if ok:
+        return Verdict(name, AS_IS, "original naming, one file, no prefix")
+    why = ("diffusers naming" if f.naming != "original" else f"prefix {f.prefix!r}" if f.prefix
+           else "ComfyUI-saved `.weight` norm scales" if f.respelled else "sharded" if f.files > 1
+           else f"{f.quantized or f.container} weights")
+    return Verdict(name, AFTER, f"{why}; it loads one plain original-naming file", _original_file(f))
+
+
+RUNTIMES: tuple[Callable[[Facts], Verdict], ...] = (
+    diffusers_from_pretrained, diffusers_from_single_file, comfyui_core, comfyui_gguf, bfl_reference)
+
+
+def facts_of(path: Path, ckpt: Any, detection: Any) -> Facts:
+    return Facts(path=Path(path), family=detection.table.name, naming=detection.naming, prefix=detection.prefix,
+                 respelled=len(detection.respelled), files=len(ckpt.files),
+                 has_config=ckpt.config is not None, container=ckpt.container,
+                 quantized=ckpt.quantization.label if ckpt.quantization else None)
+
+
+def runtimes(facts: Facts) -> list[Verdict]:
+    return [judge(facts) for judge in RUNTIMES]
+
+
+# --- companions in a base folder ---------------------------------------------------------------------------------
+
+PIPELINES = {"Flux2KleinPipeline": "klein", "Flux2KleinKVPipeline": "klein-kv", "Flux2Pipeline": "dev"}
+
+
+def companions(base: Path, config: Mapping[str, Any], family: Any) -> list[dict[str, Any]]:
+    """Checks of the base's text encoder, VAE and pipeline class against the transformer's config: each a row
+    {check, ok, detail}."""
+    from porting._files import read_json_object
+
+    def read(rel: str) -> dict[str, Any] | None:
+        p = base / rel
+        return read_json_object(p, "a JSON object") if p.is_file() else None
+
+    rows: list[dict[str, Any]] = []
+    te = read("text_encoder/config.json")
+    if te is not None and te.get("hidden_size"):
+        width = 3 * int(te["hidden_size"])  # the pipeline stacks three hidden layers of the text encoder
+        want = config.get("joint_attention_dim")
+        rows.append({"check": "text encoder width", "ok": width == want,
+                     "detail": f"text encoder hidden {te['hidden_size']} x 3 layers = {width}; the transformer's "
+                               f"joint_attention_dim is {want}" + ("" if width == want else
+                               " (a text encoder of another model size: 'expected ... got ...' at the first step)")})
+    vae = read("vae/config.json")
+    if vae is not None and vae.get("latent_channels"):
+        packed = 4 * int(vae["latent_channels"])  # 2x2 patches
+        want = config.get("in_channels")
+        rows.append({"check": "VAE latent channels", "ok": packed == want,
+                     "detail": f"VAE latent_channels {vae['latent_channels']} x 2x2 = {packed}; the transformer's "
+                               f"in_channels is {want}"})
+    index = read("model_index.json")
+    if index is not None and family.table.name == "flux2":
+        cls = index.get("_class_name", "")
+        base_variant = PIPELINES.get(cls, cls)
+        if base_variant == "klein" and not index.get("is_distilled", False):
+            base_variant = "klein base (undistilled)"
+        wants_dev = bool(config.get("guidance_embeds"))
+        ok = (base_variant == "dev") == wants_dev
+        kind = "dev-like (guidance embedder)" if wants_dev else "klein-like (no guidance embedder)"
+        rows.append({"check": "variant", "ok": ok, "detail": f"base is {base_variant} ({cls}); the transformer is "
+                                                              f"{kind}"})
+    base_cfg = read("transformer/config.json")
+    if base_cfg is not None:
+        bad = family.config_mismatches(base_cfg, config)
+        rows.append({"check": "transformer config", "ok": not bad,
+                     "detail": "the base's transformer/config.json fits" if not bad else
+                     "; ".join(f"{n}: base {b!r}, this file {c!r}" for n, b, c in bad)})
+    return rows
+
+
+# --- adapters ----------------------------------------------------------------------------------------------------
+
+def adapter_runtimes(path: Path, info: Mapping[str, Any]) -> list[Verdict]:
+    """The same question for a LoRA / LyCORIS file, from `describe_adapter`'s facts."""
+    q = shlex.quote(str(path))
+    out = shlex.quote(f"{Path(path).stem}-{{}}")
+    lycoris = bool(set(info["kinds"]) & {"lokr", "loha", "diff"})
+    original = info["naming"] == "original"
+    merge = f"port merge BASE {q} --out merged"
+    to_original = f"port convert {q} --to original --out {out.format('original')}"
+    verdicts = []
+    if lycoris:
+        verdicts.append(Verdict("diffusers load_lora_weights", NEVER, "LoKr / LoHa / diff modules load with no effect "
+                                "in diffusers 0.42 (huggingface/diffusers#13137, #13261); bake them in instead",
+                                merge))
+    elif original:
+        verdicts.append(Verdict("diffusers load_lora_weights", AFTER, "convert writes diffusers / peft naming",
+                                f"port convert {q} --out {out.format('diffusers')}"))
+    else:
+        verdicts.append(Verdict("diffusers load_lora_weights", AS_IS, "diffusers / peft naming (needs peft)"))
+    comfy = (Verdict("ComfyUI (core)", AS_IS, f"{info['format']} in original naming") if original else
+             Verdict("ComfyUI (core)", AFTER, "ComfyUI maps no FLUX.2 diffusers LoRA keys for the global modulation "
+                     "and guidance embedder (10 of 74 keys lost)", to_original))
+    verdicts.append(comfy)
+    verdicts.append(Verdict("ComfyUI-GGUF", comfy.status, "LoRAs go through ComfyUI's own loader onto GGUF models",
+                            comfy.command))
+    verdicts.append(Verdict("BFL reference code", NEVER, "it loads full weights, not adapters; bake the adapter "
+                            "into the base", merge))
+    return verdicts
