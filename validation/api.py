@@ -70,8 +70,15 @@ def validate(model: str | Path, *, device: str = "cpu", dtype: str | None = None
         from porting.export.ort import check_provider
 
         check_provider(provider)  # before any heavy loading: a missing provider is a usage error
+        if _is_text_encoder_export(Path(model)):
+            from .text_encoder import validate_text_encoder
+
+            return validate_text_encoder(Path(model), out=out, max_ratio=max_ratio, provider=provider,
+                                         prompt=prompt)
         export, weights_path = _export_source(Path(model), dtype)
         dtype = export["dtype"]
+        if export.get("target") == "ryzenai":  # a static graph: its one size and text length are the inputs
+            resolution, text_len = export["profile"]["size"], export["profile"]["text_len"]
     dtype = dtype or "bf16"
     golden_dtype = golden_dtype or ("fp64" if runtime == "onnxruntime" and dtype == "fp32" else "fp32")
     run_dtype, gold_dtype = _dtype(dtype, "--dtype"), _dtype(golden_dtype, "--golden-dtype")
@@ -97,8 +104,14 @@ def validate(model: str | Path, *, device: str = "cpu", dtype: str | None = None
                           hint="Export again from the current weights.")
     check_dequantized(source)
     inputs = build_inputs(source.config, resolution, text_len, timesteps, seeds, base, prompt)
-    intrinsic_run = (torch_runner(source, ref, run_dtype) if intrinsic == "native" else
-                     torch_runner(source, ref, torch.float32, emulate=run_dtype))
+    if export is not None and export.get("target") == "ryzenai":
+        # the export computes in float32 on bf16-rounded weights (Cast nodes): its intrinsic error is that rounding
+        from porting.export.ryzenai import torch_bf16_weights
+
+        intrinsic_run = torch_runner(source, ref, torch.float32, torch_bf16_weights)
+    else:
+        intrinsic_run = (torch_runner(source, ref, run_dtype) if intrinsic == "native" else
+                         torch_runner(source, ref, torch.float32, emulate=run_dtype))
     if runtime == "onnxruntime":
         from .runners.onnxruntime import OrtRunner
 
@@ -115,6 +128,12 @@ def validate(model: str | Path, *, device: str = "cpu", dtype: str | None = None
     if out is not None:
         report.write(Path(out), inputs=read_paths)
     return report
+
+
+def _is_text_encoder_export(folder: Path) -> bool:
+    from porting.export.onnx import MANIFEST
+
+    return folder.name == "text_encoder" and (folder.parent / MANIFEST).is_file()
 
 
 def default_intrinsic(device: torch.device | None, reference: torch.device, runtime: str) -> str:
@@ -142,6 +161,10 @@ def _export_source(folder: Path, dtype: str | None) -> tuple[dict[str, Any], Pat
         raise PortError(f"--dtype {dtype}: this export is {manifest['dtype']}; leave --dtype out for onnxruntime.")
     facts = {"folder": str(root.resolve()), "dtype": manifest["dtype"], "opset": manifest.get("opset"),
              "weights_sha256": manifest["source"]["weights_sha256"], "source": src}
+    if manifest.get("target") == "ryzenai":
+        facts.update(target="ryzenai", profile=manifest["profile"],
+                     ran=("bf16 weights (initializers stored as bfloat16) cast to float32 by the graph's Cast nodes, "
+                          "float32 compute: onnxruntime's CPU provider has no bf16 MatMul; the NPU computes in bf16"))
     return facts, Path(src)
 
 

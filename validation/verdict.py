@@ -157,6 +157,9 @@ def verdict(rows: list[dict[str, Any]], outputs: dict[str, torch.Tensor], where:
     data.update(extra or {})
     if export is not None:
         data["export"] = export
+        if export.get("ran"):
+            known.append(f"what onnxruntime ran: {export['ran']}; the intrinsic error is the same bf16 rounding of "
+                         "the weights applied in torch (float32 compute).")
         known.append("onnxruntime fuses, reorders and re-implements operations (its own GEMM and attention kernels), "
                      "so its error differs from torch's in the same dtype; the ratio rule judges that difference.")
     return Report(data)
