@@ -25,9 +25,9 @@ DEMO_ENTRIES = ("base", "finetune", "transformer", "reports", "published", "demo
 def prepare_workdir(workdir: Path) -> None:
     """Empty a work folder an earlier demo wrote, or start a new one; never touch a folder holding anything else
     (every file in it must be one a demo on this machine recorded writing, at the size it wrote it)."""
-    check_writable_parent(workdir)
+    check_writable_parent(workdir, option="--workdir")
     if workdir.exists() or workdir.is_symlink():
-        check_replaceable(workdir, what="demo work folder", owner_verbs={"demo"})
+        check_replaceable(workdir, what="demo work folder", owner_verbs={"demo"}, option="--workdir")
         for path in workdir.iterdir():
             if path.is_dir() and not path.is_symlink():
                 shutil.rmtree(path)
@@ -88,7 +88,8 @@ def demo(
     steps["validate"] = {k: d[k] for k in ("verdict", "output", "summary", "blame", "weights_sha256")}
     worst = max(b["teacher_forced"]["ratio"] for b in d["blocks"])
     out.result(f"[4/6] validate on cpu in bf16 vs float32 golden: {d['verdict'].upper()}; output error "
-               f"{d['output']['device']['rel_l2']:.3%} = {d['output']['ratio']:.2f}x bf16's own error (emulated); "
+               f"{100 * d['output']['device']['rel_l2']:.3g} % = {d['output']['ratio']:.2f}x bf16's own error "
+               "(emulated); "
                f"worst block ratio {worst:.2f} (limit {d['rule']['max_ratio']}) -> "
                f"{workdir / REPORTS / 'validate' / report_dir.name / 'report.md'}")
 
