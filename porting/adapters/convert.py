@@ -40,6 +40,18 @@ ROLE_KEYS = {
 KOHYA_LORA = {"down": "lora_down.weight", "up": "lora_up.weight"}
 
 
+def output_name(source: Path, style: Style) -> str:
+    """The converted file's name: diffusers' fixed name for diffusers naming; otherwise the source file's name,
+    unless that name says diffusers (`pytorch_lora_weights.safetensors`, or a folder holding it): then one that
+    names the naming written (`pytorch_lora_weights_kohya.safetensors`, `adapter_bfl.safetensors`)."""
+    if style == "diffusers":
+        return LORA_FILE
+    if source.is_file() and source.name != LORA_FILE:
+        return source.name
+    stem = Path(LORA_FILE).stem if source.name == LORA_FILE or (source / LORA_FILE).is_file() else "adapter"
+    return f"{stem}_{style}.safetensors"
+
+
 @dataclass
 class AdapterConvertResult:
     source: Path
@@ -174,7 +186,7 @@ def convert_adapter(src: str | Path, out: str | Path | None, to: Naming = "diffu
                          hint="The folded scale (alpha / rank) pushes the factor beyond the adapter's dtype; "
                               "convert a float32 copy of the adapter.")
             tensors[key] = t.to(dtype).contiguous()
-    name = LORA_FILE if style == "diffusers" else adapter.path.name if adapter.path.is_file() else "adapter.safetensors"
+    name = output_name(adapter.path, style)
     out = Path(out)
     with atomic_folder(out, force=force, verb="convert", inputs={"adapter": adapter.path, **(inputs or {})}) as staging:
         save_file(tensors, str(staging / name), metadata={"format": "pt"})
