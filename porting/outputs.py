@@ -308,11 +308,12 @@ def discard_made(out: Path) -> None:
 @contextmanager
 def _staged(out: Path, verb: str, replace: Replace, on_notice: Callable[[str], None] | None) -> Iterator[Path]:
     staging = Path(tempfile.mkdtemp(prefix=_staging_prefix(out), dir=out.parent))
-    lock_fd = os.open(staging, os.O_RDONLY | os.O_DIRECTORY)
+    lock_fd = -1
     try:
-        _lock(lock_fd)
-        write_staging_marker(staging)
-        try:
+        try:  # from the first moment on: an interruption (Ctrl-C, SIGTERM) while the folder is set up removes it too
+            lock_fd = os.open(staging, os.O_RDONLY | os.O_DIRECTORY)
+            _lock(lock_fd)
+            write_staging_marker(staging)
             for old in clear_leftovers(out, own=staging):
                 if on_notice:
                     on_notice(f"removed {old.name}, left in {old.parent} by an earlier interrupted run")
@@ -337,7 +338,8 @@ def _staged(out: Path, verb: str, replace: Replace, on_notice: Callable[[str], N
         else:
             os.replace(staging, out)
     finally:
-        os.close(lock_fd)
+        if lock_fd >= 0:
+            os.close(lock_fd)
 
 
 def timestamped_folder(root: Path) -> Path:
