@@ -125,7 +125,7 @@ NAME_MAX = 255  # bytes in one file name (ext4, xfs, btrfs, tmpfs)
 _RANDOM = 8  # the characters mkdtemp appends
 
 
-def _sibling_prefix(out: Path, kind: str) -> str:
+def sibling_prefix(out: Path, kind: str) -> str:
     """`.NAME.KIND-` for the staging (partial) and trash (old) folders next to `out`; for a long NAME whose
     folder name would pass NAME_MAX bytes, `.SHORTENED~HASH.KIND-`: the name's head and a hash of the whole name,
     so it is still one name per destination (leftovers are found by this same prefix)."""
@@ -143,11 +143,11 @@ def _sibling_prefix(out: Path, kind: str) -> str:
 
 
 def _staging_prefix(out: Path) -> str:
-    return _sibling_prefix(out, "partial")
+    return sibling_prefix(out, "partial")
 
 
 def _trash_prefix(out: Path) -> str:
-    return _sibling_prefix(out, "old")
+    return sibling_prefix(out, "old")
 
 
 def clear_leftovers(out: Path, own: Path | None = None) -> list[Path]:

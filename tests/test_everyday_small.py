@@ -282,7 +282,16 @@ def test_an_out_name_of_up_to_255_bytes_works(capsys, tmp_path: Path, tiny2_file
     assert run.code == 0, run.err
     assert _beside(out) == [out.name] and (out / "diffusion_pytorch_model.safetensors").is_file()
     run = run_port(capsys, "convert", tiny2_file, "--out", out, "--force", "-q")  # the trash folder too
-    assert run.code == 0, run.err and _beside(out) == [out.name]
+    assert run.code == 0, run.err
+    assert _beside(out) == [out.name]
+
+
+def test_a_generate_output_name_of_255_bytes_works(capsys, published: Path, tmp_path: Path) -> None:
+    output = tmp_path / ("i" * 251 + ".png")
+    run = run_port(capsys, "generate", published, "--prompt", "a fox", "--steps", "1", "--size", "32",
+                   "--output", output)
+    assert run.code == 0, run.err
+    assert _beside(output) == [output.name]
 
 
 def test_leftovers_of_a_long_out_name_are_still_found(capsys, tmp_path: Path, tiny2_file: Path) -> None:
