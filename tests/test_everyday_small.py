@@ -91,7 +91,7 @@ def test_interrupted_compare_says_what_it_removed_and_leaves_no_empty_reports(ca
     out = tmp_path / "reports" / "compare" / "run"
     run = run_port(capsys, "compare", published, published, "--steps", "1", "--size", "32", "--out", out)
     assert run.code == 130 and "Traceback" not in run.err
-    assert "the run folder being written was removed" in run.msg and "fetch" not in run.msg
+    assert "no report of this run was written" in run.msg and "fetch" not in run.msg
     assert sorted(os.listdir(tmp_path)) == []  # reports/ and reports/compare/ were made by this run: gone again
 
 
@@ -109,7 +109,7 @@ def test_interrupted_bench_message_is_its_own(capsys, monkeypatch, published: Pa
     _interrupt_loading(monkeypatch)
     run = run_port(capsys, "bench", published, "--steps", "1", "--size", "32", "--out", tmp_path / "b")
     assert run.code == 130 and "Traceback" not in run.err
-    assert "the run folder being written was removed" in run.msg and "fetch" not in run.msg
+    assert "no report of this run was written" in run.msg and "fetch" not in run.msg
     assert os.listdir(tmp_path) == []
 
 
@@ -251,6 +251,12 @@ def test_sigterm_cleans_up_like_ctrl_c_and_says_so(tmp_path: Path) -> None:
     message = " ".join(stderr.split())
     assert "Terminated (SIGTERM): the output being written was removed" in message and "Traceback" not in stderr
     assert sorted(os.listdir(tmp_path)) == ["klein-4b.safetensors"]
+
+
+def test_the_cli_gives_the_sigterm_handler_back(capsys, tiny2_file: Path) -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    assert run_port(capsys, "inspect", tiny2_file).code == 0
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 def test_demo_ctrl_c_says_what_it_left(capsys, monkeypatch, tmp_path: Path) -> None:

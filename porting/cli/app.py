@@ -59,12 +59,13 @@ app.command(epilog=BATCH_EXAMPLES)(checked(batch))
 ClickException = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
 
 INTERRUPTED = "the output being written was removed; nothing at the destination changed."
-REPORT_INTERRUPTED = ("the run folder being written was removed, and so were the reports/ folders this run made "
-                      "if they are empty; earlier reports are unchanged.")
+REPORT_INTERRUPTED = ("no report of this run was written (a run folder being written is removed, and so are the "
+                      "reports/ folders this run made, when empty); earlier reports are unchanged.")
 INTERRUPTED_BY_VERB = {  # what an interruption leaves, verb by verb (demo and fetch say it themselves)
     "validate": REPORT_INTERRUPTED, "compare": REPORT_INTERRUPTED, "bench": REPORT_INTERRUPTED,
     "inspect": "nothing was written.", "recipes": "nothing was written.",
     "fetch": "verified files and partial downloads are kept, to resume: run the same port fetch again.",
+    "batch": "the steps that finished are recorded in the journal; the same port batch resumes after them.",
 }
 
 
@@ -101,11 +102,12 @@ def _on_sigterm(signum, frame) -> None:
     raise Terminated()
 
 
-def install_sigterm() -> None:
+def install_sigterm() -> object:
+    """Install the SIGTERM handler; returns the one it replaced (main() puts it back), or None where none was."""
     try:
-        signal.signal(signal.SIGTERM, _on_sigterm)
+        return signal.signal(signal.SIGTERM, _on_sigterm)
     except ValueError:  # not the main thread (an embedding application): leave its handlers alone
-        pass
+        return None
 
 
 def report_error(err: PortError) -> None:
@@ -128,7 +130,15 @@ def main(argv: list[str] | None = None) -> None:
     # errors raised before a verb parses its options (a bad value, an unknown option) still honour --json
     _output.current = _output.Output(json_mode="--json" in args)
     _signals["terminated"] = False
-    install_sigterm()
+    previous = install_sigterm()
+    try:
+        _run(args)
+    finally:
+        if previous is not None:  # a caller in the same process (tests, an embedding tool) gets its handler back
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args: list[str]) -> None:
     try:
         code = app(args=args, prog_name="port", standalone_mode=False)
     except PortError as err:
