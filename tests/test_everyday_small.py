@@ -359,3 +359,18 @@ def test_printable_escapes_every_format_control() -> None:
     for ch in "\x1b\x07\x85\u061c\u200b\u200e\u200f\u2028\u2029\u202a\u202e\u2066\u2069\ufeff":
         assert ch not in printable(f"a{ch}b", lines=False) and ch not in printable(f"a{ch}b")
     assert printable("a\nb") == "a\nb" and printable("a\nb", lines=False) == "a\\x0ab"
+
+
+def test_adapter_manifest_values_in_the_card_are_escaped(tmp_path: Path) -> None:
+    import ast
+    import re
+
+    from porting.adapters.publishing import card_section
+
+    evil = "<img src=x>[a](http://evil)`|"
+    card = card_section('my "repo"', [{"folder": str(tmp_path / "style"), "format": evil, "source": f"/x/{evil}",
+                                       "kinds": {evil: 2}, "sha256": evil}])
+    table = card.split("```python", 1)[0]
+    assert not re.search(r"(?<!\\)<img|(?<!\\)\]\(http", re.sub(r"`[^`]*`", "", table))
+    assert all(line.count("|") - line.count("\\|") == 5 for line in table.splitlines() if line.startswith("| `"))
+    ast.parse(card.split("```python\n", 1)[1].split("```", 1)[0])  # the snippet stays valid Python
