@@ -267,11 +267,11 @@ def atomic_folder(out: Path, force: bool = False, *, verb: str = "convert", repl
     """
     out = Path(os.path.abspath(out))
     replace = replace or ("force" if force else "never")
-    check_output(out, verb=verb, replace=replace, inputs=inputs)
-    for folder in reversed([p for p in out.parents if not (p.exists() or p.is_symlink())]):
-        folder.mkdir(exist_ok=True)
-        note_made(folder)
-    try:
+    try:  # a refusal, a failure or an interruption takes back the folders made to hold `out` (when empty)
+        check_output(out, verb=verb, replace=replace, inputs=inputs)
+        for folder in reversed([p for p in out.parents if not (p.exists() or p.is_symlink())]):
+            folder.mkdir(exist_ok=True)
+            note_made(folder)
         with _staged(out, verb, replace, on_notice) as staging:
             yield staging
     except BaseException:
