@@ -15,6 +15,7 @@ import fcntl
 import hashlib
 import os
 import shutil
+import signal
 import stat
 import tempfile
 import time
@@ -332,14 +333,29 @@ def _staged(out: Path, verb: str, replace: Replace, on_notice: Callable[[str], N
         if out.exists() or out.is_symlink():
             trash = Path(tempfile.mkdtemp(prefix=_trash_prefix(out), dir=out.parent))
             write_staging_marker(trash)
-            os.replace(out, trash / "old")
-            os.replace(staging, out)
+            with _signals_held():  # Ctrl-C / SIGTERM between the two renames would leave no output at all
+                os.replace(out, trash / "old")
+                os.replace(staging, out)
             shutil.rmtree(trash, ignore_errors=True)
         else:
             os.replace(staging, out)
     finally:
         if lock_fd >= 0:
             os.close(lock_fd)
+
+
+@contextmanager
+def _signals_held() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM (delivered when the block ends) for a few operations that must not be split."""
+    try:
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    except (AttributeError, OSError, ValueError):
+        previous = None
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def timestamped_folder(root: Path) -> Path:
