@@ -24,6 +24,7 @@ from porting.errors import InternalError, PortError
 from porting.families import family_for
 from porting.finite import check_tensor, dumps
 from porting.outputs import InputPaths, atomic_folder
+from porting.text import one_line
 
 from . import LORA_FILE, MANIFEST
 from .naming import Adapter, naming_config, read_adapter
@@ -158,7 +159,7 @@ def convert_adapter(src: str | Path, out: str | Path | None, to: Naming = "diffu
     started = time.perf_counter()
     adapter = read_adapter(src, table)
     if adapter.unknown:
-        lines = "\n".join(f"  {k}: {why}" for k, why in adapter.unknown[:40])
+        lines = "\n".join(one_line(f"  {k}: {why}") for k, why in adapter.unknown[:40])
         raise PortError(f"{src}: {len(adapter.unknown)} adapter key(s) cannot be read; nothing was written.",
                         hint="flux-port reads kohya, BFL / ai-toolkit, diffusers / peft, LyCORIS and ComfyUI diff "
                              "keys of transformer modules.", details=lines)

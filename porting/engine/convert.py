@@ -94,7 +94,7 @@ def stranded_sidecars(plan: Plan) -> PlanError | None:
         "with or without --strict. Nothing was written.",
         hint="Check `port inspect` on the file: a scale without its layout marker (scaled_fp8, comfy_quant) or a "
              "weight_scale next to a plain weight is not a layout flux-port can interpret.",
-        details="\n".join(f"  {k}" for k in keys[:40]), report=plan.summary())
+        details="\n".join(one_line(f"  {k}") for k in keys[:40]), report=plan.summary())
 
 
 def strict_error(plan: Plan, src: str | Path) -> PlanError:
