@@ -97,16 +97,16 @@ def verdict(rows: list[dict[str, Any]], outputs: dict[str, torch.Tensor], where:
     elif overall_dev["nonfinite"]:
         reasons.append(f"NaN/Inf in the device's output ({overall_dev['nonfinite']} element(s))")
     if ratio > max_ratio:
-        reasons.append(f"final output error {overall_dev['rel_l2']:.3%} is {ratio:.2f}x the intrinsic {dtype} error "
-                       f"{overall_int['rel_l2']:.3%} (limit {max_ratio}x)")
+        reasons.append(f"final output error {100 * overall_dev['rel_l2']:.3g} % is {ratio:.2f}x the intrinsic "
+                       f"{dtype} error {100 * overall_int['rel_l2']:.3g} % (limit {max_ratio}x)")
     blame_row = next((r for r in rows if r["teacher_forced"]["device"]["nonfinite"]
                       or r["teacher_forced"]["ratio"] > max_ratio), None)
     blame = None
     if blame_row is not None:
         tf = blame_row["teacher_forced"]
         why = ("produces NaN/Inf from golden inputs" if tf["device"]["nonfinite"] else
-               f"own error {tf['device']['rel_l2']:.3%} is {tf['ratio']:.2f}x the intrinsic "
-               f"{tf['intrinsic']['rel_l2']:.3%}")
+               f"own error {100 * tf['device']['rel_l2']:.3g} % is {tf['ratio']:.2f}x the intrinsic "
+               f"{100 * tf['intrinsic']['rel_l2']:.3g} %")
         blame = {"stage": blame_row["stage"], "original": blame_row["original"], "ratio": tf["ratio"], "reason": why}
         reasons.append(f"first bad block: {blame['stage']} (= {blame['original']}): {why}")
     growth = [r["stage"] for r in rows if r["growth_flag"]]
