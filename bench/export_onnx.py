@@ -2,12 +2,15 @@
 
     flock /work/bench.lock python bench/export_onnx.py                    # klein-4B shapes, fp16
     flock /work/bench.lock python bench/export_onnx.py --torch-dtypes fp16,bf16 --workdir /work/scratch/issue12/b
+    flock /work/bench.lock python bench/export_onnx.py --target ryzenai --model klein-4b --size 256 --text-len 512
 
 A synthetic transformer folder with klein-4B's shapes (diffusers naming, bf16, 7.75 GB, `fill="tiled"` weights as
 in bench/convert.py) is generated first; its generation is not measured. Then, each as a child process timed with
 wall-clock and its peak RSS (GNU time's %M):
 
-  (a) `port export SRC --format onnx --out OUT --dtype fp16 --components transformer --json`;
+  (a) `port export SRC --format onnx --out OUT --dtype fp16 --components transformer --json` (with --target
+      ryzenai: `port export SRC --format onnx --target ryzenai --size S --text-len T --components transformer`,
+      static shapes, opset 17, bf16 weights with casts; the one step below then runs at S x S and T tokens);
   (b) one transformer step at 256x256 (256 image tokens, 512 text tokens, batch 1) in onnxruntime's CPU provider
       on the export: session load, then the step;
   (c) the same step in torch (`Flux2Transformer2DModel.from_pretrained(..., dtype)` on CPU) for each of
@@ -34,7 +37,9 @@ GIB = 2**30
 STEP_INPUTS = textwrap.dedent("""
     import torch
     from diffusers import Flux2KleinPipeline
-    def step_inputs(cfg, dtype, side=16, text=512):
+    import os
+    SIDE, TEXT = int(os.environ.get("BENCH_SIDE", 16)), int(os.environ.get("BENCH_TEXT", 512))
+    def step_inputs(cfg, dtype, side=SIDE, text=TEXT):
         gen = torch.Generator().manual_seed(0)
         ctx = torch.randn(1, text, cfg["joint_attention_dim"], generator=gen)
         return {"hidden_states": torch.randn(1, side * side, cfg["in_channels"], generator=gen).to(dtype),
@@ -51,6 +56,10 @@ ORT_SCRIPT = STEP_INPUTS + textwrap.dedent("""
     t0 = time.perf_counter()
     options = ort.SessionOptions()
     options.log_severity_level = 3
+    if os.environ.get("BENCH_ORT_LEAN") == "1":  # bf16 weights: no load-time folding of Cast into fp32 copies
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        options.enable_mem_pattern = False
+        options.enable_cpu_mem_arena = False
     session = ort.InferenceSession(folder + "/model.onnx", sess_options=options, providers=["CPUExecutionProvider"])
     load = time.perf_counter() - t0
     dtype = torch.float16 if session.get_inputs()[0].type == "tensor(float16)" else torch.float32
@@ -95,7 +104,7 @@ def measure(cmd: list[str], log: Path) -> tuple[float, float, int]:
 
 def last_json(log: Path) -> dict:
     text = log.read_text()
-    return json.loads(text[text.index("{"):]) if "{" in text else {}
+    return json.JSONDecoder().raw_decode(text[text.index("{"):])[0] if "{" in text else {}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,7 +112,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", choices=["klein-4b", "klein-9b", "tiny"], default="klein-4b",
                         help="tiny: a smoke test of this script")
     parser.add_argument("--dtype", choices=["fp16", "fp32"], default="fp16")
-    parser.add_argument("--opset", type=int, default=18)
+    parser.add_argument("--opset", type=int, default=None, help="default: 18 (generic), 17 (ryzenai)")
+    parser.add_argument("--target", choices=["generic", "ryzenai"], default="generic")
+    parser.add_argument("--size", type=int, default=256, help="ryzenai: the static image size (and the step's)")
+    parser.add_argument("--text-len", type=int, default=512, help="ryzenai: the static text length (and the step's)")
     parser.add_argument("--torch-dtypes", default="fp16,bf16", help="torch steps to compare with (comma-separated)")
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--keep", action="store_true")
@@ -126,9 +138,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"generated {args.model} shapes, bf16, {size / 1e9:.2f} GB in {time.perf_counter() - start:.1f} s "
               "(not measured)")
         port = [sys.executable, "-m", "porting"]
-        wall, rss, code = measure(port + ["export", str(src), "--format", "onnx", "--out", str(out), "--dtype",
-                                          args.dtype, "--opset", str(args.opset), "--components", "transformer",
-                                          "--json", "--force"], work / "export.log")
+        os.environ["BENCH_SIDE"], os.environ["BENCH_TEXT"] = str(args.size // 16), str(args.text_len)
+        if args.target == "ryzenai":
+            os.environ["BENCH_ORT_LEAN"] = "1"
+            how = ["--target", "ryzenai", "--size", str(args.size), "--text-len", str(args.text_len)]
+        else:
+            how = ["--dtype", args.dtype, "--opset", str(args.opset or 18)]
+        wall, rss, code = measure(port + ["export", str(src), "--format", "onnx", "--out", str(out), *how,
+                                          "--components", "transformer", "--json", "--force"], work / "export.log")
         doc = last_json(work / "export.log")
         results["export"] = {"wall": wall, "rss": rss, "code": code}
         if code != 0:

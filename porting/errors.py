@@ -11,6 +11,7 @@ EXIT_NETWORK = 4
 EXIT_DISK = 5
 EXIT_INTERNAL = 70
 EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143  # 128 + SIGTERM
 
 
 class PortError(Exception):
@@ -41,9 +42,13 @@ class InternalError(PortError):
 
 
 class Interrupted(PortError):
-    """The user pressed Ctrl-C."""
+    """The user pressed Ctrl-C (or the process got SIGTERM: exit code EXIT_TERMINATED then)."""
 
     exit_code = EXIT_INTERRUPTED
+
+
+class Terminated(KeyboardInterrupt):
+    """Raised by the CLI's SIGTERM handler: the same path as Ctrl-C, so every cleanup that Ctrl-C runs runs."""
 
 
 class InputError(PortError):

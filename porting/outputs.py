@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import hashlib
 import os
 import shutil
+import signal
 import stat
 import tempfile
 import time
@@ -44,16 +46,18 @@ class UnsafeOutputError(PortError):
     """The output would delete, replace or overlap files the tool did not write."""
 
 
-def check_replaceable(out: Path, what: str = "output folder", owner_verbs: Collection[str] | None = None) -> None:
+def check_replaceable(out: Path, what: str = "output folder", owner_verbs: Collection[str] | None = None,
+                      option: str = "--out") -> None:
     """Raise unless `out` is a real folder (not a link) whose every entry flux-port can prove it wrote there;
-    with `owner_verbs`, also unless the folder was written by one of those verbs."""
+    with `owner_verbs`, also unless the folder was written by one of those verbs. `option` names the option the
+    user gave the folder with (the hints name it)."""
     st = os.lstat(out)
     if stat.S_ISLNK(st.st_mode):
         raise UnsafeOutputError(f"{out}: the {what} is a symbolic link; flux-port replaces only folders it wrote.",
-                                hint="Choose another --out, or remove the link yourself.")
+                                hint=f"Choose another {option}, or remove the link yourself.")
     if not stat.S_ISDIR(st.st_mode):
         raise UnsafeOutputError(f"{out}: the {what} exists and is not a folder; flux-port will not replace it.",
-                                hint="Choose another --out (a new folder).")
+                                hint=f"Choose another {option} (a new folder).")
     if not any(out.iterdir()):
         return
     foreign = foreign_entries(out)
@@ -61,17 +65,17 @@ def check_replaceable(out: Path, what: str = "output folder", owner_verbs: Colle
         raise UnsafeOutputError(
             f"{out}: the {what} exists and was not written by flux-port (no {RECORD} made for this folder by "
             "flux-port on this machine; a copied or downloaded one proves nothing); nothing was changed.",
-            hint="Choose a new --out folder, or empty or remove this one yourself if you are sure.")
+            hint=f"Choose a new {option} folder, or empty or remove this one yourself if you are sure.")
     if foreign:
         shown = ", ".join(repr(f) for f in foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         raise UnsafeOutputError(
             f"{out}: the {what} holds files flux-port did not write ({shown}); nothing was changed.",
-            hint="Move those files elsewhere or choose another --out.")
+            hint=f"Move those files elsewhere or choose another {option}.")
     record = read_record(out)
     if owner_verbs is not None and record is not None and record.verb not in owner_verbs:
         raise UnsafeOutputError(
             f"{out}: the {what} is the output of `port {record.verb}`, not of `port {' / '.join(owner_verbs)}`; "
-            "nothing was changed.", hint="Choose another --out.")
+            "nothing was changed.", hint=f"Choose another {option}.")
 
 
 def _is_within(path: Path, folder: Path) -> bool:
@@ -118,12 +122,33 @@ def _lock(fd: int) -> bool:
         return False
 
 
+NAME_MAX = 255  # bytes in one file name (ext4, xfs, btrfs, tmpfs)
+_RANDOM = 8  # the characters mkdtemp appends
+
+
+def sibling_prefix(out: Path, kind: str) -> str:
+    """`.NAME.KIND-` for the staging (partial) and trash (old) folders next to `out`; for a long NAME whose
+    folder name would pass NAME_MAX bytes, `.SHORTENED~HASH.KIND-`: the name's head and a hash of the whole name,
+    so it is still one name per destination (leftovers are found by this same prefix)."""
+    name = out.name
+    prefix = f".{name}.{kind}-"
+    if len(os.fsencode(prefix)) + _RANDOM <= NAME_MAX:
+        return prefix
+    digest = hashlib.sha256(os.fsencode(name)).hexdigest()[:16]
+    tail = f"~{digest}.{kind}-"
+    room = NAME_MAX - _RANDOM - len(tail) - 1 - 16  # and some margin
+    head = name
+    while len(os.fsencode(head)) > room:
+        head = head[:-1]
+    return f".{head}{tail}"
+
+
 def _staging_prefix(out: Path) -> str:
-    return f".{out.name}.partial-"
+    return sibling_prefix(out, "partial")
 
 
 def _trash_prefix(out: Path) -> str:
-    return f".{out.name}.old-"
+    return sibling_prefix(out, "old")
 
 
 def clear_leftovers(out: Path, own: Path | None = None) -> list[Path]:
@@ -167,28 +192,41 @@ def make_public(path: Path) -> None:
     os.chmod(path, 0o777 & ~umask())
 
 
-def check_writable_parent(out: Path) -> None:
+def check_writable_parent(out: Path, option: str = "--out") -> None:
     """Find an unwritable destination before any work: a parent that is a file, a dangling link, no permission."""
     if out.is_symlink() and not out.exists():
         raise UnsafeOutputError(f"{out}: the output is a dangling symbolic link.",
-                                hint="Remove the link or choose another --out.")
+                                hint=f"Remove the link or choose another {option}.")
     parent = out.parent
     probe = parent
     while not probe.exists():
         if probe.is_symlink():
-            raise UnsafeOutputError(f"{out}: {probe} is a dangling symbolic link.", hint="Choose another --out.")
+            raise UnsafeOutputError(f"{out}: {probe} is a dangling symbolic link.", hint=f"Choose another {option}.")
         probe = probe.parent
     if not probe.is_dir():
         raise UnsafeOutputError(f"{out}: cannot create it, {probe} is a file, not a folder.",
-                                hint="Choose another --out.")
+                                hint=f"Choose another {option}.")
     if not os.access(probe, os.W_OK | os.X_OK):
         raise UnsafeOutputError(f"{out}: cannot write there, {probe} is not writable.",
-                                hint="Choose a writable --out folder.")
+                                hint=f"Choose a writable {option} folder.")
 
 
-def write_error(out: Path, e: OSError) -> Exception:
-    """A write that the disk refused, as the error the docs promise (full disk: exit 5); other errors as they are."""
-    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+def _short_write_on_full_disk(e: OSError, folder: Path) -> bool:
+    """A write that a library reported as short, with no errno (numpy's tofile: "1024 requested and 720 written"),
+    on a disk with no room left: the disk is full."""
+    if e.errno is not None or "requested and" not in str(e):
+        return False
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < 2**20
+
+
+def write_error(out: Path, e: OSError, full: bool = False) -> Exception:
+    """A write that the disk refused, as the error the docs promise (full disk: exit 5); other errors as they are.
+    `full`: the disk was found full when the write failed (a short write without an errno)."""
+    if full or e.errno in (errno.ENOSPC, errno.EDQUOT):
         return DiskSpaceError(f"{out}: the disk is full ({e.strerror}); the partial output was removed, nothing "
                               "at the destination changed.",
                               hint="Free some space, or choose an --out on another disk.")
@@ -230,14 +268,53 @@ def atomic_folder(out: Path, force: bool = False, *, verb: str = "convert", repl
     """
     out = Path(os.path.abspath(out))
     replace = replace or ("force" if force else "never")
-    check_output(out, verb=verb, replace=replace, inputs=inputs)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=_staging_prefix(out), dir=out.parent))
-    lock_fd = os.open(staging, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        _lock(lock_fd)
-        write_staging_marker(staging)
+    try:  # a refusal, a failure or an interruption takes back the folders made to hold `out` (when empty)
+        check_output(out, verb=verb, replace=replace, inputs=inputs)
+        for folder in reversed([p for p in out.parents if not (p.exists() or p.is_symlink())]):
+            folder.mkdir(exist_ok=True)
+            note_made(folder)
+        with _staged(out, verb, replace, on_notice) as staging:
+            yield staging
+    except BaseException:
+        discard_made(out)
+        raise
+    _made.difference_update(out.parents)
+
+
+_made: set[Path] = set()
+"""Folders this process made to hold an output (`--out a/b/c` makes a/ and a/b/; a report run makes reports/ and
+reports/<verb>/): removed again, when empty, if the run fails."""
+
+
+def note_made(folder: Path) -> None:
+    _made.add(Path(os.path.abspath(folder)))
+
+
+def discard_made(out: Path) -> None:
+    """After a failed run writing `out`: remove the folders above it that this process made and that hold nothing
+    now (a folder holding only the ownership record flux-port wrote there counts as empty), deepest first."""
+    for folder in Path(os.path.abspath(out)).parents:
+        if folder not in _made:
+            continue
+        _made.discard(folder)
         try:
+            entries = [e.name for e in folder.iterdir()]
+            if entries == [RECORD] and read_record(folder) is not None:
+                (folder / RECORD).unlink()
+            folder.rmdir()
+        except OSError:
+            return  # not empty (or not ours to judge): leave it and everything above it
+
+
+@contextmanager
+def _staged(out: Path, verb: str, replace: Replace, on_notice: Callable[[str], None] | None) -> Iterator[Path]:
+    staging = Path(tempfile.mkdtemp(prefix=_staging_prefix(out), dir=out.parent))
+    lock_fd = -1
+    try:
+        try:  # from the first moment on: an interruption (Ctrl-C, SIGTERM) while the folder is set up removes it too
+            lock_fd = os.open(staging, os.O_RDONLY | os.O_DIRECTORY)
+            _lock(lock_fd)
+            write_staging_marker(staging)
             for old in clear_leftovers(out, own=staging):
                 if on_notice:
                     on_notice(f"removed {old.name}, left in {old.parent} by an earlier interrupted run")
@@ -247,21 +324,38 @@ def atomic_folder(out: Path, force: bool = False, *, verb: str = "convert", repl
             write_record(staging, verb)
             _check_existing(out, replace, verb)  # it may have appeared, or changed, while this run was writing
         except OSError as e:
+            full = _short_write_on_full_disk(e, staging)
             shutil.rmtree(staging, ignore_errors=True)
-            raise write_error(out, e) from e
+            raise write_error(out, e, full) from e
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
         if out.exists() or out.is_symlink():
             trash = Path(tempfile.mkdtemp(prefix=_trash_prefix(out), dir=out.parent))
             write_staging_marker(trash)
-            os.replace(out, trash / "old")
-            os.replace(staging, out)
+            with _signals_held():  # Ctrl-C / SIGTERM between the two renames would leave no output at all
+                os.replace(out, trash / "old")
+                os.replace(staging, out)
             shutil.rmtree(trash, ignore_errors=True)
         else:
             os.replace(staging, out)
     finally:
-        os.close(lock_fd)
+        if lock_fd >= 0:
+            os.close(lock_fd)
+
+
+@contextmanager
+def _signals_held() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM (delivered when the block ends) for a few operations that must not be split."""
+    try:
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    except (AttributeError, OSError, ValueError):
+        previous = None
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def timestamped_folder(root: Path) -> Path:

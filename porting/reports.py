@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from porting.outputs import timestamped_folder
+from porting.outputs import note_made, timestamped_folder
 from porting.ownership import add_folders, read_record
 
 REPORTS = "reports"
@@ -39,6 +39,9 @@ def prepare_run_folder(out: Path) -> None:
     root.mkdir(parents=True, exist_ok=True)
     made_verb = not (verb_dir.exists() or verb_dir.is_symlink())
     verb_dir.mkdir(exist_ok=True)
+    for folder, made in ((root, made_root), (verb_dir, made_verb)):
+        if made:  # removed again, when empty, if the run fails (atomic_folder)
+            note_made(folder)
     if made_root or (made_verb and read_record(root) is not None) or _unrecorded_own(root, verb_dir.name):
         add_folders(root, "reports", [verb_dir.name])
 

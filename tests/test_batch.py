@@ -219,6 +219,7 @@ def test_fetch_step_from_a_hub_then_convert(tmp_path):
         hubs.close()
 
 
+@pytest.mark.slow  # spawns fresh worker processes twice (each imports torch and diffusers)
 def test_a_dead_local_worker_fails_its_step_only_and_the_rerun_retries_it(tmp_path, capsys, monkeypatch):
     for i in range(2):
         write_random_checkpoint(tmp_path / f"s{i}.safetensors", TINY_FLUX2, seed=20 + i)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from diffusers.loaders.single_file_utils import (
     convert_flux2_transformer_checkpoint_to_diffusers,
@@ -43,6 +44,7 @@ def random_bits(shape: tuple[int, ...], offset: int) -> torch.Tensor:
     return tiled[offset:offset + n].view(torch.bfloat16).reshape(shape).clone()
 
 
+@pytest.mark.slow  # writes two 1 GB files (D = 3072 is what diffusers' FLUX.1 converter hard-codes)
 def test_flux1_matches_diffusers_converter_bit_for_bit(tmp_path):
     """diffusers' FLUX.1 converter hard-codes inner_dim 3072 and mlp_ratio 4 (its linear1 split sizes), so the
     checkpoint has D = 3072 with one double and one single block (~0.5 B parameters, bf16, random bit patterns)."""

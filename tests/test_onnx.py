@@ -177,6 +177,7 @@ def test_export_with_one_weight_edited_in_the_external_data_fails(fp32_export, t
     # the untouched export passes (test_validate_on_onnxruntime_passes...): the fault, not the runner, fails it
 
 
+@pytest.mark.slow  # a second whole export (fp16): about a minute on two cores
 def test_fp16_export_validates_against_fp16s_own_error(fp16_export, tmp_path) -> None:
     out, result = fp16_export
     assert result.opset_requested == 18 and result.opset_produced == 18 and result.notices == []

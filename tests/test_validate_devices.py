@@ -113,6 +113,7 @@ def hang_in(stage: str, model: torch.nn.Module) -> None:
     model.get_submodule(stage).register_forward_pre_hook(lambda module, args: time.sleep(3600))
 
 
+@pytest.mark.slow  # waits out a distributed timeout
 def test_a_hung_rank_ends_in_a_timeout_error_not_a_hang(converted, tmp_path, monkeypatch):
     monkeypatch.setenv("FLUX_PORT_DIST_TIMEOUT", "8")
     start = time.monotonic()

@@ -2,40 +2,26 @@
 
 from __future__ import annotations
 
-import datetime as _dt
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
 
-from porting import __version__
 from porting.devices import resolve_device
 from porting.errors import CheckFailed, InputError, PortError
 from porting.outputs import check_output
 from porting.resources import check_validate_memory
 
-from .checks import GoldenWeights, check_dequantized, check_measurable, check_not_one_computation
-from .compare import GROWTH_FLAG, Runs, lockstep
+from .checks import GoldenWeights, check_dequantized, check_not_one_computation
+from .compare import Runs, lockstep
 from .inputs import Inputs, build_inputs
-from .metrics import compare, error_floor, error_ratio
-from .report import Report, original_name
+from .report import Report
 from .runners.base import Runner
 from .runners.torch_staged import torch_runner
+from .verdict import DTYPES, RunFacts, _dtype, verdict  # noqa: F401  (DTYPES: re-exported)
 from .weights import WeightSource, WeightTransform
 
-GROWTH_FLAG_TEXT = (f"flag a block when the device's accumulated error grows more than {GROWTH_FLAG}x faster "
-                    "through it than the reference's")
 RUNTIMES = ("torch", "onnxruntime")
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
-
-
-def _dtype(name: str, option: str) -> torch.dtype:
-    if name not in DTYPES:
-        raise PortError(f"{option} {name!r} is not one of {', '.join(DTYPES)}.")
-    return DTYPES[name]
-
-
 def validate(model: str | Path, *, device: str = "cpu", dtype: str | None = None, reference: str | None = None,
              golden_dtype: str | None = None, out: Path | None = None, resolution: int = 512, text_len: int = 512,
              timesteps: Sequence[float] = (1.0, 0.5, 0.1), seeds: Sequence[int] = (0,),
@@ -84,8 +70,15 @@ def validate(model: str | Path, *, device: str = "cpu", dtype: str | None = None
         from porting.export.ort import check_provider
 
         check_provider(provider)  # before any heavy loading: a missing provider is a usage error
+        if _is_text_encoder_export(Path(model)):
+            from .text_encoder import validate_text_encoder
+
+            return validate_text_encoder(Path(model), out=out, max_ratio=max_ratio, provider=provider,
+                                         prompt=prompt)
         export, weights_path = _export_source(Path(model), dtype)
         dtype = export["dtype"]
+        if export.get("target") == "ryzenai":  # a static graph: its one size and text length are the inputs
+            resolution, text_len = export["profile"]["size"], export["profile"]["text_len"]
     dtype = dtype or "bf16"
     golden_dtype = golden_dtype or ("fp64" if runtime == "onnxruntime" and dtype == "fp32" else "fp32")
     run_dtype, gold_dtype = _dtype(dtype, "--dtype"), _dtype(golden_dtype, "--golden-dtype")
@@ -111,8 +104,14 @@ def validate(model: str | Path, *, device: str = "cpu", dtype: str | None = None
                           hint="Export again from the current weights.")
     check_dequantized(source)
     inputs = build_inputs(source.config, resolution, text_len, timesteps, seeds, base, prompt)
-    intrinsic_run = (torch_runner(source, ref, run_dtype) if intrinsic == "native" else
-                     torch_runner(source, ref, torch.float32, emulate=run_dtype))
+    if export is not None and export.get("target") == "ryzenai":
+        # the export computes in float32 on bf16-rounded weights (Cast nodes): its intrinsic error is that rounding
+        from porting.export.ryzenai import torch_bf16_weights
+
+        intrinsic_run = torch_runner(source, ref, torch.float32, torch_bf16_weights)
+    else:
+        intrinsic_run = (torch_runner(source, ref, run_dtype) if intrinsic == "native" else
+                         torch_runner(source, ref, torch.float32, emulate=run_dtype))
     if runtime == "onnxruntime":
         from .runners.onnxruntime import OrtRunner
 
@@ -131,25 +130,18 @@ def validate(model: str | Path, *, device: str = "cpu", dtype: str | None = None
     return report
 
 
+def _is_text_encoder_export(folder: Path) -> bool:
+    from porting.export.onnx import MANIFEST
+
+    return folder.name == "text_encoder" and (folder.parent / MANIFEST).is_file()
+
+
 def default_intrinsic(device: torch.device | None, reference: torch.device, runtime: str) -> str:
     """emulated where the device under test is the reference CPU itself (a native intrinsic run there would be the
     device's own computation, ratio 1 by construction); native everywhere else."""
     if runtime == "torch" and device is not None and device == reference and reference.type == "cpu":
         return "emulated"
     return "native"
-
-
-def same_computation(device: str | torch.device | None, reference: str | torch.device, runtime: str,
-                     intrinsic: str, run_dtype: torch.dtype) -> bool:
-    """Whether the intrinsic run is the device run itself (same device, same arithmetic): its ratio is 1 by
-    construction and checks no device."""
-    if runtime != "torch" or device is None or str(device) != str(reference):
-        return False
-    return intrinsic == "native" or run_dtype == torch.float32  # emulating fp32 rounding in fp32 is fp32 itself
-
-
-BY_CONSTRUCTION = ("the intrinsic run is the device run itself ({why}): every ratio is 1 by construction and checks "
-                   "no device; on a CPU, --intrinsic emulated (the default) measures the CPU's {dtype} kernels")
 
 
 def _export_source(folder: Path, dtype: str | None) -> tuple[dict[str, Any], Path]:
@@ -172,27 +164,11 @@ def _export_source(folder: Path, dtype: str | None) -> tuple[dict[str, Any], Pat
         raise PortError(f"--dtype {dtype}: this export is {manifest['dtype']}; leave --dtype out for onnxruntime.")
     facts = {"folder": str(root.resolve()), "dtype": manifest["dtype"], "opset": manifest.get("opset"),
              "weights_sha256": manifest["source"]["weights_sha256"], "source": src}
+    if manifest.get("target") == "ryzenai":
+        facts.update(target="ryzenai", profile=manifest["profile"],
+                     ran=("bf16 weights (initializers stored as bfloat16) cast to float32 by the graph's Cast nodes, "
+                          "float32 compute: onnxruntime's CPU provider has no bf16 MatMul; the NPU computes in bf16"))
     return facts, Path(src)
-
-
-@dataclass
-class RunFacts:
-    """What the report says about where the runs happened (one device, or a pipeline over several)."""
-    device: str
-    reference: str
-    device_type: str | None
-    reference_type: str
-    facts_device: dict[str, Any]
-    facts_reference: dict[str, Any]
-    runtime: str
-    localises: bool
-    localisation_note: str
-
-    @classmethod
-    def of(cls, runs: Runs) -> "RunFacts":
-        dev, ref = runs.device.device, runs.golden.device
-        return cls(str(dev), str(ref), getattr(dev, "type", None), ref.type, runs.device.facts(), runs.golden.facts(),
-                   runs.device.runtime, runs.device.localises, runs.device.localisation_note)
 
 
 def judge(runs: Runs, source: WeightSource, inputs: Inputs, *, dtype: str, golden_dtype: str, model: str | Path,
@@ -208,102 +184,3 @@ def judge(runs: Runs, source: WeightSource, inputs: Inputs, *, dtype: str, golde
     return verdict(rows, outputs, RunFacts.of(runs), source, inputs, dtype=dtype, golden_dtype=golden_dtype,
                    model=model, max_ratio=max_ratio, intrinsic=intrinsic, export=export,
                    weights_sha256=weights_sha256, golden_weights=golden_weights)
-
-
-def verdict(rows: list[dict[str, Any]], outputs: dict[str, torch.Tensor], where: RunFacts, source: WeightSource,
-            inputs: Inputs, *, dtype: str, golden_dtype: str, model: str | Path, max_ratio: float, intrinsic: str,
-            export: dict[str, Any] | None = None, weights_sha256: str | None = None,
-            golden_weights: GoldenWeights | None = None, extra: dict[str, Any] | None = None) -> Report:
-    """The report from the lock-step rows and final outputs, wherever they were computed (validation.distributed
-    gathers them from its ranks and calls this on rank 0)."""
-    run_dtype = _dtype(dtype, "--dtype")
-    table = source.detection.table
-    for row in rows:
-        row["original"] = original_name(table, row["stage"])
-
-    overall_dev = compare(outputs["device"], outputs["golden"], run_dtype)
-    overall_int = compare(outputs["intrinsic"], outputs["golden"], run_dtype)
-    check_measurable(outputs["golden"], overall_dev, overall_int, dtype=dtype, golden_dtype=golden_dtype,
-                     weights=golden_weights)
-    ratio = error_ratio(overall_dev["rel_l2"], overall_int["rel_l2"], run_dtype)
-    summary = [{"name": "all cases", "device_error": overall_dev["rel_l2"], "intrinsic_error": overall_int["rel_l2"],
-                "ratio": ratio, "cosine": overall_dev["cosine"]}]
-    for i, case in enumerate(inputs.cases):
-        d = compare(outputs["device"][i], outputs["golden"][i], run_dtype)
-        r = compare(outputs["intrinsic"][i], outputs["golden"][i], run_dtype)
-        summary.append({"name": f"seed {case['seed']}, t={case['timestep']}", "device_error": d["rel_l2"],
-                        "intrinsic_error": r["rel_l2"], "ratio": error_ratio(d["rel_l2"], r["rel_l2"], run_dtype),
-                        "cosine": d["cosine"]})
-
-    reasons: list[str] = []
-    nonfinite = [r["stage"] for r in rows if r["accumulated"]["device"]["nonfinite"]
-                 or r["teacher_forced"]["device"]["nonfinite"]]
-    if nonfinite:
-        reasons.append(f"NaN/Inf on the device, first in {nonfinite[0]}")
-    elif overall_dev["nonfinite"]:
-        reasons.append(f"NaN/Inf in the device's output ({overall_dev['nonfinite']} element(s))")
-    if ratio > max_ratio:
-        reasons.append(f"final output error {overall_dev['rel_l2']:.3%} is {ratio:.2f}x the intrinsic {dtype} error "
-                       f"{overall_int['rel_l2']:.3%} (limit {max_ratio}x)")
-    blame_row = next((r for r in rows if r["teacher_forced"]["device"]["nonfinite"]
-                      or r["teacher_forced"]["ratio"] > max_ratio), None)
-    blame = None
-    if blame_row is not None:
-        tf = blame_row["teacher_forced"]
-        why = ("produces NaN/Inf from golden inputs" if tf["device"]["nonfinite"] else
-               f"own error {tf['device']['rel_l2']:.3%} is {tf['ratio']:.2f}x the intrinsic "
-               f"{tf['intrinsic']['rel_l2']:.3%}")
-        blame = {"stage": blame_row["stage"], "original": blame_row["original"], "ratio": tf["ratio"], "reason": why}
-        reasons.append(f"first bad block: {blame['stage']} (= {blame['original']}): {why}")
-    growth = [r["stage"] for r in rows if r["growth_flag"]]
-
-    known = []
-    facts_dev, facts_ref = where.facts_device, where.facts_reference
-    if facts_dev.get("rope_freqs_dtype", facts_ref["rope_freqs_dtype"]) != facts_ref["rope_freqs_dtype"]:
-        known.append(f"diffusers computes RoPE frequencies in {facts_dev['rope_freqs_dtype']} on {where.device_type} "
-                     f"but in {facts_ref['rope_freqs_dtype']} on {where.reference_type}; both then cast cos/sin to "
-                     "float32.")
-    if where.device_type == "npu":
-        known.append("attention may run through torch_npu.npu_fusion_attention (diffusers _native_npu backend) "
-                     "instead of PyTorch SDPA; ACL_PRECISION_MODE and HF32 settings are recorded in environment.")
-
-    by_construction = same_computation(where.device, where.reference, where.runtime, intrinsic, run_dtype)
-    notices = [BY_CONSTRUCTION.format(why=f"--intrinsic {intrinsic} on {where.reference}, the device under test",
-                                      dtype=dtype)] if by_construction else []
-    data: dict[str, Any] = {
-        "tool": "flux-port", "version": __version__, "format_version": 1, "kind": "validation",
-        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "model": {"path": str(Path(model).resolve()), "naming": source.detection.naming_label,
-                  "variant": source.detection.variant, "table": table.name,
-                  "config": {k: v for k, v in source.config.items() if not k.startswith("_")},
-                  **source.provenance()},
-        "weights_sha256": weights_sha256 or source.weights_sha256(),
-        "device": where.device, "dtype": dtype, "reference": where.reference, "golden_dtype": golden_dtype,
-        "intrinsic": intrinsic,
-        "intrinsic_run": (f"{dtype} on {where.reference}" if intrinsic == "native" else
-                          f"float32 arithmetic on {where.reference} with {dtype} rounding of weights, inputs and every "
-                          "module output"),
-        "ratio_by_construction": by_construction, "notices": notices,
-        "runtime": where.runtime,
-        "localisation": {"per_block": where.localises,
-                         "note": None if where.localises else where.localisation_note},
-        "environment": {"device": facts_dev, "reference": facts_ref},
-        "inputs": inputs.description, "cases": inputs.cases,
-        "rule": {"metric": "relative L2 error against the golden", "max_ratio": max_ratio,
-                 "denominator_floor": error_floor(run_dtype), "growth_flag": GROWTH_FLAG_TEXT,
-                 "statement": f"pass iff no NaN/Inf, the final output's error is at most {max_ratio}x the intrinsic "
-                              f"{dtype} error (same model in {dtype} on {where.reference})"
-                              + (f", and no block's teacher-forced error exceeds {max_ratio}x its intrinsic error"
-                                 if where.localises else " (final output only: no per-block check)")},
-        "output": {"device": overall_dev, "intrinsic": overall_int, "ratio": ratio},
-        "summary": summary, "blocks": rows, "blame": blame, "growth_flags": growth,
-        "known_differences": known,
-        "verdict": "fail" if reasons else "pass", "reasons": reasons,
-    }
-    data.update(extra or {})
-    if export is not None:
-        data["export"] = export
-        known.append("onnxruntime fuses, reorders and re-implements operations (its own GEMM and attention kernels), "
-                     "so its error differs from torch's in the same dtype; the ratio rule judges that difference.")
-    return Report(data)
-

@@ -319,11 +319,11 @@ def _reference_for(job: Job, dev: torch.device, config: dict[str, Any], shapes: 
 
 def run_rank(job: Job, rank: int, world: int, device: str, progress: Progress) -> Any:
     """One rank's share of the pipeline; returns the Report on rank 0, None elsewhere."""
-    from .api import DTYPES, RunFacts, verdict
     from .checks import GoldenWeights, check_dequantized
     from .compare import Carry, Runs, lockstep_stages, start
     from .inputs import build_inputs
     from .runners.torch_staged import torch_runner
+    from .verdict import DTYPES, RunFacts, verdict
     from .weights import WeightSource
 
     dev = resolve_device(device)
@@ -589,8 +589,8 @@ def validate_pipeline(model: str | Path, *, devices: str | Sequence[str], dtype:
     from porting.outputs import check_output
     from porting.resources import check_validate_memory
 
-    from .api import _dtype
     from .checks import check_not_one_computation
+    from .verdict import _dtype
     from .weights import WeightSource
 
     specs = parse_devices(devices)

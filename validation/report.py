@@ -65,11 +65,16 @@ def _finite(obj: Any) -> Any:
 
 
 def _pct(x: float) -> str:
-    return f"{100 * x:.3f} %" if math.isfinite(x) else "NaN/Inf"
+    """A relative error in percent to three significant digits: 0.00041 % and 12.3 % both read (a fixed number of
+    decimals shows a small error as 0.000 %)."""
+    return f"{100 * x:.3g} %" if math.isfinite(x) else "NaN/Inf"
 
 
 def _ratio(x: float) -> str:
-    return f"{x:.2f}" if math.isfinite(x) else "inf"
+    """Two decimals (1.00, 0.07), and two significant digits below 0.1 so a small ratio never reads 0.00."""
+    if not math.isfinite(x):
+        return "inf"
+    return f"{x:.2f}" if abs(x) >= 0.1 or x == 0 else f"{x:.2g}"
 
 
 def _pipeline_line(dist: dict[str, Any]) -> str:

@@ -24,6 +24,7 @@ from porting.errors import InternalError, PortError
 from porting.families import family_for
 from porting.finite import check_tensor, dumps
 from porting.outputs import InputPaths, atomic_folder
+from porting.text import one_line
 
 from . import LORA_FILE, MANIFEST
 from .naming import Adapter, naming_config, read_adapter
@@ -38,6 +39,18 @@ ROLE_KEYS = {
     "diff": {"diff": "diff", "diff_b": "diff_b"},
 }
 KOHYA_LORA = {"down": "lora_down.weight", "up": "lora_up.weight"}
+
+
+def output_name(source: Path, style: Style) -> str:
+    """The converted file's name: diffusers' fixed name for diffusers naming; otherwise the source file's name,
+    unless that name says diffusers (`pytorch_lora_weights.safetensors`, or a folder holding it): then one that
+    names the naming written (`pytorch_lora_weights_kohya.safetensors`, `adapter_bfl.safetensors`)."""
+    if style == "diffusers":
+        return LORA_FILE
+    if source.is_file() and source.name != LORA_FILE:
+        return source.name
+    stem = Path(LORA_FILE).stem if source.name == LORA_FILE or (source / LORA_FILE).is_file() else "adapter"
+    return f"{stem}_{style}.safetensors"
 
 
 @dataclass
@@ -146,7 +159,7 @@ def convert_adapter(src: str | Path, out: str | Path | None, to: Naming = "diffu
     started = time.perf_counter()
     adapter = read_adapter(src, table)
     if adapter.unknown:
-        lines = "\n".join(f"  {k}: {why}" for k, why in adapter.unknown[:40])
+        lines = "\n".join(one_line(f"  {k}: {why}") for k, why in adapter.unknown[:40])
         raise PortError(f"{src}: {len(adapter.unknown)} adapter key(s) cannot be read; nothing was written.",
                         hint="flux-port reads kohya, BFL / ai-toolkit, diffusers / peft, LyCORIS and ComfyUI diff "
                              "keys of transformer modules.", details=lines)
@@ -174,7 +187,7 @@ def convert_adapter(src: str | Path, out: str | Path | None, to: Naming = "diffu
                          hint="The folded scale (alpha / rank) pushes the factor beyond the adapter's dtype; "
                               "convert a float32 copy of the adapter.")
             tensors[key] = t.to(dtype).contiguous()
-    name = LORA_FILE if style == "diffusers" else adapter.path.name if adapter.path.is_file() else "adapter.safetensors"
+    name = output_name(adapter.path, style)
     out = Path(out)
     with atomic_folder(out, force=force, verb="convert", inputs={"adapter": adapter.path, **(inputs or {})}) as staging:
         save_file(tensors, str(staging / name), metadata={"format": "pt"})

@@ -25,6 +25,7 @@ from porting.errors import PlanError, UsageError
 from porting.finite import check_number, check_tensor
 from porting.tensors.checkpoint import ST_TO_TORCH, Checkpoint, open_checkpoint
 from porting.tensors.writer import Segments
+from porting.text import one_line
 
 from .delta import Shape, delta, delta_shape, multiplier, read32
 from .describe import variant_configs
@@ -185,7 +186,7 @@ class Placement:
 
 
 def mismatch_error(base: str | Path, leftovers: list[tuple[str, str]]) -> AdapterMismatchError:
-    lines = [f"  {key}: {why}" for key, why in leftovers[:40]]
+    lines = [one_line(f"  {key}: {why}") for key, why in leftovers[:40]]
     if len(leftovers) > 40:
         lines.append(f"  ... and {len(leftovers) - 40} more (use --json for all)")
     return AdapterMismatchError(

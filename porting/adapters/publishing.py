@@ -6,6 +6,7 @@ the model card gains a section saying how to load it.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -65,18 +66,25 @@ def adapter_sources(adapters: Sequence[Mapping[str, Any]]) -> list[tuple[Path, P
 
 
 def card_section(repo: str, adapters: Sequence[Mapping[str, Any]]) -> str:
+    """The card's adapter section; every value read from an adapter's manifest is escaped (`_md` in prose and
+    cells, `_code` in code spans, JSON string literals in the Python snippet)."""
+    from porting.pipeline.publish import _code, _md
+
     if not adapters:
         return ""
     lines = ["## Adapters", "", "Converted by `port convert` to diffusers / peft naming (every module loads; scales "
              "folded in, so the strength below is the trained one):", "",
              "| adapter | converted from | modules | file sha256 |", "|---|---|---|---|"]
     for a in adapters:
-        kinds = ", ".join(f"{n} {k}" for k, n in a.get("kinds", {}).items())
-        lines.append(f"| `adapters/{adapter_name(Path(a['folder']))}` | {a.get('format')} "
-                     f"(`{Path(str(a.get('source'))).name}`) | {kinds} | `{a.get('sha256')}` |")
+        kinds = a.get("kinds") if isinstance(a.get("kinds"), dict) else {}
+        kinds_text = _md(", ".join(f"{n} {k}" for k, n in kinds.items()))
+        lines.append(f"| `{_code('adapters/' + adapter_name(Path(a['folder'])))}` | {_md(a.get('format'))} "
+                     f"(`{_code(Path(str(a.get('source'))).name)}`) | {kinds_text} | `{_code(a.get('sha256'))}` |")
     first = adapter_name(Path(adapters[0]["folder"]))
-    lines += ["", "```python", f'pipe.load_lora_weights("{repo}", subfolder="adapters/{first}", '
-              f'adapter_name="{first}")', f'pipe.set_adapters(["{first}"], adapter_weights=[1.0])  # strength',
+    name, sub = json.dumps(first), json.dumps(f"adapters/{first}")
+    lines += ["", "```python", f"pipe.load_lora_weights({json.dumps(repo)}, subfolder={sub}, adapter_name={name})",
+              f"pipe.set_adapters([{name}], adapter_weights=[1.0])  # strength",
               "image = pipe(prompt=\"a red fox in the snow\").images[0]", "```", "",
-              f"or bake it in: `port merge BASE adapters/{first}/{LORA_FILE} --out merged --to diffusers`.", ""]
+              f"or bake it in: `{_code(f'port merge BASE adapters/{first}/{LORA_FILE} --out merged --to diffusers')}`.",
+              ""]
     return "\n".join(lines)

@@ -51,6 +51,24 @@ class Direction(str, Enum):
     original = "original"
 
 
+class ExportTarget(str, Enum):
+    """`port export --target`: generic (dynamic axes, opset 18+) or ryzenai (AMD Ryzen AI NPU form)."""
+    generic = "generic"
+    ryzenai = "ryzenai"
+
+
+def power_of_two_at_least(minimum: int) -> Callable[..., Any]:
+    """Typer callback: an int option that must be a power of two >= `minimum` (exit 2 naming the option)."""
+    def check(param: typer.CallbackParam, value: Optional[int]) -> Optional[int]:
+        from porting.errors import UsageError
+
+        if value is not None and (value < minimum or value & (value - 1)):
+            raise UsageError(f"{param.opts[0]} {value}: a power of two, at least {minimum}.")
+        return value
+
+    return check
+
+
 class DtypeChoice(str, Enum):
     keep = "keep"
     bf16 = "bf16"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import sys
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -10,16 +9,10 @@ from typing import Any, Iterator
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
+from rich.text import Text
 
 from porting.finite import dumps
-
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
-
-
-def printable(text: str) -> str:
-    """Text for the terminal with control characters (terminal escape sequences) shown, not obeyed: names and
-    messages come from files and options."""
-    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", str(text))
+from porting.text import printable
 
 
 class Output:
@@ -28,13 +21,16 @@ class Output:
         self.quiet = quiet or json_mode
         self.documented = False  # --json prints exactly one document
         # tables stay readable when piped or captured (rich assumes 80 columns off a terminal)
-        self.out = Console(file=sys.stdout, highlight=False, width=None if sys.stdout.isatty() else 160)
-        self.err = Console(file=sys.stderr, highlight=False, width=None if sys.stderr.isatty() else 160)
+        # no emoji codes: a path ending in `:abc:` is a path; no markup in what is printed (see table())
+        self.out = Console(file=sys.stdout, highlight=False, emoji=False,
+                           width=None if sys.stdout.isatty() else 160)
+        self.err = Console(file=sys.stderr, highlight=False, emoji=False,
+                           width=None if sys.stderr.isatty() else 160)
 
     def status(self, text: str) -> None:
         """A progress line for humans (stderr); silent in --quiet and --json."""
         if not self.quiet:
-            self.err.print(printable(text), markup=False, soft_wrap=True)
+            self.err.print(printable(text, lines=False), markup=False, soft_wrap=True)
 
     def result(self, text: str) -> None:
         """A line of data for humans (stdout); silent in --json."""
@@ -44,7 +40,9 @@ class Output:
     def table(self, table: Table) -> None:
         if not self.json_mode:
             for column in table.columns:  # cells hold key names and paths from files: show control characters
-                column._cells = [printable(c) if isinstance(c, str) else c for c in column._cells]
+                # and newlines, and print them as plain text ('[b]' or ':abc:' in a path is not markup or emoji)
+                column._cells = [Text(printable(c, lines=False)) if isinstance(c, str) else c
+                                 for c in column._cells]
             self.out.print(table)
 
     def document(self, doc: Any) -> None:
@@ -58,15 +56,17 @@ class Output:
             sys.stdout.write(text + "\n")
             self.documented = True
 
-    def error(self, text: str) -> None:
-        self.err.print(printable(text), markup=False, soft_wrap=True)
+    def error(self, text: str, lines: bool = False) -> None:
+        """An error paragraph (one line: a newline in a name from a file is shown as \\x0a); `lines=True` for
+        details that list one item a line."""
+        self.err.print(printable(text, lines=lines), markup=False, soft_wrap=True)
 
     def warning(self, text: str) -> None:
-        self.err.print(printable(f"Warning: {text}"), markup=False, soft_wrap=True)
+        self.err.print(printable(f"Warning: {text}", lines=False), markup=False, soft_wrap=True)
 
     def hint(self, text: str) -> None:
         if not self.quiet:
-            self.err.print(printable(f"Hint: {text}"), markup=False, soft_wrap=True)
+            self.err.print(printable(f"Hint: {text}", lines=False), markup=False, soft_wrap=True)
 
     @contextmanager
     def bytes_progress(self, description: str) -> Iterator[tuple[Any, Any]]:

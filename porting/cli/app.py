@@ -4,11 +4,22 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
 import sys
 
 import typer
 
-from porting.errors import EXIT_INTERRUPTED, EXIT_USAGE, DiskSpaceError, Interrupted, PlanError, PortError, UsageError
+from porting.errors import (
+    EXIT_INTERRUPTED,
+    EXIT_TERMINATED,
+    EXIT_USAGE,
+    DiskSpaceError,
+    Interrupted,
+    PlanError,
+    PortError,
+    Terminated,
+    UsageError,
+)
 
 from . import _output
 from ._lastresort import as_port_error
@@ -48,8 +59,56 @@ app.command(epilog=BATCH_EXAMPLES)(checked(batch))
 # typer vendors click; its ClickException (unknown option, bad value) is reached through a public subclass
 ClickException = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
 
-INTERRUPTED = ("Interrupted (Ctrl-C): the output being written was removed; nothing at the destination changed. "
-               "(port fetch keeps verified files and partial downloads, to resume.)")
+INTERRUPTED = "the output being written was removed; nothing at the destination changed."
+REPORT_INTERRUPTED = ("no report of this run was written (a run folder being written is removed, and so are the "
+                      "reports/ folders this run made, when empty); earlier reports are unchanged.")
+INTERRUPTED_BY_VERB = {  # what an interruption leaves, verb by verb (demo and fetch say it themselves)
+    "validate": REPORT_INTERRUPTED, "compare": REPORT_INTERRUPTED, "bench": REPORT_INTERRUPTED,
+    "inspect": "nothing was written.", "recipes": "nothing was written.",
+    "fetch": "verified files and partial downloads are kept, to resume: run the same port fetch again.",
+    "batch": "the steps that finished are recorded in the journal; the same port batch resumes after them.",
+}
+
+
+def verb_of(args: list[str]) -> str | None:
+    """The verb of a command line (its first word that is not an option)."""
+    return next((a for a in args if not a.startswith("-")), None)
+
+
+def interrupted(verb: str | None, terminated: bool) -> Interrupted:
+    """The interruption as one message: what stopped it (Ctrl-C or SIGTERM) and what the verb leaves."""
+    return as_terminated(Interrupted(f"Interrupted (Ctrl-C): {INTERRUPTED_BY_VERB.get(verb or '', INTERRUPTED)}"),
+                         terminated)
+
+
+def as_terminated(err: PortError, terminated: bool) -> PortError:
+    """An interruption that SIGTERM caused says so, with exit code 143 (128 + SIGTERM)."""
+    if terminated and isinstance(err, Interrupted):
+        text = err.message
+        for head in ("Interrupted (Ctrl-C): ", "Interrupted (Ctrl-C). ", "Interrupted. ", "Interrupted: "):
+            text = text.removeprefix(head)
+        err.message = f"Terminated (SIGTERM): {text}"
+        err.exit_code = EXIT_TERMINATED
+    return err
+
+
+_signals = {"terminated": False}
+
+
+def _on_sigterm(signum, frame) -> None:
+    """SIGTERM takes Ctrl-C's path (every staging folder is removed on the way out), once: a second SIGTERM during
+    that cleanup is ignored so the cleanup finishes."""
+    _signals["terminated"] = True
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise Terminated()
+
+
+def install_sigterm() -> object:
+    """Install the SIGTERM handler; returns the one it replaced (main() puts it back), or None where none was."""
+    try:
+        return signal.signal(signal.SIGTERM, _on_sigterm)
+    except ValueError:  # not the main thread (an embedding application): leave its handlers alone
+        return None
 
 
 def report_error(err: PortError) -> None:
@@ -61,7 +120,7 @@ def report_error(err: PortError) -> None:
         out.document(doc)
     out.error(f"Error: {err.message}")
     if err.details:
-        out.error(err.details)
+        out.error(err.details, lines=True)
     if err.hint:
         out.error(f"Hint: {err.hint}")
 
@@ -71,10 +130,20 @@ def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     # errors raised before a verb parses its options (a bad value, an unknown option) still honour --json
     _output.current = _output.Output(json_mode="--json" in args)
+    _signals["terminated"] = False
+    previous = install_sigterm()
+    try:
+        _run(args)
+    finally:
+        if previous is not None:  # a caller in the same process (tests, an embedding tool) gets its handler back
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args: list[str]) -> None:
     try:
         code = app(args=args, prog_name="port", standalone_mode=False)
     except PortError as err:
-        report_error(err)
+        report_error(as_terminated(err, _signals["terminated"]))
         if os.environ.get("FLUX_PORT_DEBUG"):
             raise
         sys.exit(err.exit_code)
@@ -92,8 +161,10 @@ def main(argv: list[str] | None = None) -> None:
         if os.environ.get("FLUX_PORT_DEBUG"):
             raise
         sys.exit(mapped.exit_code)
-    if code == EXIT_INTERRUPTED:  # typer turns Ctrl-C into this exit code
-        report_error(Interrupted(INTERRUPTED))
+    if code == EXIT_INTERRUPTED:  # typer turns Ctrl-C (and SIGTERM, which takes its path) into this exit code
+        err = interrupted(verb_of(args), _signals["terminated"])
+        report_error(err)
+        sys.exit(err.exit_code)
     sys.exit(code if isinstance(code, int) else 0)
 
 

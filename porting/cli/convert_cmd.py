@@ -70,10 +70,17 @@ def summary_table(result: ConvertResult) -> Table:
         r = result.extra["reread"]
         table.add_row("quantized to", f"{result.extra['quantized_to']}: " + ", ".join(
             f"{k} x {v}" for k, v in sorted(result.extra["stored_kinds"].items())))
-        table.add_row("reread", f"{r['layout']}; worst dequantized error {r['worst_rel_l2']:.3%} ({r['worst_key']})")
+        table.add_row("reread", f"{r['layout']}; worst dequantized error {100 * r['worst_rel_l2']:.3g} % "
+                                f"({r['worst_key']})")
+    elif result.extra.get("quantize_to"):
+        table.add_row("would write", f"{result.extra['quantize_to']}: {', '.join(result.extra['planned_files'])} "
+                                     "(dry run: nothing written, nothing quantized)")
     if result.out:
         table.add_row("written", f"{result.out} ({', '.join(result.files)})")
-        table.add_row("weights sha256", str(result.weights_sha256))
+        if result.weights_sha256:
+            table.add_row("weights sha256", result.weights_sha256)
+        if result.extra.get("file_sha256"):
+            table.add_row("file sha256", result.extra["file_sha256"])
         table.add_row("time", f"{result.seconds:.1f} s")
     return table
 
@@ -131,14 +138,22 @@ def convert(
                          hint=f"Leave {flag} out to convert the weights.")
     if out is None and not dry_run:
         raise PortError("port convert needs --out DIR (or --dry-run to only print the plan).")
-    if quantize is not None and (to != Direction.original or dry_run):
-        raise PortError(f"--quantize {quantize.value} writes original (BFL) naming for ComfyUI-style loaders; it "
-                        "needs --to original and --out DIR.",
-                        hint=f"port convert {src} --to original --quantize {quantize.value} --out DIR")
+    if quantize is not None and to != Direction.original:
+        raise UsageError(f"--quantize {quantize.value} writes original (BFL) naming for ComfyUI-style loaders; it "
+                         "needs --to original.",
+                         hint=f"port convert {src} --to original --quantize {quantize.value} "
+                              + ("--dry-run" if dry_run else "--out DIR"))
     from porting.engine.convert import convert as run_convert
 
     with output.bytes_progress("converting") as (on_start, on_bytes):
-        if quantize is not None:
+        if quantize is not None and dry_run:  # the plan of the original-naming weights, and the file it would be
+            from porting.engine.quantize import TARGETS
+
+            result = run_convert(src, None, to="original", dtype=dtype.value, config=config, strict=strict,
+                                 dry_run=True, on_notice=output.warning)
+            layout, name = TARGETS[quantize.value]
+            result.extra.update(quantize_to=layout, planned_files=[name])
+        elif quantize is not None:
             from porting.engine.quantize import convert_quantized
 
             result = convert_quantized(src, out, quantize.value, dtype=dtype.value, config=config, strict=strict,

@@ -8,8 +8,9 @@ from typing import Annotated
 
 import typer
 
+from porting.errors import Interrupted
 from porting.outputs import check_replaceable, check_writable_parent
-from porting.ownership import RECORD, extend_record, write_record
+from porting.ownership import RECORD, extend_record, read_record, write_record
 from porting.reports import REPORTS, run_folder
 
 from . import _output
@@ -25,9 +26,9 @@ DEMO_ENTRIES = ("base", "finetune", "transformer", "reports", "published", "demo
 def prepare_workdir(workdir: Path) -> None:
     """Empty a work folder an earlier demo wrote, or start a new one; never touch a folder holding anything else
     (every file in it must be one a demo on this machine recorded writing, at the size it wrote it)."""
-    check_writable_parent(workdir)
+    check_writable_parent(workdir, option="--workdir")
     if workdir.exists() or workdir.is_symlink():
-        check_replaceable(workdir, what="demo work folder", owner_verbs={"demo"})
+        check_replaceable(workdir, what="demo work folder", owner_verbs={"demo"}, option="--workdir")
         for path in workdir.iterdir():
             if path.is_dir() and not path.is_symlink():
                 shutil.rmtree(path)
@@ -65,6 +66,24 @@ def _recorded(workdir: Path, entry: str) -> None:
     extend_record(workdir, "demo", [entry])
 
 
+def interrupted(workdir: Path, running: str) -> Interrupted:
+    """Ctrl-C (or SIGTERM) during a demo: remove what the interrupted step had begun (it is not in the work folder's
+    record yet, and would make the next demo refuse the folder), and say what the finished steps left."""
+    record = read_record(workdir)
+    path = workdir / running
+    if running and record is not None and running not in record.files and (path.exists() or path.is_symlink()):
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    left = sorted(p.name for p in workdir.iterdir() if p.name != RECORD) if workdir.is_dir() else []
+    what = (f"{workdir} keeps what the finished steps wrote ({', '.join(left)})" if left
+            else f"{workdir} is empty (no step had finished)")
+    during = f"while writing {running}, whose partial output was removed" if running else "before its first step"
+    return Interrupted(f"Interrupted (Ctrl-C): the demo stopped {during}; {what}.",
+                       hint=f"Run port demo --workdir {workdir} again: it reuses the folder and starts over.")
+
+
 def demo(
     workdir: Annotated[Path, out_option(
         "--workdir", help="Where the demo writes its files: a new folder, or one an earlier demo wrote.")
@@ -76,9 +95,12 @@ def demo(
 
     from ._lastresort import as_port_error
 
+    running: list[str] = []  # the entries of workdir the steps write, the last one the step now running
     _PREPARED.clear()
     try:
-        _demo(workdir, json_)
+        _run(workdir, json_, running)
+    except KeyboardInterrupt:
+        raise interrupted(workdir, running[-1] if running else "") from None
     except Exception as err:  # a step failed (a full disk included): no half-built work folder is left
         if not _PREPARED or getattr(err, "exit_code", None) == EXIT_CHECK_FAILED:
             raise  # refused before anything was written, or a check said no: its report is worth keeping
@@ -90,7 +112,7 @@ def demo(
         raise mapped from err
 
 
-def _demo(workdir: Path, json_: bool) -> None:
+def _run(workdir: Path, json_: bool, running: list[str]) -> None:
     from porting.demo.tiny import TINY_FLUX2, write_random_checkpoint
     from porting.demo.tinypipe import build_demo_base
     from porting.engine.convert import convert as run_convert
@@ -102,10 +124,12 @@ def _demo(workdir: Path, json_: bool) -> None:
     prepare_workdir(workdir)
     steps: dict[str, object] = {}
 
+    running.append("base")
     base = build_demo_base(workdir / "base")
     _recorded(workdir, 'base')
     out.result(f"[1/6] tiny FLUX.2 [klein] base (Qwen3 text encoder, tokenizer, VAE, scheduler): {base}")
 
+    running.append("finetune")
     src = write_random_checkpoint(workdir / "finetune" / "tiny-klein-finetune.safetensors", TINY_FLUX2, seed=1)
     _recorded(workdir, 'finetune')
     info = describe(src)
@@ -115,6 +139,7 @@ def _demo(workdir: Path, json_: bool) -> None:
                f"{info['tensors']} tensors, "
                f"{info['parameters']:,} parameters, {', '.join(info['dtypes'])}")
 
+    running.append("transformer")
     converted = run_convert(src, workdir / "transformer", strict=True, config=base)
     _recorded(workdir, 'transformer')
     steps["convert"] = converted.to_dict()
@@ -122,6 +147,7 @@ def _demo(workdir: Path, json_: bool) -> None:
     out.result(f"[3/6] convert --strict --config base: {s['source_tensors']} -> {s['target_tensors']} tensors, "
                f"every key and shape accounted for -> {converted.out}")
 
+    running.append("reports")
     report_dir = run_folder(workdir / REPORTS, "validate")
     report = validate(converted.out, device="cpu", out=report_dir, resolution=64, text_len=32,
                       base=base, prompt=PROMPT)
@@ -130,15 +156,18 @@ def _demo(workdir: Path, json_: bool) -> None:
     steps["validate"] = {k: d[k] for k in ("verdict", "output", "summary", "blame", "weights_sha256")}
     worst = max(b["teacher_forced"]["ratio"] for b in d["blocks"])
     out.result(f"[4/6] validate on cpu in bf16 vs float32 golden: {d['verdict'].upper()}; output error "
-               f"{d['output']['device']['rel_l2']:.3%} = {d['output']['ratio']:.2f}x bf16's own error (emulated); "
+               f"{100 * d['output']['device']['rel_l2']:.3g} % = {d['output']['ratio']:.2f}x bf16's own error "
+               "(emulated); "
                f"worst block ratio {worst:.2f} (limit {d['rule']['max_ratio']}) -> "
                f"{workdir / REPORTS / 'validate' / report_dir.name / 'report.md'}")
 
+    running.append("published")
     published = publish(base, converted.out, workdir / "published", report=workdir / "reports")
     _recorded(workdir, 'published')
     steps["publish"] = published.to_dict()
     out.result(f"[5/6] publish: {published.out} loads with Flux2KleinPipeline.from_pretrained (validation gate passed)")
 
+    running.append("demo.png")
     image = workdir / "demo.png"
     g = generate(workdir / "published", PROMPT, device="cpu", steps=4, seed=0, size=64, output=image, progress=False)
     _recorded(workdir, 'demo.png')

@@ -135,6 +135,9 @@ def validate(
                  "locate a bad block")
         raise CheckFailed("Validation failed: " + "; ".join(data["reasons"]) + ".",
                           hint=f"See {out / 'report.md'}; {where}.")
+    if runtime == "onnxruntime" and data["export"].get("target") == "ryzenai":
+        output.hint(f"lint it for the NPU flow: port export --check {Path(data['export']['folder'])} --target ryzenai")
+        return
     if runtime == "onnxruntime":
         output.hint(f"run it: port generate {Path(data['export']['folder'])} --prompt TEXT")
         return

@@ -31,6 +31,7 @@ from porting.tensors.writer import (
     shard_names,
     write_shards,
 )
+from porting.text import one_line
 
 from .detect import Detection, detect, load_base_config
 from .mapping import MappingTable, Naming
@@ -93,7 +94,7 @@ def stranded_sidecars(plan: Plan) -> PlanError | None:
         "with or without --strict. Nothing was written.",
         hint="Check `port inspect` on the file: a scale without its layout marker (scaled_fp8, comfy_quant) or a "
              "weight_scale next to a plain weight is not a layout flux-port can interpret.",
-        details="\n".join(f"  {k}" for k in keys[:40]), report=plan.summary())
+        details="\n".join(one_line(f"  {k}") for k in keys[:40]), report=plan.summary())
 
 
 def strict_error(plan: Plan, src: str | Path) -> PlanError:
@@ -109,7 +110,7 @@ def strict_error(plan: Plan, src: str | Path) -> PlanError:
             extra += f" {r['message']}"
         elif r.get("closest"):
             extra += f" (closest known: {r['closest']})"
-        lines.append(f"  {r['kind']:<20} {r['key']}{extra}")
+        lines.append(one_line(f"  {r['kind']:<20} {r['key']}{extra}"))
     if len(rows) > 40:
         lines.append(f"  ... and {len(rows) - 40} more (use --json for all)")
     return PlanError(

@@ -7,6 +7,7 @@ meant (the source weights in float32): the dequantized error is part of the resu
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 from pathlib import Path
@@ -85,6 +86,15 @@ def reread_error(path: Path, ckpt: Checkpoint, plan: Plan, kinds: Mapping[str, s
             "by_kind": per_kind, "worst_rel_l2": worst[0], "worst_key": worst[1]}
 
 
+def _sha256(path: Path) -> str:
+    """The written file's sha256 (a quantized file has no plain weights to hash as convert does)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(2**22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def _rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
     """|got - want| / |want| (absolute when want is 0); float32 norms of large values overflow, so those are taken
     again on values divided by the largest magnitude (finite inputs give a finite error)."""
@@ -122,10 +132,12 @@ def convert_quantized(src: str | Path, out: str | Path, quantize: str, dtype: st
     with atomic_folder(out, force=force, verb="convert", inputs=read_paths) as staging:
         kinds = _write(quantize, staging / name, specs, _source_tensors(ckpt, plan), plain)
         reread = reread_error(staging / name, ckpt, plan, kinds)
+        file_sha256 = _sha256(staging / name)
         counts: dict[str, int] = {}
         for kind in kinds.values():
             counts[kind] = counts.get(kind, 0) + 1
-        extra = {"quantized_to": layout, "file": name, "stored_kinds": counts, "reread": reread}
+        extra = {"quantized_to": layout, "file": name, "file_sha256": file_sha256, "stored_kinds": counts,
+                 "reread": reread}
         manifest = {
             "tool": "flux-port", "version": __version__, "source": str(Path(src).resolve()),
             "source_naming": detection.naming_label, "table": detection.table.name, "to": "original",

@@ -23,7 +23,7 @@ import torch
 
 from porting import __version__
 from porting._files import read_config, read_json_object
-from porting.errors import InputError, PortError, UsageError
+from porting.errors import CheckFailed, InputError, PortError, UsageError
 from porting.finite import dumps
 from porting.outputs import atomic_folder, check_output
 from porting.paths import files_within, link_roots
@@ -119,8 +119,21 @@ def max_opset() -> int | None:
     return int(ONNX_MAX_OPSET)
 
 
-def check_opset(opset: object) -> int:
-    """`--opset` as an int the exporter can write, or UsageError (exit 2) naming it."""
+TARGETS = ("generic", "ryzenai")
+
+
+def check_opset(opset: object, target: str = "generic") -> int:
+    """`--opset` as an int the exporter can write for `target`, or UsageError (exit 2) naming it.
+
+    generic: what torch's dynamo exporter writes (18 up to its newest). ryzenai: 17 exactly (the graph is rewritten
+    down to 17 after tracing, porting/export/ryzenai.py)."""
+    if target == "ryzenai":
+        from .ryzenai import OPSET
+
+        if isinstance(opset, bool) or opset != OPSET:
+            raise UsageError(f"--opset {opset!r}: --target ryzenai writes opset {OPSET} exactly (Ryzen AI's "
+                             "recommended opset).", hint="Leave --opset out with --target ryzenai.")
+        return OPSET
     newest = max_opset()
     if isinstance(opset, bool) or not isinstance(opset, int) or opset < MIN_OPSET or (newest and opset > newest):
         raise UsageError(f"--opset {opset!r}: torch {torch.__version__}'s dynamo exporter writes opsets {MIN_OPSET}"
@@ -130,15 +143,16 @@ def check_opset(opset: object) -> int:
     return opset
 
 
-def check_fits(name: str, params: int, dtype: torch.dtype, available: int | None = None) -> int:
+def check_fits(name: str, params: int, dtype: torch.dtype, available: int | None = None,
+               hint: str | None = None) -> int:
     """Refuse (exit 2) a component whose export would not fit in `available` bytes (default: the machine's)."""
     weights = nbytes(params, dtype)
     return require_memory(
         f"{name}: exporting {params / 1e9:.2f} B parameters in {str(dtype).removeprefix('torch.')}",
         estimate_bytes(params, dtype), f"{gib(weights)} of weights x {MEMORY_FACTOR} + {gib(MEMORY_OVERHEAD)}",
         available=available,
-        hint="Export in fp16 (half the weights), on a machine with more memory, or one component at a time with "
-             "--components.")
+        hint=hint or ("Export in fp16 (half the weights), on a machine with more memory, or one component at a time "
+                      "with --components."))
 
 
 def _version(package: str) -> str | None:
@@ -191,14 +205,26 @@ def files_to_copy(folder: Path, kind: str) -> dict[str, list[Path]]:
     return {name: files_within(folder / name, link_roots(folder)) for name in COPIED if (folder / name).is_dir()}
 
 
-def export_onnx(folder: str | Path, out: str | Path, *, dtype: str = "fp32", opset: int = DEFAULT_OPSET,
+def export_onnx(folder: str | Path, out: str | Path, *, dtype: str = "fp32", opset: int | None = None,
                 components: Sequence[str] | None = None, force: bool = False,
-                available_bytes: int | None = None,
+                available_bytes: int | None = None, target: str = "generic", profile: Any = None,
                 on_status: Callable[[str], None] | None = None) -> ExportResult:
-    """Export the components of `folder` into `out` (atomically: nothing is left behind on failure)."""
+    """Export the components of `folder` into `out` (atomically: nothing is left behind on failure).
+
+    `target="ryzenai"` writes the Ryzen AI NPU form (porting/export/ryzenai.py) with `profile` (a
+    `ryzenai.Profile`: size, text length, int4 block size, accuracy level); `dtype` is then the profile's."""
     started = time.perf_counter()
     folder, out = Path(folder), Path(out)
     say = on_status or (lambda text: None)
+    if target not in TARGETS:
+        raise UsageError(f"--target {target!r}: choose one of {', '.join(TARGETS)}.")
+    if opset is None:
+        opset = 17 if target == "ryzenai" else DEFAULT_OPSET
+    if target == "ryzenai":
+        return _export_ryzenai(folder, out, opset=opset, components=components, force=force,
+                               available_bytes=available_bytes, profile=profile, say=say, started=started)
+    if profile is not None:
+        raise UsageError("--size, --text-len, --block-size and --accuracy-level belong to --target ryzenai.")
     if dtype == "bf16":
         raise PortError(BF16_REFUSAL, hint="Use --dtype fp16 (half the size, runs on every provider) or fp32.")
     if dtype not in DTYPES:
@@ -277,3 +303,115 @@ def export_onnx(folder: str | Path, out: str | Path, *, dtype: str = "fp32", ops
     return ExportResult(out=str(out), dtype=dtype, opset_requested=opset, opset_produced=produced,
                         source=str(folder), weights_sha256=weights, components=results, copied=copied,
                         notices=notices, seconds=round(time.perf_counter() - started, 2))
+
+
+def _copy_folders(folder: Path, staging: Path, copies: dict[str, list[Path]]) -> list[str]:
+    copied = []
+    for name, files in copies.items():
+        (staging / name).mkdir()
+        for f in files:
+            dest = staging / name / f.relative_to(folder / name)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(f, dest)
+        copied.append(name)
+    return copied
+
+
+def _export_ryzenai(folder: Path, out: Path, *, opset: int, components: Sequence[str] | None, force: bool,
+                    available_bytes: int | None, profile: Any, say: Callable[[str], None],
+                    started: float) -> ExportResult:
+    """The Ryzen AI profile: static shapes, opset 17, bf16-cast transformer and VAE decoder, int4 text encoder,
+    the lint run on the result before the folder is published."""
+    from . import ryzenai
+    from .lint import lint
+
+    check_opset(opset, "ryzenai")
+    profile = profile or ryzenai.Profile()
+    ryzenai.check_profile(profile.size, profile.text_len, profile.block_size, profile.accuracy_level)
+    require("onnx")
+    require("onnxscript")
+    require("onnxruntime")  # the int4 quantizer
+    sources, kind = _layout(folder)
+    wanted = list(components) if components else list(sources)
+    unknown = [c for c in wanted if c not in COMPONENTS]
+    if unknown:
+        raise PortError(f"--components {','.join(unknown)}: unknown; choose from {', '.join(COMPONENTS)}.")
+    missing = [c for c in wanted if c not in sources]
+    if missing:
+        raise InputError(f"{folder}: no {', '.join(COMPONENTS[c].source + '/' for c in missing)} folder to export "
+                         f"{', '.join(missing)} from.")
+    params = {c: COMPONENTS[c].count_params(sources[c]) for c in wanted}
+    for c in wanted:  # the text encoder is traced with its float32 weights (the int4 quantizer reads them); the
+        # streamed transformer and VAE decoder are bounded on the tiny model but not yet at real size (klein-4B:
+        # 14.3 GiB after onnx_ir's serialize_model, then a >2 GB proto), so the float32 estimate still applies
+        check_fits(c, params[c], torch.float32, available_bytes,
+                   hint="The ryzenai export is estimated at 2 x the float32 weights (the streamed export is not yet "
+                        "bounded at real size): use a machine with more memory, or --components to export one "
+                        "component at a time.")
+    copies = files_to_copy(folder, kind)
+    read_paths = {"source": folder, "component": list(sources.values()),
+                  "copied folder": [folder / name for name in copies]}
+    check_output(out, force=force, verb="export", inputs=read_paths)
+    weights = None
+    if "transformer" in sources:
+        say(f"hashing the transformer weights in {sources['transformer']}")
+        weights = hash_checkpoint(open_checkpoint(sources["transformer"]))
+    results: list[ComponentResult] = []
+    with atomic_folder(out, force=force, verb="export", inputs=read_paths) as staging:
+        for c in wanted:
+            say(f"exporting {c} for ryzenai ({params[c] / 1e6:.1f} M parameters, opset {opset}, static shapes)")
+            t0 = time.perf_counter()
+            file = ryzenai.FILES[c]
+            if c in ryzenai.STREAMED:
+                proto, facts = ryzenai.stream_bf16_component(c, sources[c], profile, staging / c)
+                ryzenai.save_streamed(proto, staging / c, file)
+            else:
+                traced = COMPONENTS[c].load(sources[c], torch.float32)
+                proto, facts = ryzenai.finish_component(c, traced, profile)
+                del traced
+                gc.collect()
+                ryzenai.save(proto, staging / c, file)
+            inputs = [i.name for i in proto.graph.input]
+            shapes = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in proto.graph.input}
+            outputs = [o.name for o in proto.graph.output]
+            del proto
+            gc.collect()
+            if (sources[c] / "config.json").is_file():
+                shutil.copy2(sources[c] / "config.json", staging / c / "config.json")
+            data = staging / c / (file + DATA_SUFFIX)
+            results.append(ComponentResult(
+                name=c, inputs=inputs, outputs=outputs, dynamic_axes={}, params=params[c],
+                onnx_bytes=(staging / c / file).stat().st_size, data_bytes=data.stat().st_size if data.is_file() else 0,
+                export_s=round(time.perf_counter() - t0, 2), facts={**facts, "input_shapes": shapes}))
+        copied = _copy_folders(folder, staging, copies)
+        say("checking the export against the ryzenai rules")
+        checked = lint(staging, "ryzenai")
+        if checked.findings:
+            raise CheckFailed(f"the ryzenai export does not pass its own check ({len(checked.findings)} finding(s)); "
+                              f"first: {checked.findings[0].file}: {checked.findings[0].check}: "
+                              f"{checked.findings[0].detail}", hint="Nothing was written. Report this as a bug.")
+        onnx = require("onnx")
+        manifest = {
+            "tool": "flux-port", "version": __version__, "format_version": 1, "kind": "onnx-export",
+            "target": "ryzenai",
+            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "source": {"folder": str(folder.resolve()), "layout": kind,
+                       "transformer": str(sources["transformer"].resolve()) if "transformer" in sources else None,
+                       "text_encoder": str(sources["text_encoder"].resolve()) if "text_encoder" in sources else None,
+                       "tokenizer": str((folder / "tokenizer").resolve()) if (folder / "tokenizer").is_dir() else None,
+                       "weights_sha256": weights},
+            "dtype": "bf16", "compute_dtype": "fp32", "opset": {"requested": opset, "produced": opset},
+            "profile": {"size": profile.size, "text_len": profile.text_len, "batch": 1,
+                        "block_size": profile.block_size, "accuracy_level": profile.accuracy_level},
+            "components": {r.name: {"file": f"{r.name}/{r.facts['file']}", "inputs": r.inputs, "outputs": r.outputs,
+                                    "dynamic_axes": {}, "params": r.params, **r.facts} for r in results},
+            "copied": copied, "check": checked.to_dict(),
+            "environment": {"torch": torch.__version__, "onnx": onnx.__version__,
+                            "onnxscript": _version("onnxscript"), "onnxruntime": _version("onnxruntime")},
+            "notices": [],
+        }
+        (staging / MANIFEST).write_text(dumps(manifest, indent=2) + "\n")
+    return ExportResult(out=str(out), dtype="ryzenai (bf16-cast transformer and VAE decoder, int4 text encoder)",
+                        opset_requested=opset, opset_produced=opset, source=str(folder), weights_sha256=weights,
+                        components=results, copied=copied, notices=[],
+                        seconds=round(time.perf_counter() - started, 2))

@@ -52,7 +52,10 @@ def check_provider(provider: str) -> None:
 
 def model_path(folder: Path) -> Path:
     path = Path(folder) / MODEL_FILE
-    if not path.is_file():
+    if not path.is_file():  # a component folder with one graph of another name (ryzenai's text encoder)
+        others = sorted(Path(folder).glob("*.onnx")) if Path(folder).is_dir() else []
+        if len(others) == 1:
+            return others[0]
         raise InputError(f"{folder}: no {MODEL_FILE}; not a component folder written by port export.",
                          hint="Export one first: port export FOLDER --format onnx --out DIR.")
     return path

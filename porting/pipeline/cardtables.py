@@ -15,6 +15,7 @@ from porting.errors import InputError
 
 from .bench import BENCH_JSON, table_markdown
 from .compare_tables import COMPARE_JSON, summary_markdown
+from .publish import _code, _md
 
 MAX_DEPTH = 3  # reports/compare/<time>/compare.json
 
@@ -48,6 +49,16 @@ def latest(roots: Iterable[Path], name: str, weights: str, weights_of: str) -> t
     return (best[1], best[2]) if best else None
 
 
+def _escaped(value: Any) -> Any:
+    """A compare / bench document with every text value escaped for markdown (numbers kept): the documents are
+    inputs, and no text in them may become markup, a link or HTML in the card."""
+    if isinstance(value, dict):
+        return {k: _escaped(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_escaped(v) for v in value]
+    return _md(value) if isinstance(value, str) else value
+
+
 def card_markdown(weights: str, roots: Iterable[Path]) -> str:
     """The sections as text to append to a model card ending in a newline; empty when nothing was measured."""
     lines = card_sections(weights, roots)
@@ -55,8 +66,9 @@ def card_markdown(weights: str, roots: Iterable[Path]) -> str:
 
 
 def _where(side: dict[str, Any]) -> str:
-    transformer = Path(side["transformer"])
-    return f"{transformer.parent.name}/{transformer.name}"
+    """`parent/name` of a side's transformer, for a code span."""
+    transformer = Path(str(side["transformer"]))
+    return _code(f"{transformer.parent.name}/{transformer.name}")
 
 
 def card_sections(weights: str, roots: Iterable[Path]) -> list[str]:
@@ -65,20 +77,24 @@ def card_sections(weights: str, roots: Iterable[Path]) -> list[str]:
     lines: list[str] = []
     found = latest(roots, COMPARE_JSON, weights, "candidate")
     if found:
-        path, doc = found
+        path, raw = found
+        where = _where(raw["reference"])
+        doc = _escaped(raw)
         ref, cand, st = doc["reference"], doc["candidate"], doc["settings"]
         lines += ["## Image quality against the reference", "",
                   f"`port compare` on {doc.get('created', 'an unknown date')}: {len(doc['images'])} prompt(s), "
                   f"{st['width']}x{st['height']}, {st['steps']} step(s), the same noise and text-encoder output on "
-                  f"both sides. Reference: `{_where(ref)}` (weights {ref['weights_sha256'][:12]}...) on "
+                  f"both sides. Reference: `{where}` (weights {ref['weights_sha256'][:12]}...) on "
                   f"{ref['device']} in {ref['dtype']}; this port on {cand['device']} in {cand['dtype']}.", "",
                   *summary_markdown(doc, reasons=False), ""]
     found = latest(roots, BENCH_JSON, weights, "")
     if found:
-        path, doc = found
+        path, raw = found
+        device = _code(raw["device"])
+        doc = _escaped(raw)
         st = doc["settings"]
         lines += ["## Speed and memory", "",
-                  f"`port bench` on {doc.get('created', 'an unknown date')}: `{doc['device']}` ({doc['device_name']})"
+                  f"`port bench` on {doc.get('created', 'an unknown date')}: `{device}` ({doc['device_name']})"
                   f", {doc['dtype']}, {st['width']}x{st['height']}, {st['steps']} step(s), median of {st['runs']} "
                   f"run(s) after {st['warmup']} warm-up; memory counter: {doc['memory_counter']}.", "",
                   *table_markdown(doc), ""]

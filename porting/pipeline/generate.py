@@ -23,7 +23,14 @@ import torch
 from porting._files import read_json_object
 from porting.devices import resolve_device
 from porting.errors import InputError, OutputExistsError, PortError
-from porting.outputs import UnsafeOutputError, check_disjoint, check_writable_parent, umask, write_error
+from porting.outputs import (
+    UnsafeOutputError,
+    check_disjoint,
+    check_writable_parent,
+    sibling_prefix,
+    umask,
+    write_error,
+)
 from porting.paths import check_component_names
 from porting.progress import debug
 
@@ -232,7 +239,8 @@ def save_png(image: Any, output: Path) -> None:
     info = PngInfo()
     info.add_text("Software", PNG_SOFTWARE)
     output.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(prefix=f".{output.name}.partial-", dir=output.parent)  # never a user's file's name
+    # never a user's file's name; within 255 bytes for a long --output name
+    fd, name = tempfile.mkstemp(prefix=sibling_prefix(output, "partial"), dir=output.parent)
     os.close(fd)
     partial = Path(name)
     try:

@@ -371,25 +371,30 @@ def check_base_model(value: str) -> str:
                      hint="Letters, digits, '.', '_' and '-' only, one '/' between organisation and name.")
 
 
-def model_card(*, name: str, base_model: str, base: Path, variant: str, weights: str, gate: Gate,
+def model_card(*, name: str, base_model: str | None, base: Path, variant: str, weights: str, gate: Gate,
                skip_validation: bool, convert_manifest: dict[str, Any]) -> str:
+    """The README.md of a published folder. Without `base_model` (a Hub repo id) the YAML header names no base
+    (the Hub links `base_model` to a repository; a local folder name would be a broken link)."""
     _, spec = variant_spec(variant)
-    meta: dict[str, str] = {"base_model": base_model, "base_model_relation": "finetune", "library_name": "diffusers",
-                            "pipeline_tag": "text-to-image", **base_card_metadata(base)}
+    meta: dict[str, str] = ({"base_model": base_model, "base_model_relation": "finetune"} if base_model else {})
+    meta.update({"library_name": "diffusers", "pipeline_tag": "text-to-image", **base_card_metadata(base)})
     lines = ["---"] + [f"{k}: {json.dumps(v)}" for k, v in meta.items()]
     family, _ = variant_spec(variant)
-    base_link = (f"[{base_model}](https://huggingface.co/{base_model})" if REPO_ID.match(base_model)
-                 else f"`{_code(base_model)}`")
+    if base_model is None:
+        base_link = f"the base in `{_code(base.resolve().name)}`"
+    else:
+        base_link = (f"[{base_model}](https://huggingface.co/{base_model})" if REPO_ID.match(base_model)
+                     else f"`{_code(base_model)}`")
     lines += ["tags:", "  - flux-port", f"  - {family.name}", "---", "", f"# {_md(name)}", "",
               f"A {spec.title} fine-tune of {base_link} in diffusers layout, "
               f"ported by flux-port {__version__}. The base repository provides the scheduler, text encoder, "
               "tokenizer and VAE; the transformer is the converted fine-tune.", ""]
     if not gate.passed:
         lines += ["> **Not validated.** This folder was published with `--skip-validation`: "
-                  f"{gate.message}. Nothing checked that these weights compute what the original checkpoint "
+                  f"{_md(gate.message)}. Nothing checked that these weights compute what the original checkpoint "
                   "computes. Treat its outputs with care.", ""]
     lines += ["## Use", "", "```python", "import torch", f"from diffusers import {spec.pipeline}", "",
-              f'pipe = {spec.pipeline}.from_pretrained({json.dumps(name)}, torch_dtype=torch.bfloat16)',
+              f'pipe = {spec.pipeline}.from_pretrained({json.dumps(name)}, dtype=torch.bfloat16)',
               'image = pipe(prompt="a red fox in the snow").images[0]', "```", "",
               f'or `{_code(f"port generate {shlex.quote(name)}")} --prompt "a red fox in the snow" --device cuda '
               '--output fox.png`.', "",
@@ -410,27 +415,36 @@ def model_card(*, name: str, base_model: str, base: Path, variant: str, weights:
     return "\n".join(lines)
 
 
+def _text(value: Any, digits: int = 4) -> str:
+    """A value read from report.json for the card's prose and tables: numbers formatted, text escaped."""
+    return _fmt(value, digits) if isinstance(value, (int, float)) or value is None else _md(value)
+
+
 def validation_section(gate: Gate, skip_validation: bool) -> list[str]:
+    """The card's validation section. Every value read from report.json is escaped (`_text` for prose and table
+    cells, `_code` inside code spans): a report is an input, and its text must not become markup in the card."""
     lines = ["## Validation", ""]
     r = gate.report
     if not gate.passed:
-        lines += [f"Not validated: {gate.message}." + (" Published with `--skip-validation`." if skip_validation
-                                                        else ""), ""]
+        lines += [f"Not validated: {_md(gate.message)}." + (" Published with `--skip-validation`."
+                                                             if skip_validation else ""), ""]
         if r is None:
             return lines
-    rule = r.get("rule") or {}
-    statement = rule.get("statement") or (f"pass when the device error is at most {_fmt(rule.get('max_ratio'))} x "
-                                          "the dtype's intrinsic error")
-    lines += [f"Verdict **{r.get('verdict')}**: full-model forward on `{r.get('device')}` in `{r.get('dtype')}` "
-              f"against a `{r.get('golden_dtype')}` golden on `{r.get('reference')}` (report by "
-              f"{r.get('tool', 'flux-port')} {r.get('version', '')}). Rule: {statement}.", ""]
-    summary = r.get("summary") or []
+    rule = r.get("rule") if isinstance(r.get("rule"), dict) else {}
+    statement = (_md(rule["statement"]) if rule.get("statement") else
+                 f"pass when the device error is at most {_text(rule.get('max_ratio'))} x the dtype's intrinsic error")
+    lines += [f"Verdict **{_text(r.get('verdict'))}**: full-model forward on `{_code(r.get('device'))}` in "
+              f"`{_code(r.get('dtype'))}` against a `{_code(r.get('golden_dtype'))}` golden on "
+              f"`{_code(r.get('reference'))}` (report by {_text(r.get('tool', 'flux-port'))} "
+              f"{_text(r.get('version', ''))}). Rule: {statement}.", ""]
+    summary = r.get("summary") if isinstance(r.get("summary"), list) else []
+    summary = [row for row in summary if isinstance(row, dict)]
     if summary:
         lines += ["| output | device error | intrinsic error | ratio |", "|---|---|---|---|"]
-        lines += [f"| {_fmt(row.get('name'))} | {_fmt(row.get('device_error'))} | {_fmt(row.get('intrinsic_error'))} "
-                  f"| {_fmt(row.get('ratio'))} |" for row in summary]
+        lines += [f"| {_text(row.get('name'))} | {_text(row.get('device_error'))} | "
+                  f"{_text(row.get('intrinsic_error'))} | {_text(row.get('ratio'))} |" for row in summary]
         lines.append("")
-    metrics = r.get("output") or {}
+    metrics = r.get("output") if isinstance(r.get("output"), dict) else {}
     if isinstance(metrics.get("device"), dict):  # {"device": {...}, "intrinsic": {...}, "ratio": x}
         metrics = metrics["device"]
     shown = [f"{k} {_fmt(v, 6)}" for k, v in metrics.items()
@@ -484,9 +498,8 @@ def publish(base: str | Path, transformer: str | Path, out: str | Path, *, repor
     if not gate.passed:
         notices.append(f"validation skipped ({gate.message}); the model card says so")
     if base_model is None:
-        base_model = base.resolve().name
-        notices.append(f"the model card names the base by its folder name {base_model!r}; pass --base-model ORG/NAME "
-                       "(e.g. black-forest-labs/FLUX.2-klein-4B) to link it")
+        notices.append(f"the model card names no base_model (the base is the local folder {base.resolve().name!r}); "
+                       "pass --base-model ORG/NAME (e.g. black-forest-labs/FLUX.2-klein-4B) to link it")
 
     sources: list[tuple[Path, Path]] = [(f, Path(name) / f.relative_to(base / name))
                                         for name in base_components(base_index)

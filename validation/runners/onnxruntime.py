@@ -19,6 +19,7 @@ from .base import WHOLE, State
 # validation state key -> the graph input names port export gives (diffusers' forward names)
 FEEDS = {"x": "hidden_states", "ctx": "encoder_hidden_states", "timestep": "timestep", "img_ids": "img_ids",
          "txt_ids": "txt_ids", "guidance": "guidance"}
+ORT_FLOATS = {"tensor(float)": torch.float32, "tensor(float16)": torch.float16, "tensor(double)": torch.float64}
 NO_LOCALISATION = ("per-block localisation is not available through an ONNX graph: onnxruntime runs the exported "
                    "transformer as one graph with no block boundaries to stop at or feed, so only the final output "
                    "is judged; to find a bad block, validate the source weights with the torch runner")
@@ -35,6 +36,10 @@ class OrtRunner:
         self.device = f"onnxruntime:{provider}"
         self.session = open_session(self.folder, provider)
         self.inputs = [i.name for i in self.session.get_inputs()]
+        # what the graph takes, not what the export is called: a ryzenai export holds bf16 weights but takes float32
+        self.feed_dtypes = {i.name: ORT_FLOATS.get(i.type) for i in self.session.get_inputs()}
+        first = self.session.get_inputs()[0].shape
+        self.static_batch = first[0] if first and isinstance(first[0], int) else None
 
     def stage_names(self) -> list[str]:
         return [WHOLE]
@@ -45,14 +50,24 @@ class OrtRunner:
             if name not in self.inputs:
                 continue
             value = state[key]
-            value = value.to(self.dtype) if value.is_floating_point() else value
+            if value.is_floating_point():
+                value = value.to(self.feed_dtypes.get(name) or self.dtype)
             feed[name] = value.detach().cpu().contiguous().numpy()
         return feed
 
     def run(self, stage: str, states: list[State]) -> list[State]:
         if stage != WHOLE:
             raise ValueError(f"the onnxruntime runner has the single stage {WHOLE!r}, not {stage!r}")
-        return [{"out": torch.from_numpy(self.session.run(None, self._feed(s))[0])} for s in states]
+        return [{"out": self._run(s)} for s in states]
+
+    def _run(self, state: State) -> torch.Tensor:
+        feed = self._feed(state)
+        batch = next(iter(feed.values())).shape[0]
+        if self.static_batch is None or batch == self.static_batch:
+            return torch.from_numpy(self.session.run(None, feed)[0])
+        # a static batch-1 graph (--target ryzenai): one case at a time
+        parts = [self.session.run(None, {k: v[i:i + 1] for k, v in feed.items()})[0] for i in range(batch)]
+        return torch.from_numpy(np.concatenate(parts))
 
     def facts(self) -> dict[str, Any]:
         ort = require("onnxruntime")

@@ -1,0 +1,483 @@
+"""`port export --format onnx --target ryzenai`: the form AMD's Ryzen AI NPU flow takes as it is.
+
+What the profile writes (see docs/export.md, "Target ryzenai"):
+
+- every graph at ONNX opset 17 (Ryzen AI's recommended opset). torch's dynamo exporter writes 18 at the least and
+  onnx's version converter has no 18 -> 17 adapter for `Split` and needs constant `axes` for the Reduce ops, so the
+  graph is constant-folded (onnxscript) and the few operators whose signature changed at 18 are rewritten here
+  (`downgrade_to_17`); the result is checked by `onnx.checker` against opset 17's schemas;
+- static shapes, batch 1: one image size (`--size`), one text length (`--text-len`);
+- transformer and VAE decoder: BF16 weights with Casts (every float weight initializer stored as bfloat16, followed
+  by a `Cast` to float32; compute in float32). This is the form Quark's BF16 flow leaves after its `BF16QDQToCast`
+  conversion, which onnxruntime's CPU provider can also run (it has no bf16 MatMul);
+- text encoder: int4 `MatMulNBits` (com.microsoft) through onnxruntime's own `matmul_nbits_quantizer`, symmetric,
+  `--block-size` (power of two >= 16, default 128) and `--accuracy-level`; the embedding (Gather) and the RMS norms
+  stay float32; file `qwen3_text_encoder_prompt_embeds_matmulnbits.onnx`.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from porting.errors import UsageError
+
+from .onnx_components import Traceable
+from .ort import require
+
+OPSET = 17
+DEFAULT_SIZE = 1024
+DEFAULT_TEXT_LEN = 512
+DEFAULT_BLOCK_SIZE = 128
+TEXT_ENCODER_FILE = "qwen3_text_encoder_prompt_embeds_matmulnbits.onnx"
+FILES = {"transformer": "model.onnx", "vae_decoder": "model.onnx", "text_encoder": TEXT_ENCODER_FILE}
+# how each component's weights are stored in the profile
+WEIGHTS = {"transformer": "bf16-cast", "vae_decoder": "bf16-cast", "text_encoder": "int4-matmulnbits"}
+BF16_MIN_ELEMENTS = 16  # float initializers at least this large are weights (stored bf16); smaller ones are constants
+# ops changed at opset 18 whose `axes` moved from an attribute to an input
+REDUCE_OPS = {"ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1", "ReduceL2", "ReduceLogSum",
+              "ReduceLogSumExp", "ReduceSumSquare"}
+RESIZE_18_ATTRS = {"antialias": 0, "keep_aspect_ratio_policy": b"stretch"}
+
+
+@dataclass(frozen=True)
+class Profile:
+    size: int = DEFAULT_SIZE
+    text_len: int = DEFAULT_TEXT_LEN
+    block_size: int = DEFAULT_BLOCK_SIZE
+    accuracy_level: int | None = None
+
+
+def check_profile(size: int, text_len: int, block_size: int, accuracy_level: int | None) -> Profile:
+    """The ryzenai options, or UsageError (exit 2) naming the one that is wrong."""
+    for name, value in (("--size", size), ("--text-len", text_len), ("--block-size", block_size)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise UsageError(f"{name} {value!r}: an integer is needed.")
+    if size < 16 or size % 16:
+        raise UsageError(f"--size {size}: a multiple of 16 (the VAE's 8x and the 2x2 patches), at least 16.")
+    if text_len < 1:
+        raise UsageError(f"--text-len {text_len}: at least 1.")
+    if block_size < 16 or block_size & (block_size - 1):
+        raise UsageError(f"--block-size {block_size}: MatMulNBits takes a power of two, at least 16 (default 128).")
+    if accuracy_level is not None and accuracy_level not in (0, 1, 2, 3, 4):
+        raise UsageError(f"--accuracy-level {accuracy_level}: onnxruntime's MatMulNBits takes 0 to 4 (0: unset, "
+                         "1: fp32, 2: fp16, 3: bf16, 4: int8 compute).")
+    return Profile(size, text_len, block_size, accuracy_level)
+
+
+# ---------------------------------------------------------------- static traceables (batch 1, one shape)
+
+def static_transformer(traced: Traceable, profile: Profile) -> Traceable:
+    """The transformer's example inputs at batch 1, `size` x `size` pixels and `text_len` tokens, nothing dynamic."""
+    from diffusers import Flux2KleinPipeline
+
+    side = profile.size // 16  # VAE 8x, then 2x2 patches
+    ex = traced.example
+    dtype = ex["hidden_states"].dtype
+    gen = torch.Generator().manual_seed(0)
+    ctx = torch.randn(1, profile.text_len, ex["encoder_hidden_states"].shape[-1], generator=gen).to(dtype)
+    example = {"hidden_states": torch.randn(1, side * side, ex["hidden_states"].shape[-1], generator=gen).to(dtype),
+               "encoder_hidden_states": ctx, "timestep": torch.full((1,), 0.5, dtype=dtype),
+               "img_ids": Flux2KleinPipeline._prepare_latent_ids(torch.empty(1, 1, side, side)),
+               "txt_ids": Flux2KleinPipeline._prepare_text_ids(ctx)}
+    if "guidance" in ex:
+        example["guidance"] = torch.full((1,), 4.0, dtype=dtype)
+    return Traceable(traced.module, example, {}, traced.outputs, {**traced.facts, "size": profile.size,
+                                                                  "text_len": profile.text_len})
+
+
+def static_vae_decoder(traced: Traceable, profile: Profile) -> Traceable:
+    z = traced.example["latent_sample"]
+    side = profile.size // 8
+    latents = torch.randn(1, z.shape[1], side, side, generator=torch.Generator().manual_seed(0)).to(z.dtype)
+    return Traceable(traced.module, {"latent_sample": latents}, {}, traced.outputs,
+                     {**traced.facts, "size": profile.size})
+
+
+def static_text_encoder(traced: Traceable, profile: Profile) -> Traceable:
+    ids = traced.example["input_ids"]
+    vocab = int(getattr(traced.module.encoder.config, "vocab_size", int(ids.max()) + 1))
+    new = torch.randint(0, vocab, (1, profile.text_len), generator=torch.Generator().manual_seed(0))
+    return Traceable(traced.module, {"input_ids": new, "attention_mask": torch.ones_like(new)}, {}, traced.outputs,
+                     {**traced.facts, "text_len": profile.text_len})
+
+
+STREAMED = ("transformer", "vae_decoder")  # exported with hollow weights, the weights streamed to disk
+STATIC = {"transformer": static_transformer, "vae_decoder": static_vae_decoder, "text_encoder": static_text_encoder}
+
+
+# ---------------------------------------------------------------- graph passes
+
+def trace_static(traced: Traceable) -> Any:
+    """torch.onnx.export (dynamo, opset 18: the oldest it writes), static shapes, constants folded; an onnx proto."""
+    require("onnxscript")
+    import onnx_ir as ir
+    import onnxscript.optimizer as opt
+    from onnx_ir.passes.common import RemoveUnusedNodesPass
+
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(traced.module, (), kwargs=traced.example, dynamo=True, opset_version=18,
+                                    input_names=traced.inputs, output_names=traced.outputs, verbose=False,
+                                    optimize=False)
+    model = program.model
+    # a Linear's weight reaches MatMul through a Transpose; name the folded result after the weight (`W.T`) so that
+    # MatMulNBits' `W.T_Q4` / `W.T_scales` still say which weight they hold (the folder would call it val_N)
+    initializers = model.graph.initializers
+    for node in model.graph:
+        if node.op_type == "Transpose" and node.inputs and node.inputs[0] is not None \
+                and node.inputs[0].name in initializers:
+            node.outputs[0].name = node.inputs[0].name + ".T"
+    # fold what depends on constants only (Linear weights' transposes, Reduce axes, shape arithmetic): the Reduce
+    # ops need constant axes to become opset-17 attributes, MatMulNBits needs a constant B
+    opt.fold_constants(model, input_size_limit=2**62, output_size_limit=2**62)
+    RemoveUnusedNodesPass()(model)
+    proto = ir.serde.serialize_model(model)
+    del program, model
+    return proto
+
+
+def _const_values(proto: Any) -> dict[str, np.ndarray]:
+    from onnx import TensorProto, numpy_helper
+
+    values = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer
+              if len(t.dims) <= 1 and t.data_location != TensorProto.EXTERNAL}
+    for node in proto.graph.node:
+        if node.op_type == "Constant":
+            for a in node.attribute:
+                if a.name == "value":
+                    values[node.output[0]] = numpy_helper.to_array(a.t)
+    return values
+
+
+def downgrade_to_17(proto: Any) -> Any:
+    """Rewrite the operators whose signature changed at opset 18 into their opset-17 form, and stamp opset 17.
+
+    Reduce*: `axes` input (constant) -> attribute. Split: `num_outputs` -> `split` sizes input (static shapes known
+    by shape inference). Resize: the opset-18 attributes must hold their defaults (then dropped). Anything else that
+    cannot be rewritten raises ValueError naming the node; onnx.checker then checks the result against opset 17.
+    """
+    import onnx
+    from onnx import helper, numpy_helper
+
+    proto = onnx.shape_inference.infer_shapes(proto)
+    consts = _const_values(proto)
+    shapes = {v.name: [d.dim_value if d.HasField("dim_value") else None for d in v.type.tensor_type.shape.dim]
+              for v in list(proto.graph.value_info) + list(proto.graph.input) + list(proto.graph.output)}
+    init_shapes = {t.name: list(t.dims) for t in proto.graph.initializer}
+    new_inits = []
+    for node in proto.graph.node:
+        if node.domain not in ("", "ai.onnx"):
+            continue
+        if node.op_type in REDUCE_OPS and len(node.input) > 1 and node.input[1]:
+            if node.input[1] not in consts:
+                raise ValueError(f"{node.name} ({node.op_type}): axes are not a constant; no opset-17 form")
+            axes = [int(a) for a in np.atleast_1d(consts[node.input[1]])]
+            del node.input[1:]
+            node.attribute.append(helper.make_attribute("axes", axes))
+        if node.op_type in REDUCE_OPS:
+            for a in list(node.attribute):
+                if a.name == "noop_with_empty_axes":  # new at 18; 0 (the default) is opset 17's behaviour
+                    if a.i:
+                        raise ValueError(f"{node.name} ({node.op_type}): noop_with_empty_axes=1 has no opset-17 form")
+                    node.attribute.remove(a)
+        elif node.op_type == "Split":
+            num = next((a for a in node.attribute if a.name == "num_outputs"), None)
+            if num is None:
+                continue
+            axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+            shape = shapes.get(node.input[0]) or init_shapes.get(node.input[0])
+            if not shape or shape[axis] is None:
+                raise ValueError(f"{node.name} (Split): input shape unknown; no opset-17 form")
+            dim, n = shape[axis], int(num.i)
+            chunk = -(-dim // n)
+            sizes = [chunk] * (dim // chunk) + ([dim % chunk] if dim % chunk else [])
+            name = f"{node.name or node.output[0]}_split_sizes"
+            new_inits.append(numpy_helper.from_array(np.array(sizes, dtype=np.int64), name))
+            node.attribute.remove(num)
+            del node.input[1:]
+            node.input.append(name)
+        elif node.op_type == "Resize":
+            for a in list(node.attribute):
+                if a.name in RESIZE_18_ATTRS:
+                    value = a.i if a.type == onnx.AttributeProto.INT else a.s
+                    if value != RESIZE_18_ATTRS[a.name]:
+                        raise ValueError(f"{node.name} (Resize): {a.name}={value!r} has no opset-17 form")
+                    node.attribute.remove(a)
+                elif a.name == "axes":
+                    raise ValueError(f"{node.name} (Resize): axes has no opset-17 form")
+        elif node.op_type == "Pad" and len(node.input) > 3 and node.input[3]:
+            raise ValueError(f"{node.name} (Pad): axes input has no opset-17 form")
+    proto.graph.initializer.extend(new_inits)
+    used = {name for node in proto.graph.node for name in node.input} | {o.name for o in proto.graph.output}
+    kept = [t for t in proto.graph.initializer if t.name in used]  # axes constants now attributes: dropped
+    del proto.graph.initializer[:]
+    proto.graph.initializer.extend(kept)
+    for op in proto.opset_import:
+        if op.domain in ("", "ai.onnx"):
+            op.version = OPSET
+    del proto.graph.value_info[:]  # re-inferred by whoever loads it; stale opset-18 entries would only mislead
+    return proto
+
+
+def _to_bf16_bits(values: np.ndarray) -> bytes:
+    t = torch.from_numpy(np.array(values, dtype=np.float32))  # a writable copy
+    return t.to(torch.bfloat16).view(torch.int16).numpy().tobytes()
+
+
+def bf16_weights_with_casts(proto: Any, weights: set[str], min_elements: int = BF16_MIN_ELEMENTS) -> list[str]:
+    """Store every float32 weight initializer (a name in `weights`, the traced module's parameters, or its folded
+    transpose `NAME.T`) of at least `min_elements` values as bfloat16 and feed its consumers through
+    a `Cast` to float32 (names kept: the bf16 initializer has the weight's name, the cast's output `NAME/fp32`).
+    Returns the names converted, one at a time (the float32 copy of each is dropped as soon as it is converted)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    converted, casts = [], []
+    for init in proto.graph.initializer:
+        if init.data_type != TensorProto.FLOAT or int(np.prod(init.dims)) < min_elements \
+                or init.name.removesuffix(".T") not in weights:
+            continue  # constants the tracer folded (frequency tables, scales) stay float32
+        values = numpy_helper.to_array(init)
+        init.ClearField("raw_data")
+        init.ClearField("float_data")
+        init.data_type = TensorProto.BFLOAT16
+        init.raw_data = _to_bf16_bits(values)
+        casts.append(helper.make_node("Cast", [init.name], [init.name + "/fp32"], name=init.name + "/cast",
+                                      to=TensorProto.FLOAT))
+        converted.append(init.name)
+    renamed = {n: n + "/fp32" for n in converted}
+    for node in proto.graph.node:
+        for i, name in enumerate(node.input):
+            if name in renamed:
+                node.input[i] = renamed[name]
+    for out in proto.graph.output:
+        if out.name in renamed:
+            raise ValueError(f"graph output {out.name} is a weight; cannot cast it")
+    nodes = casts + list(proto.graph.node)
+    del proto.graph.node[:]
+    proto.graph.node.extend(nodes)
+    return converted
+
+
+def int4_matmulnbits(proto: Any, profile: Profile) -> Any:
+    """Every MatMul with a constant float weight -> com.microsoft MatMulNBits, 4 bits, symmetric, blocks of
+    `profile.block_size` along K (onnxruntime's own quantizer; embeddings and norms are not MatMuls: untouched)."""
+    require("onnxruntime")
+    from onnxruntime.quantization import matmul_nbits_quantizer as mnq
+
+    logging.getLogger("onnxruntime.quantization").setLevel(logging.ERROR)
+    config = mnq.DefaultWeightOnlyQuantConfig(block_size=profile.block_size, is_symmetric=True,
+                                              accuracy_level=profile.accuracy_level, bits=4)
+    quant = mnq.MatMulNBitsQuantizer(proto, bits=4, block_size=profile.block_size, is_symmetric=True,
+                                     accuracy_level=profile.accuracy_level, algo_config=config)
+    quant.process()
+    return quant.model.model
+
+
+def torch_bf16_weights(key: str, tensor: torch.Tensor) -> torch.Tensor:
+    """What the export does to a weight, in torch: float weights of at least BF16_MIN_ELEMENTS values rounded to
+    bfloat16 (kept in float32 for the compute). The intrinsic run of `port validate` on a ryzenai transformer."""
+    if not tensor.is_floating_point() or tensor.numel() < BF16_MIN_ELEMENTS:
+        return tensor
+    return tensor.to(torch.bfloat16).to(tensor.dtype)
+
+
+def int4_dequantize_torch(weight: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Symmetric int4 block quantization of a Linear weight (out, in) along `in`, as onnxruntime's MatMulNBits
+    quantizer does it (scale = the block's largest-magnitude value / -8, codes 0..15 around 8), dequantized."""
+    w = weight.detach().to(torch.float32)
+    n, k = w.shape
+    pad = (-k) % block_size
+    blocks = torch.nn.functional.pad(w, (0, pad)).reshape(n, -1, block_size)
+    idx = blocks.abs().argmax(dim=-1, keepdim=True)
+    vmax = torch.gather(blocks, -1, idx)
+    scale = vmax / -8.0
+    safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+    q = torch.clamp(torch.round(blocks / safe) + 8, 0, 15)
+    deq = torch.where(scale == 0, torch.zeros_like(blocks), (q - 8) * scale)
+    return deq.reshape(n, -1)[:, :k].to(weight.dtype)
+
+
+def finish_component(name: str, traced: Traceable, profile: Profile) -> tuple[Any, dict[str, Any]]:
+    """Trace `name` statically and apply the profile; the proto and what was done to it."""
+    weights = {k for k, _ in traced.module.named_parameters()}
+    proto = trace_static(STATIC[name](traced, profile))
+    proto = downgrade_to_17(proto)
+    facts: dict[str, Any] = {"weights": WEIGHTS[name], "file": FILES[name]}
+    if WEIGHTS[name] == "bf16-cast":
+        facts["bf16_initializers"] = len(bf16_weights_with_casts(proto, weights))
+    else:
+        proto = int4_matmulnbits(proto, profile)
+        facts.update(matmulnbits=sum(n.op_type == "MatMulNBits" for n in proto.graph.node),
+                     block_size=profile.block_size, symmetric=True, accuracy_level=profile.accuracy_level)
+    return proto, facts
+
+
+def save(proto: Any, dest: Path, file: str) -> None:
+    """Save with every tensor over 1 KB in `file`.data, then check by path at opset 17."""
+    import onnx
+
+    dest.mkdir(parents=True, exist_ok=True)
+    onnx.save_model(proto, str(dest / file), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=file + ".data", size_threshold=1024)
+    onnx.checker.check_model(str(dest / file))
+
+
+# ---------------------------------------------------------------- bounded memory: hollow trace, streamed weights
+
+def hollow(module: torch.nn.Module) -> torch.nn.Module:
+    """Replace every parameter and buffer by a zero-stride float view of its shape: CPU tensors that hold no memory,
+    enough for torch.export (which traces with fake tensors) to see shapes and dtypes."""
+    for m in module.modules():
+        for name, p in list(m.named_parameters(recurse=False)):
+            setattr(m, name, torch.nn.Parameter(torch.zeros((), dtype=torch.float32).expand(p.shape),
+                                                requires_grad=False))
+        for name, b in list(m.named_buffers(recurse=False)):
+            m._buffers[name] = torch.zeros((), dtype=b.dtype if b.is_floating_point() else b.dtype).expand(b.shape)
+    return module
+
+
+def hollow_traceable(name: str, folder: Path, profile: Profile) -> tuple[Traceable, str]:
+    """The component's graph module built from its config with hollow weights, static example inputs, and the prefix
+    its parameter names carry in the graph. Nothing of the weights is read."""
+    from porting._files import read_config
+
+    from .onnx_components import GuidedTransformerGraph, TransformerGraph, VaeDecoderGraph
+
+    cfg = {k: v for k, v in read_config(folder / "config.json", "a component config").items() if not k.startswith("_")}
+    if name == "transformer":
+        from diffusers import Flux2Transformer2DModel
+
+        with torch.device("meta"):
+            model = Flux2Transformer2DModel.from_config(cfg).eval().requires_grad_(False)
+        graph = (GuidedTransformerGraph if model.config.guidance_embeds else TransformerGraph)(hollow(model))
+        shape = Traceable(graph, {"hidden_states": torch.zeros(1, 16, model.config.in_channels),
+                                  "encoder_hidden_states": torch.zeros(1, 6, model.config.joint_attention_dim),
+                                  **({"guidance": torch.zeros(1)} if model.config.guidance_embeds else {})},
+                          {}, ["sample"], {"timestep": "sigma in [0, 1] (the pipeline's t / 1000)"})
+        return static_transformer(shape, profile), "model."
+    if name == "vae_decoder":
+        from diffusers import AutoencoderKLFlux2
+
+        with torch.device("meta"):
+            vae = AutoencoderKLFlux2.from_config(cfg).eval().requires_grad_(False)
+        shape = Traceable(VaeDecoderGraph(hollow(vae)), {"latent_sample": torch.zeros(1, vae.config.latent_channels,
+                                                                                        2, 2)}, {}, ["sample"], {})
+        return static_vae_decoder(shape, profile), "vae."
+    raise ValueError(f"{name}: no streamed export")
+
+
+def _tensor_index(folder: Path) -> dict[str, Path]:
+    from safetensors import safe_open
+
+    index = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as sf:
+            for k in sf.keys():
+                index[k] = f
+    return index
+
+
+def stream_bf16_component(name: str, folder: Path, profile: Profile, dest: Path) -> tuple[Any, dict[str, Any]]:
+    """Export a bf16-cast component (transformer, VAE decoder) holding at most one weight tensor at a time.
+
+    The module is traced with hollow weights; then every weight is read from the safetensors files one tensor at a
+    time, rounded to bfloat16 (float32 when smaller than BF16_MIN_ELEMENTS, as in `torch_bf16_weights`) and appended
+    to `dest/model.onnx.data`; the graph's initializers point at it. Returns the proto (weights external) and facts.
+
+    Known limit: bounded on the tiny model only. At klein-4B shapes `ir.serde.serialize_model` reached 14.3 GiB RSS
+    (about the float32 weights) and the proto passed 2 GB, so the caller still applies the float32 memory estimate.
+    """
+    require("onnxscript")
+    import onnx_ir as ir
+    import onnxscript.optimizer as opt
+    from onnx_ir.passes.common import RemoveUnusedNodesPass
+    from safetensors import safe_open
+
+    traced, prefix = hollow_traceable(name, folder, profile)
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(traced.module, (), kwargs=traced.example, dynamo=True, opset_version=18,
+                                    input_names=traced.inputs, output_names=traced.outputs, verbose=False,
+                                    optimize=False)
+    model = program.model
+    params = {k for k, _ in traced.module.named_parameters()}
+    dest.mkdir(parents=True, exist_ok=True)
+    file = FILES[name]
+    data_path = dest / (file + ".data")
+    index = _tensor_index(folder)
+    weights: set[str] = set()
+    offset = 0
+    with open(data_path, "wb") as data:
+        for value_name, value in list(model.graph.initializers.items()):
+            if value_name not in params:
+                continue
+            key = value_name[len(prefix):] if value_name.startswith(prefix) else value_name
+            if key not in index:
+                raise ValueError(f"{folder}: no tensor {key} in its safetensors files")
+            with safe_open(str(index[key]), framework="pt") as sf:
+                tensor = sf.get_tensor(key)
+            small = tensor.numel() < BF16_MIN_ELEMENTS
+            tensor = tensor.to(torch.float32 if small else torch.bfloat16).contiguous()
+            raw = (tensor.view(torch.int16) if not small else tensor).numpy().tobytes()
+            pad = (-offset) % 64  # aligned, as onnx writes external data
+            data.write(b"\0" * pad)
+            offset += pad
+            data.write(raw)
+            dtype = ir.DataType.FLOAT if small else ir.DataType.BFLOAT16
+            value.const_value = ir.ExternalTensor(file + ".data", offset, len(raw), dtype,
+                                                  shape=ir.Shape(list(tensor.shape)), name=value_name,
+                                                  base_dir=str(dest))
+            value.dtype = dtype
+            if not small:
+                weights.add(value_name)
+            offset += len(raw)
+            del tensor, raw
+    initializers = model.graph.initializers
+    for node in model.graph:  # a small weight's transpose may be folded: keep its name (`W.T`)
+        if node.op_type == "Transpose" and node.inputs and node.inputs[0] is not None \
+                and node.inputs[0].name in initializers:
+            node.outputs[0].name = node.inputs[0].name + ".T"
+    # fold only small constants (Reduce axes, shape arithmetic, transposes of weights under 1024 values): large
+    # weights stay on disk and their transposes stay nodes
+    opt.fold_constants(model, input_size_limit=1024, output_size_limit=1024)
+    RemoveUnusedNodesPass()(model)
+    proto = ir.serde.serialize_model(model)
+    del program, model
+    proto = downgrade_to_17(proto)
+    converted = add_casts(proto, weights)
+    return proto, {"weights": WEIGHTS[name], "file": file, "bf16_initializers": len(converted), "streamed": True}
+
+
+def add_casts(proto: Any, weights: set[str]) -> list[str]:
+    """A `Cast` to float32 after every bfloat16 weight initializer named in `weights` (consumers renamed)."""
+    from onnx import TensorProto, helper
+
+    # every bf16 initializer is a weight or a folded transpose of a small one (the folder may fold those)
+    names = [t.name for t in proto.graph.initializer if t.data_type == TensorProto.BFLOAT16]
+    casts = [helper.make_node("Cast", [n], [n + "/fp32"], name=n + "/cast", to=TensorProto.FLOAT) for n in names]
+    renamed = {n: n + "/fp32" for n in names}
+    for node in proto.graph.node:
+        for i, n in enumerate(node.input):
+            if n in renamed:
+                node.input[i] = renamed[n]
+    nodes = casts + list(proto.graph.node)
+    del proto.graph.node[:]
+    proto.graph.node.extend(nodes)
+    return names
+
+
+def save_streamed(proto: Any, dest: Path, file: str) -> None:
+    """Save a graph whose weights already sit in `file`.data; small inline constants stay in the graph."""
+    import onnx
+
+    onnx.save_model(proto, str(dest / file))
+    onnx.checker.check_model(str(dest / file))
