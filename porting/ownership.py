@@ -24,6 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from porting._files import parse_json
+from porting.errors import InputError
+
 RECORD = ".flux-port-output.json"
 STAGING_MARKER = ".flux-port-staging.json"
 RECORD_VERSION = 2
@@ -111,8 +114,8 @@ def _verified(folder: Path, name: str) -> dict | None:
     try:
         if not stat.S_ISREG(os.lstat(path).st_mode):
             return None
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError):
+        doc = parse_json(path.read_bytes(), str(path))
+    except (OSError, InputError):
         return None
     if not isinstance(doc, dict) or doc.get("tool") != "flux-port" or not isinstance(doc.get("seal"), str):
         return None

@@ -153,7 +153,10 @@ def _export_source(folder: Path, dtype: str | None) -> tuple[dict[str, Any], Pat
         raise PortError(f"{folder}: onnxruntime validation judges the transformer; pass {root / 'transformer'}.")
     if "transformer" not in manifest.get("components", {}):
         raise InputError(f"{root}: this export has no transformer component.")
-    src = (manifest.get("source") or {}).get("transformer")
+    src = manifest["source"].get("transformer")
+    if not isinstance(src, str) or not isinstance(manifest["source"].get("weights_sha256"), str):
+        raise InputError(f"{root}: the export manifest's 'source' names no transformer folder and weights hash.",
+                         hint="The manifest is damaged or hand-edited; export again.")
     if not src or not Path(src).is_dir():
         raise InputError(f"{root}: the source transformer {src} the export names is not there; the golden runs on it.",
                          hint="Keep the source folder where it was exported from, or export again.")

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from porting import __version__
+from porting._files import read_config
 from porting.errors import DeviceError, InputError, PortError
 from porting.outputs import InputPaths, atomic_folder, check_output
 from porting.pipeline import pipeload
@@ -333,7 +334,7 @@ def compare(reference: Side, candidate: Side, *, prompts: Sequence[str] | None =
     steps = default_steps(read_model_index(ref.folder)) if steps is None else steps
     if steps < 1:
         raise PortError(f"--steps {steps}: needs at least 1.")
-    dims = [json.loads((side.transformer / "config.json").read_text()).get("joint_attention_dim")
+    dims = [read_config(side.transformer / "config.json", "the transformer's config").get("joint_attention_dim")
             for side in (ref, cand)]
     if dims[0] != dims[1]:
         raise InputError(f"the transformers take different text embeddings (joint_attention_dim {dims[0]} in "

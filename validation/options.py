@@ -7,16 +7,7 @@ import math
 from typing import Sequence
 
 from porting.errors import UsageError
-
-
-def parse_seeds(text: str) -> list[int]:
-    parts = [p.strip() for p in text.split(",")]
-    if not text.strip() or any(not p for p in parts):
-        raise UsageError(f"--seeds {text!r}: give one or more comma-separated integers, e.g. 0,1,2.")
-    try:
-        return [int(p) for p in parts]
-    except ValueError:
-        raise UsageError(f"--seeds {text!r}: seeds are integers (CPU generator seeds), e.g. 0,1,2.") from None
+from porting.seeds import check_seed, parse_seeds  # noqa: F401  (validate's --seeds)
 
 
 def parse_timesteps(text: str) -> list[float]:
@@ -49,8 +40,8 @@ def check_options(*, resolution: int, text_len: int, timesteps: Sequence[float],
     check_timesteps(timesteps)
     if not seeds:
         raise UsageError("--seeds: give at least one seed.")
-    if any(isinstance(s, bool) or not isinstance(s, int) for s in seeds):
-        raise UsageError(f"--seeds {list(seeds)!r}: seeds are integers.")
+    for s in seeds:
+        check_seed(s, "--seeds")
     if not (math.isfinite(max_ratio) and max_ratio > 0):
         raise UsageError(f"--max-ratio {max_ratio!r}: a finite ratio above 0 (2 accepts twice the dtype's own "
                          "error).")

@@ -67,11 +67,12 @@ class WeightSource:
         if quant is None:
             manifest = self.path / "flux-port.json" if self.path.is_dir() else None
             if manifest is not None and manifest.is_file():
-                import json
+                from porting._files import parse_json
+                from porting.errors import InputError
 
                 try:
-                    converted = json.loads(manifest.read_text())
-                except ValueError:
+                    converted = parse_json(manifest.read_bytes(), str(manifest), kind=dict)
+                except (OSError, InputError):
                     return {}
                 if converted.get("dequantized_from"):
                     return {"dequantized_from": converted["dequantized_from"]}

@@ -13,13 +13,13 @@ namings. An adapter key is that module written one of two ways, followed by a fa
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Mapping
 
+from porting._files import parse_json
 from porting.engine.mapping import MappingTable, Naming
 from porting.errors import InputError, UnsupportedFormatError
 from porting.families import builtin_tables
@@ -171,21 +171,23 @@ def _peft_scale(metadata: Mapping[str, str], path: Path) -> float | None:
     raw = metadata.get("lora_adapter_metadata")
     if not raw:
         return None
-    try:
-        meta = json.loads(raw)
-    except ValueError as e:
-        raise InputError(f"{path}: metadata 'lora_adapter_metadata' is not JSON ({e}).") from e
+    where = f"{path}: metadata 'lora_adapter_metadata'"
+    meta = parse_json(raw, str(path), what="metadata 'lora_adapter_metadata'", kind=dict)
     meta = {k.removeprefix("transformer."): v for k, v in meta.items()}
     if meta.get("alpha_pattern") or meta.get("rank_pattern"):
         raise UnsupportedFormatError(f"{path}: peft metadata with per-module alpha_pattern / rank_pattern is not "
                                      "supported yet.", hint="Fold the scales into lora_B and drop the metadata.")
     if "lora_alpha" not in meta or "r" not in meta:
         return None
+    for name in ("r", "lora_alpha"):  # numbers (or their text, as some trainers write them), never lists
+        if isinstance(meta[name], bool) or not isinstance(meta[name], (int, float, str)):
+            raise InputError(f"{where} gives {name} {meta[name]!r} ({type(meta[name]).__name__}); r and lora_alpha "
+                             "must be numbers.", hint="Fix the metadata, or drop it and fold the scale into lora_B.")
     try:
         r, alpha = float(meta["r"]), float(meta["lora_alpha"])
-    except (TypeError, ValueError) as e:
-        raise InputError(f"{path}: metadata 'lora_adapter_metadata' gives r {meta['r']!r} and lora_alpha "
-                         f"{meta['lora_alpha']!r}; both must be numbers.") from e
+    except (OverflowError, TypeError, ValueError) as e:
+        raise InputError(f"{where} gives r {meta['r']!r} and lora_alpha {meta['lora_alpha']!r}; both must be "
+                         "numbers.") from e
     check_number(alpha, "metadata lora_adapter_metadata lora_alpha", path)
     if not (math.isfinite(r) and r > 0):
         raise NotFinite(f"{path}: metadata 'lora_adapter_metadata' gives rank r = {meta['r']!r}; a rank is a positive "

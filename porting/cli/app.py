@@ -22,6 +22,7 @@ from porting.errors import (
 )
 
 from . import _output
+from ._lastresort import as_port_error
 from ._options import checked
 from .batch_cmd import BATCH_EXAMPLES, batch
 from .bench_cmd import BENCH_EXAMPLES, bench
@@ -154,6 +155,12 @@ def _run(args: list[str]) -> None:
     except OSError as err:  # the disk or the OS said no where no verb expected it: still one clear message
         report_error(os_error(err))
         sys.exit(os_error(err).exit_code)
+    except Exception as err:  # noqa: BLE001 - the last resort: one message and a documented code, no traceback
+        mapped = as_port_error(err, args)
+        report_error(mapped)
+        if os.environ.get("FLUX_PORT_DEBUG"):
+            raise
+        sys.exit(mapped.exit_code)
     if code == EXIT_INTERRUPTED:  # typer turns Ctrl-C (and SIGTERM, which takes its path) into this exit code
         err = interrupted(verb_of(args), _signals["terminated"])
         report_error(err)

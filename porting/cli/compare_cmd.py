@@ -29,12 +29,9 @@ class RunDtype(str, Enum):
 
 
 def _seeds(text: str | None) -> list[int] | None:
-    if not text:
-        return None
-    try:
-        return [int(s) for s in text.split(",") if s.strip()]
-    except ValueError:
-        raise PortError(f"--seeds {text!r}: expected comma-separated integers, e.g. 0,1,2") from None
+    from porting.seeds import parse_seeds
+
+    return parse_seeds(text, "--seeds") if text else None
 
 
 def compare(

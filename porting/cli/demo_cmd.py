@@ -34,8 +34,31 @@ def prepare_workdir(workdir: Path) -> None:
                 shutil.rmtree(path)
             elif path.name != RECORD:
                 path.unlink()
+    created = not workdir.exists()
     workdir.mkdir(parents=True, exist_ok=True)
+    _PREPARED.append((workdir, created))  # from here on, everything in workdir is this run's
     write_record(workdir, "demo", [])
+
+
+_PREPARED: list[tuple[Path, bool]] = []  # the work folder this run emptied or created, and whether it created it
+
+
+def undo_workdir(workdir: Path, created: bool) -> str:
+    """After a failed step: remove what this run wrote in the work folder (all of it: prepare_workdir emptied it
+    first), the folder itself when this run created it; returns what was done, for the message."""
+    if created:
+        shutil.rmtree(workdir, ignore_errors=True)
+        return f"The demo removed its partial work folder {workdir}."
+    for path in workdir.iterdir():
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        elif path.name != RECORD:
+            path.unlink(missing_ok=True)
+    try:
+        write_record(workdir, "demo", [])
+    except OSError:
+        (workdir / RECORD).unlink(missing_ok=True)
+    return f"The demo removed what it had written in {workdir}; only its ownership record is left."
 
 
 def _recorded(workdir: Path, entry: str) -> None:
@@ -68,11 +91,25 @@ def demo(
     json_: Annotated[bool, typer.Option("--json", help="Print one JSON document.")] = False,
 ) -> None:
     """Port a tiny random FLUX.2 [klein] fine-tune end to end, offline, and generate a PNG with it."""
+    from porting.errors import EXIT_CHECK_FAILED, PortError
+
+    from ._lastresort import as_port_error
+
     running: list[str] = []  # the entries of workdir the steps write, the last one the step now running
+    _PREPARED.clear()
     try:
         _run(workdir, json_, running)
     except KeyboardInterrupt:
         raise interrupted(workdir, running[-1] if running else "") from None
+    except Exception as err:  # a step failed (a full disk included): no half-built work folder is left
+        if not _PREPARED or getattr(err, "exit_code", None) == EXIT_CHECK_FAILED:
+            raise  # refused before anything was written, or a check said no: its report is worth keeping
+        mapped = err if isinstance(err, PortError) else as_port_error(err, [str(workdir)])  # names what still exists
+        done = undo_workdir(*_PREPARED[-1])
+        mapped.details = f"{mapped.details}\n{done}" if mapped.details else done
+        if mapped is err:
+            raise
+        raise mapped from err
 
 
 def _run(workdir: Path, json_: bool, running: list[str]) -> None:

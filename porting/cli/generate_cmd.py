@@ -87,7 +87,9 @@ def generate(
     out = _output.use(json_mode=json_, quiet=quiet, heavy=True)
     from porting.pipeline.generate import generate as run_generate
     from porting.progress import StepProgress
+    from porting.seeds import check_seed
 
+    check_seed(seed, "--seed")
     bar: StepProgress | None = None
 
     def on_step(done: int, total: int, seconds: float) -> None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from porting._files import read_json_object
+from porting._files import read_config
 from porting.errors import ConfigMismatchError, InputError, UnknownArchitectureError
 from porting.families import Family, builtin_tables, families, family_for
 from porting.tensors.checkpoint import Checkpoint
@@ -110,7 +110,7 @@ def load_base_config(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     for candidate in (path / "transformer" / "config.json", path / "config.json", path):
         if candidate.is_file():
-            return read_json_object(candidate, "a diffusers transformer config: a JSON object")
+            return read_config(candidate, "a diffusers transformer config: a JSON object")
     raise InputError(f"{path}: no transformer/config.json or config.json found.",
                      hint="Point --config at a diffusers base model folder or its transformer/config.json.")
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import datetime as _dt
 import gc
 import importlib.metadata
-import json
 import logging
 import shutil
 import time
@@ -23,6 +22,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from porting import __version__
+from porting._files import read_config, read_json_object
 from porting.errors import CheckFailed, InputError, PortError, UsageError
 from porting.finite import dumps
 from porting.outputs import atomic_folder, check_output
@@ -81,10 +81,13 @@ def find_manifest(path: Path) -> tuple[Path, dict[str, Any]]:
     path = Path(path)
     for folder in (path, path.parent):
         if (folder / MANIFEST).is_file():
-            try:
-                return folder, json.loads((folder / MANIFEST).read_text())
-            except ValueError as e:
-                raise InputError(f"{folder / MANIFEST}: not valid JSON ({e}).") from e
+            manifest = read_json_object(folder / MANIFEST, "written by port export")
+            for field, kind in (("source", dict), ("components", dict), ("dtype", str)):
+                if not isinstance(manifest.get(field), kind):
+                    raise InputError(f"{folder / MANIFEST}: {field!r} is {manifest.get(field)!r}; port export writes "
+                                     f"{'an object' if kind is dict else 'a string'} there.",
+                                     hint="The manifest is damaged or hand-edited; export again.")
+            return folder, manifest
     raise InputError(f"{path}: no {MANIFEST} here or in the folder above; not written by port export.",
                      hint="Export first: port export FOLDER --format onnx --out DIR, then use DIR/transformer.")
 
@@ -94,7 +97,7 @@ def _layout(folder: Path) -> tuple[dict[str, Path], str]:
     if (folder / "model_index.json").is_file():
         return {name: folder / c.source for name, c in COMPONENTS.items() if (folder / c.source).is_dir()}, "pipeline"
     if (folder / "config.json").is_file():
-        cfg = json.loads((folder / "config.json").read_text())
+        cfg = read_config(folder / "config.json", "a transformer config")
         if cfg.get("_class_name") == "Flux2Transformer2DModel":
             return {"transformer": folder}, "transformer"
     raise InputError(f"{folder}: neither a diffusers pipeline folder (model_index.json) nor a Flux2 transformer "

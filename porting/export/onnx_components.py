@@ -88,9 +88,10 @@ class Component:
 
 
 def _read_config(folder: Path) -> dict[str, Any]:
-    import json
+    from porting._files import read_config
 
-    return {k: v for k, v in json.loads((folder / "config.json").read_text()).items() if not k.startswith("_")}
+    config = read_config(folder / "config.json", "a component config")
+    return {k: v for k, v in config.items() if not k.startswith("_")}
 
 
 def _quiet_from_pretrained(cls: Any, folder: Path, dtype: torch.dtype, **kw: Any) -> Any:

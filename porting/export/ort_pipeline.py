@@ -9,7 +9,6 @@ exported graph's named inputs.
 from __future__ import annotations
 
 import contextlib
-import json
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,6 +17,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from porting._files import read_config
 from porting.errors import InputError, PortError
 
 from .onnx import MANIFEST, find_manifest
@@ -79,6 +79,9 @@ def export_source(folder: Path) -> Path | None:
                          "and scheduler of a pipeline.", hint="Export a published folder (port publish --out).")
     if "transformer" not in manifest.get("components", {}):
         raise InputError(f"{folder}: this export has no transformer component to run.")
+    if not isinstance(src.get("folder"), str) or not src["folder"]:
+        raise InputError(f"{folder / MANIFEST}: 'source.folder' is {src.get('folder')!r}; port export writes the "
+                         "source pipeline's path there.", hint="The manifest is damaged or hand-edited; export again.")
     path = Path(src["folder"])
     if not (path / "model_index.json").is_file():
         raise InputError(f"{folder}: the source pipeline {path} the export names is gone; its text encoder and VAE "
@@ -94,8 +97,8 @@ def load_onnx_pipeline(folder: Path, dtype: torch.dtype, provider: str = "CPUExe
     source = export_source(folder)
     if source is None:
         raise InputError(f"{folder}: no {MANIFEST}; not written by port export.")
-    config = {k: v for k, v in json.loads((source / "transformer" / "config.json").read_text()).items()
-              if not k.startswith("_")}
+    config = {k: v for k, v in read_config(source / "transformer" / "config.json", "the transformer's config")
+              .items() if not k.startswith("_")}
     transformer = OrtTransformer(Path(folder) / "transformer", config, provider)
     level = diffusers_logging.get_verbosity()
     diffusers_logging.set_verbosity_error()  # "expected Flux2Transformer2DModel" is the point of the seam

@@ -347,11 +347,11 @@ def hollow(module: torch.nn.Module) -> torch.nn.Module:
 def hollow_traceable(name: str, folder: Path, profile: Profile) -> tuple[Traceable, str]:
     """The component's graph module built from its config with hollow weights, static example inputs, and the prefix
     its parameter names carry in the graph. Nothing of the weights is read."""
-    import json as _json
+    from porting._files import read_config
 
     from .onnx_components import GuidedTransformerGraph, TransformerGraph, VaeDecoderGraph
 
-    cfg = {k: v for k, v in _json.loads((folder / "config.json").read_text()).items() if not k.startswith("_")}
+    cfg = {k: v for k, v in read_config(folder / "config.json", "a component config").items() if not k.startswith("_")}
     if name == "transformer":
         from diffusers import Flux2Transformer2DModel
 

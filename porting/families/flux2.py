@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
-from porting._files import read_json_object
+from porting._files import json_int, read_config, read_json_object
+from porting.errors import InputError
 
 from ._flux import common_config, flux_sizes
 from .base import Family, PipelineVariant
@@ -85,9 +86,11 @@ class Flux2(Family):
         """The text encoder feeds 3 stacked hidden states (joint_attention_dim = 3 x hidden) from the layers the
         pipeline reads; the VAE's latents are patchified 2x2 into the transformer's input channels."""
         problems = []
-        te_cfg = read_json_object(base / "text_encoder" / "config.json", "text encoder config")
+        te_path = base / "text_encoder" / "config.json"
+        te_cfg = read_json_object(te_path, "text encoder config")
         text = te_cfg.get("text_config") if isinstance(te_cfg.get("text_config"), dict) else te_cfg
-        hidden, layers = int(text["hidden_size"]), int(text["num_hidden_layers"])
+        hidden = json_int(text, "hidden_size", te_path, minimum=1)
+        layers = json_int(text, "num_hidden_layers", te_path, minimum=1)
         jad = config.get("joint_attention_dim")
         if jad != 3 * hidden:
             problems.append(f"text encoder hidden_size {hidden} x 3 = {3 * hidden} ({base / 'text_encoder'}), but "
@@ -95,9 +98,12 @@ class Flux2(Family):
         if layers < max(variant.out_layers):
             problems.append(f"text encoder has {layers} hidden layers; {variant.pipeline} reads layers "
                             f"{list(variant.out_layers)} by default")
-        vae_cfg = read_json_object(base / "vae" / "config.json", "VAE config")
+        vae_path = base / "vae" / "config.json"
+        vae_cfg = read_config(vae_path, "VAE config")
         patch = vae_cfg.get("patch_size") or [2, 2]
-        latent, patch_area = int(vae_cfg.get("latent_channels", 32)), int(patch[0]) * int(patch[1])
+        if not (isinstance(patch, list) and len(patch) == 2 and all(type(n) is int and n > 0 for n in patch)):
+            raise InputError(f"{vae_path}: 'patch_size' is {patch!r}; it must be two positive integers.")
+        latent, patch_area = json_int(vae_cfg, "latent_channels", vae_path, default=32, minimum=1), patch[0] * patch[1]
         if config.get("in_channels") != latent * patch_area:
             problems.append(f"VAE latent_channels {latent} x {patch_area} (2x2 patches) = {latent * patch_area} "
                             f"({base / 'vae'}), but the transformer's in_channels is {config.get('in_channels')}")

@@ -6,7 +6,6 @@ The root is `--workspace DIR`, else $FLUX_PORT_HOME, else ./ports. Every verb fi
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import tempfile
@@ -14,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from porting._files import parse_json
 from porting.errors import InputError
 from porting.finite import dumps
 from porting.outputs import umask
@@ -78,9 +78,10 @@ def recipe_paths(name: str, root: str | Path | None = None) -> RecipePaths:
 def read_port_json(paths: RecipePaths) -> dict[str, Any]:
     """The recipe's port.json, or an empty record when no verb has run yet."""
     try:
-        return json.loads(paths.port_json.read_text(encoding="utf-8"))
+        text = paths.port_json.read_bytes()
     except FileNotFoundError:
         return {}
+    return parse_json(text, str(paths.port_json), kind=dict)
 
 
 def record_step(paths: RecipePaths, verb: str, data: dict[str, Any]) -> Path:

@@ -34,6 +34,7 @@ from . import pipeload
 from .generate import (
     DTYPES,
     MIN_REFERENCE_SIDE,
+    REFERENCE_AREA,
     default_size,
     default_steps,
     load_references,
@@ -296,6 +297,8 @@ def bench(folder: str | Path, *, transformer: str | Path | None = None, device: 
     swap = Path(transformer) if transformer is not None else None
     index = read_model_index(folder)
     transformer_dir = pipeload.transformer_folder(folder, swap)
+    if swap is not None:
+        pipeload.check_swap_fits(folder, swap)
     dev = resolve_device(device)
     dtype_name = dtype or ("fp32" if dev.type == "cpu" else "bf16")
     if dtype_name not in DTYPES:
@@ -315,8 +318,11 @@ def bench(folder: str | Path, *, transformer: str | Path | None = None, device: 
     steps = default_steps(index) if steps is None else steps
     if steps < 1:
         raise PortError(f"--steps {steps}: needs at least 1.")
+    pipeload.check_memory("bench", folder, dev, dtype_name, width, height, transformer=swap)
+    # the pipelines shrink a reference above 1 MP to 1 MP: the drawn one never needs to be larger
+    shrink = min(1.0, (REFERENCE_AREA / (width * height)) ** 0.5)
     reference = load_references([Path(image)])[0] if image is not None else edit_image(
-        max(width, MIN_REFERENCE_SIDE), max(height, MIN_REFERENCE_SIDE))  # the Flux2 pipelines refuse smaller
+        max(round(width * shrink), MIN_REFERENCE_SIDE), max(round(height * shrink), MIN_REFERENCE_SIDE))
     out = Path(out) if out is not None else default_out(folder, swap)
     read_paths = {"folder": folder, "--transformer": swap, "--image": image}
     check_output(out, force=force, verb="bench", inputs=read_paths)  # before the runs, not after them

@@ -7,9 +7,11 @@ keeps the documents whose weights are the ones it publishes, and renders the new
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Iterable
+
+from porting._files import parse_json
+from porting.errors import InputError
 
 from .bench import BENCH_JSON, table_markdown
 from .compare_tables import COMPARE_JSON, summary_markdown
@@ -35,8 +37,8 @@ def latest(roots: Iterable[Path], name: str, weights: str, weights_of: str) -> t
     best: tuple[str, Path, dict[str, Any]] | None = None
     for path in _candidates(roots, name):
         try:
-            doc = json.loads(path.read_text())
-        except (OSError, ValueError):
+            doc = parse_json(path.read_bytes(), str(path), kind=dict)
+        except (OSError, InputError):
             continue
         side = doc.get(weights_of) if weights_of else doc
         if not isinstance(side, dict) or side.get("weights_sha256") != weights:

@@ -8,7 +8,6 @@ loading and denoising; peak memory is the device allocator's peak on an accelera
 from __future__ import annotations
 
 import inspect
-import json
 import os
 import resource
 import sys
@@ -57,9 +56,9 @@ CPU_DEFAULT_SIZE = CPU_PATCHES * 2 * 8  # 256 px for the FLUX.2 / FLUX.1 VAEs (f
 def vae_scale_factor(folder: Path | None) -> int:
     """The pipeline's VAE factor from vae/config.json (2 ** (levels - 1)); 8, the FLUX VAEs', when unknown."""
     try:
-        levels = json.loads((Path(folder) / "vae" / "config.json").read_text())["block_out_channels"]
+        levels = read_json_object(Path(folder) / "vae" / "config.json", "VAE config")["block_out_channels"]
         return 2 ** (len(levels) - 1) if isinstance(levels, list) and 0 < len(levels) <= 8 else 8
-    except (OSError, ValueError, KeyError, TypeError):
+    except (InputError, KeyError, TypeError):
         return 8
 
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from porting._files import read_config
 from porting.errors import InputError, PortError
 from porting.progress import debug
 from porting.tensors.checkpoint import hash_checkpoint, open_checkpoint
@@ -23,6 +24,25 @@ def transformer_folder(folder: Path, transformer: Path | None) -> Path:
         raise InputError(f"{path}: no config.json; not a diffusers transformer folder.",
                          hint="Point at a converted transformer folder (port convert ... --out DIR).")
     return path
+
+
+# what the rest of the pipeline (text encoder, VAE) fixes about the transformer it can run
+PIPELINE_GEOMETRY = ("joint_attention_dim", "in_channels", "out_channels", "guidance_embeds")
+
+
+def check_swap_fits(folder: Path, transformer: Path) -> None:
+    """A transformer swapped into `folder`'s pipeline takes the same text features and latents as the folder's own
+    (joint_attention_dim, in_channels, ...): another geometry is refused by name, before anything loads."""
+    own_path, swap_path = Path(folder) / "transformer" / "config.json", Path(transformer) / "config.json"
+    if not own_path.is_file():
+        return
+    own = read_config(own_path, "the pipeline's transformer config")
+    swap = read_config(swap_path, "a transformer config")
+    for field in PIPELINE_GEOMETRY:
+        if own.get(field) != swap.get(field):
+            raise InputError(f"--transformer {transformer}: {field} is {swap.get(field)!r}, the pipeline {folder} "
+                             f"runs a transformer with {field} {own.get(field)!r}; its text encoder and VAE cannot "
+                             "feed this one.", hint="Swap in a transformer of the same model family and size.")
 
 
 def weights_sha256(transformer: Path) -> str:
@@ -67,7 +87,6 @@ def check_memory(verb: str, folder: Path, device: torch.device, dtype: str, widt
                  transformer: Path | None = None, text_encoder: bool = True, extra_tokens: int = 0) -> int:
     """Refuse (exit 2, before loading anything) a pipeline run whose weights and activations would not fit in the
     host's memory (porting.resources)."""
-    import json
 
     from porting.resources import check_pipeline_memory
 
@@ -76,10 +95,7 @@ def check_memory(verb: str, folder: Path, device: torch.device, dtype: str, widt
     components = {"transformer": tr, "vae": folder / "vae"}
     if text_encoder:
         components["text_encoder"] = folder / "text_encoder"
-    try:
-        config = json.loads((tr / "config.json").read_text())
-    except (OSError, ValueError):
-        config = {}
+    config = read_config(tr / "config.json", "the transformer's config") if (tr / "config.json").is_file() else {}
     return check_pipeline_memory(verb, {k: v for k, v in components.items() if v.is_dir()}, config, width=width,
                                  height=height, dtype=dtype, on_cpu=device.type == "cpu", extra_tokens=extra_tokens)
 

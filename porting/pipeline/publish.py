@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Literal, Sequence
 
 from porting import __version__
-from porting._files import read_json_object
+from porting._files import parse_json, read_json_object
 from porting.adapters.publishing import adapter_sources, card_section, check_adapters
 from porting.devices import validate_device
 from porting.engine.convert import MANIFEST as CONVERT_MANIFEST
@@ -190,10 +190,8 @@ def check_report(report: Path | None, weights: str, config: dict[str, Any] | Non
     if not path.is_file():
         return Gate("missing", f"{path} does not exist", path)
     try:
-        data = json.loads(path.read_text())
-        if not isinstance(data, dict):
-            raise ValueError("not a JSON object")
-    except (OSError, ValueError) as e:
+        data = parse_json(path.read_bytes(), str(path), kind=dict)
+    except (OSError, InputError) as e:
         return Gate("unreadable", f"{path} is not a readable report ({e})", path)
     recorded = data.get("weights_sha256")
     if recorded != weights:
@@ -334,8 +332,8 @@ def source_sha256(convert_manifest: dict[str, Any]) -> str | None:
     source = Path(str(convert_manifest["source"]))
     for folder in list(source.parents)[:3]:
         try:
-            doc = json.loads((folder / FETCH_MANIFEST).read_text())
-        except (OSError, ValueError):
+            doc = parse_json((folder / FETCH_MANIFEST).read_bytes(), str(folder / FETCH_MANIFEST))
+        except (OSError, InputError):
             continue
         rel = source.relative_to(folder).as_posix()
         for record in doc.get("files", []) if isinstance(doc, dict) else []:

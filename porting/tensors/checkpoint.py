@@ -8,13 +8,12 @@ bytes (GGUF magic) and, for safetensors, from its header (quantization layouts, 
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import struct
 from pathlib import Path
 
-from porting._files import read_json_object
+from porting._files import parse_json, read_config, read_json
 from porting.errors import InputError, UnsupportedFormatError
 from porting.paths import check_plain_name
 
@@ -65,13 +64,12 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
                 f"{path}: not a safetensors file (header length field says {n} bytes, file has {size}).",
                 hint="Is this a pickle or GGUF file renamed to .safetensors, or a truncated download?")
         raw = f.read(n)
-    try:
-        header = json.loads(raw, object_pairs_hook=_unique_keys)
-    except (UnicodeDecodeError, ValueError) as e:
-        raise InputError(f"{path}: safetensors header is not valid JSON ({e}).") from e
-    if not isinstance(header, dict):
-        raise InputError(f"{path}: safetensors header is not a JSON object.")
+    header = parse_json(raw, str(path), what="safetensors header", kind=dict, object_pairs_hook=_unique_keys)
     metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise InputError(f"{path}: safetensors header '__metadata__' must map names to strings (safetensors "
+                         "metadata is string to string).", hint="The file is damaged or was not written by a "
+                                                                 "safetensors library.")
     data_start = 8 + n
     data_size = size - data_start
     tensors: dict[str, TensorInfo] = {}
@@ -150,7 +148,7 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
                          "checkpoint files and folders only.")
     config = None
     if (path / "config.json").is_file():
-        config = read_json_object(path / "config.json", "a diffusers model folder's config")
+        config = read_config(path / "config.json", "a diffusers model folder's config")
     indexes = _index_files(path)
     if len(indexes) > 1:
         raise InputError(f"{path}: several index files ({', '.join(p.name for p in indexes)}); pass one of them.")
@@ -189,10 +187,7 @@ def _decode(ckpt: Checkpoint) -> Checkpoint:
 
 
 def _open_index(index_path: Path) -> Checkpoint:
-    try:
-        doc = json.loads(index_path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise InputError(f"{index_path}: not a valid safetensors index ({e}).") from e
+    doc = read_json(index_path, "a safetensors index", kind=None)
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str) and v
                                                    for k, v in weight_map.items()):

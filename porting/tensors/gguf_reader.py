@@ -162,8 +162,13 @@ def open_gguf(path: Path) -> Checkpoint:
     gguf = _gguf()
     try:
         reader = _reader(gguf, path)
-    except (ValueError, OSError) as e:
-        raise InputError(f"{path}: not a readable GGUF file ({e}).", hint="Check that the download finished.") from e
+    except (InputError, CheckFailed):
+        raise
+    except (ValueError, OSError, IndexError, KeyError, TypeError, OverflowError, MemoryError) as e:
+        # gguf's reader walks the header with numpy views: a file cut inside its header or key-value section ends
+        # in an empty view (IndexError), an unknown value type (KeyError / ValueError) or a length past the end
+        raise InputError(f"{path}: not a readable GGUF file: truncated or damaged in its header or key-value "
+                         f"section ({type(e).__name__}: {e}).", hint="Check that the download finished.") from e
     field = reader.get_field("general.architecture")
     arch = field.contents() if field is not None else None
     tensors: dict[str, TensorInfo] = {}

@@ -306,9 +306,13 @@ def invoke(verb: str, args: list[str]) -> tuple[int, dict[str, Any], str]:
 
             code = 5 if e.errno in (errno.ENOSPC, errno.EDQUOT) else 2
             error = {"error": f"{str(e.filename) + ': ' if e.filename else ''}{e.strerror or e}."}
-        except Exception as e:  # a bug in a verb: the step fails as an internal error, the batch goes on
-            code, error = 70, {"error": f"internal error: {type(e).__name__}: {e}",
-                               "hint": "This is a bug in flux-port; run the step alone with FLUX_PORT_DEBUG=1."}
+        except Exception as e:  # as `port` maps it (_lastresort): a hostile input is 2, a full disk 5, a bug 70
+            from .._lastresort import as_port_error
+
+            mapped = as_port_error(e, args)
+            code, error = mapped.exit_code, {"error": mapped.message, "hint": mapped.hint}
+            if mapped.exit_code == 70:
+                error["hint"] = "This is a bug in flux-port; run the step alone with FLUX_PORT_DEBUG=1."
     text = out.getvalue().strip()
     try:
         doc = json.loads(text) if text else {}

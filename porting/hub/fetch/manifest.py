@@ -6,13 +6,14 @@ the next run skips those files without hashing them again (same size and modific
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
 from typing import Any
 
 from porting import __version__
+from porting._files import parse_json
+from porting.errors import InputError
 from porting.hub.workspace import write_json_atomic
 
 from .paths import MANIFEST_NAME
@@ -28,8 +29,8 @@ def now() -> str:
 def load(out_dir: Path) -> dict[str, Any]:
     """The previous manifest, or {} when there is none or it cannot be read (then every file is re-checked)."""
     try:
-        doc = json.loads((out_dir / MANIFEST_NAME).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        doc = parse_json((out_dir / MANIFEST_NAME).read_bytes(), str(out_dir / MANIFEST_NAME))
+    except (OSError, InputError):
         return {}
     return doc if isinstance(doc, dict) and doc.get("format_version") == FORMAT_VERSION else {}
 

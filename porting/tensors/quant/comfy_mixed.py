@@ -14,8 +14,7 @@ their exact inverse transforms, which flux-port does not implement.
 
 from __future__ import annotations
 
-import json
-
+from porting._files import parse_json
 from porting.errors import InputError, UnsupportedQuantizationError
 
 from ..reader import Checkpoint, read_stored
@@ -43,27 +42,35 @@ def claims(ckpt: Checkpoint) -> bool:
     return METADATA_KEY in ckpt.metadata or any(k.endswith(MARKER) for k in ckpt.tensors)
 
 
+def _layer_config(conf: object, where: str) -> dict:
+    """One layer's quantization config: an object whose "format" is a string (anything else is refused by name)."""
+    if not isinstance(conf, dict):
+        raise InputError(f"{where}: a layer's quantization config must be a JSON object, found "
+                         f"{type(conf).__name__}.")
+    if not isinstance(conf.get("format"), str):
+        raise InputError(f"{where}: \"format\" is {conf.get('format')!r}; it must be a format name (a string).")
+    return conf
+
+
 def _configs(ckpt: Checkpoint) -> dict[str, dict]:
     """Layer prefix (ending in '.') -> its JSON config, from the header metadata and the comfy_quant tensors."""
     configs: dict[str, dict] = {}
     if METADATA_KEY in ckpt.metadata:
-        try:
-            layers = json.loads(ckpt.metadata[METADATA_KEY])["layers"]
-        except (ValueError, KeyError, TypeError) as e:
-            raise InputError(f"{ckpt.path}: header metadata {METADATA_KEY} is not the expected JSON "
-                             "{\"layers\": {...}}.") from e
+        where = f"{ckpt.path}: header metadata {METADATA_KEY}"
+        doc = parse_json(ckpt.metadata[METADATA_KEY], str(ckpt.path), what=f"header metadata {METADATA_KEY}")
+        layers = doc.get("layers") if isinstance(doc, dict) else None
+        if not isinstance(layers, dict):
+            raise InputError(f"{where} is not the expected JSON {{\"layers\": {{...}}}}.")
         for name, conf in layers.items():
-            configs[name.rstrip(".") + "."] = conf
+            configs[name.rstrip(".") + "."] = _layer_config(conf, f"{where} layer {name!r}")
     for key, info in ckpt.tensors.items():
         if key.endswith(MARKER):
             if info.dtype != "U8" or len(info.shape) != 1 or info.numel > 65536:
                 raise InputError(f"{ckpt.path}: {key!r} should be a small uint8 tensor of JSON, is {info.dtype} "
                                  f"{list(info.shape)}.")
-            try:
-                conf = json.loads(bytes(read_stored(info).numpy()).decode("utf-8"))
-            except (UnicodeDecodeError, ValueError) as e:
-                raise InputError(f"{ckpt.path}: {key!r} does not hold JSON ({e}).") from e
-            configs[key[: -len(MARKER)] + "."] = conf
+            where = f"{ckpt.path}: {key!r}"
+            conf = parse_json(bytes(read_stored(info).numpy()), str(ckpt.path), what=repr(key))
+            configs[key[: -len(MARKER)] + "."] = _layer_config(conf, where)
     return configs
 
 
