@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import Any
 
 # C0 and C1 controls (terminal escape sequences), and the Unicode format controls that reorder or hide text:
 # bidirectional marks, embeddings, overrides and isolates (U+061C, U+200E/200F, U+202A-202E, U+2066-2069),
@@ -26,3 +27,17 @@ def printable(text: object, lines: bool = True) -> str:
 def one_line(text: object) -> str:
     """A name read from a file, for a message that lists one item a line."""
     return printable(text, lines=False)
+
+
+_UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def markdown_code(value: Any) -> str:
+    """Text for a markdown code span inside a table: no backticks, pipes or control characters can escape it."""
+    return _UNPRINTABLE.sub("?", str(value)).replace("`", "'").replace("|", "\\|")
+
+
+def markdown_text(value: Any) -> str:
+    """Plain markdown text with HTML and markdown syntax shown, not interpreted."""
+    text = _UNPRINTABLE.sub("?", str(value))
+    return re.sub(r"([\\`*_{}\[\]()#+!|<>~-])", r"\\\1", text)

@@ -68,7 +68,8 @@ def adapter_sources(adapters: Sequence[Mapping[str, Any]]) -> list[tuple[Path, P
 def card_section(repo: str, adapters: Sequence[Mapping[str, Any]]) -> str:
     """The card's adapter section; every value read from an adapter's manifest is escaped (`_md` in prose and
     cells, `_code` in code spans, JSON string literals in the Python snippet)."""
-    from porting.pipeline.publish import _code, _md
+    from porting.text import markdown_code as _code
+    from porting.text import markdown_text as _md
 
     if not adapters:
         return ""

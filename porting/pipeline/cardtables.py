@@ -12,10 +12,11 @@ from typing import Any, Iterable
 
 from porting._files import parse_json
 from porting.errors import InputError
+from porting.text import markdown_code as _code
+from porting.text import markdown_text as _md
 
 from .bench import BENCH_JSON, table_markdown
 from .compare_tables import COMPARE_JSON, summary_markdown
-from .publish import _code, _md
 
 MAX_DEPTH = 3  # reports/compare/<time>/compare.json
 

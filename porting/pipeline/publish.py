@@ -31,6 +31,8 @@ from porting.outputs import atomic_folder, check_output
 from porting.paths import check_component_names, check_within, files_within, link_roots
 from porting.reports import REPORTS, latest_report
 from porting.tensors.checkpoint import hash_checkpoint, open_checkpoint
+from porting.text import markdown_code as _code
+from porting.text import markdown_text as _md
 
 LinkMode = Literal["hardlink", "symlink", "copy"]
 LINK_MODES: tuple[str, ...] = ("hardlink", "symlink", "copy")
@@ -349,20 +351,6 @@ def _fmt(value: Any, digits: int = 4) -> str:
 
 
 REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
-_UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
-
-
-def _code(value: Any) -> str:
-    """Text for a markdown code span inside a table: no backticks, pipes or control characters can escape it."""
-    return _UNPRINTABLE.sub("?", str(value)).replace("`", "'").replace("|", "\\|")
-
-
-def _md(value: Any) -> str:
-    """Plain markdown text with HTML and markdown syntax shown, not interpreted."""
-    text = _UNPRINTABLE.sub("?", str(value))
-    return re.sub(r"([\\`*_{}\[\]()#+!|<>~-])", r"\\\1", text)
-
-
 def check_base_model(value: str) -> str:
     """--base-model is a Hub repo id (ORG/NAME) or a plain name; anything else would be injected into the card."""
     if REPO_ID.match(value) or re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}$", value):
