@@ -476,8 +476,25 @@ def add_casts(proto: Any, weights: set[str]) -> list[str]:
 
 
 def save_streamed(proto: Any, dest: Path, file: str) -> None:
-    """Save a graph whose weights already sit in `file`.data; small inline constants stay in the graph."""
+    """Save a graph whose weights already sit in `file`.data; the folded constants over 1 KB that the graph still
+    holds inline are appended to it (as `save` does), the smaller ones stay in the graph."""
     import onnx
+    from onnx import TensorProto, external_data_helper
 
+    data_path = dest / (file + ".data")
+    with open(data_path, "ab") as data:
+        offset = data.tell()
+        for t in proto.graph.initializer:
+            if t.data_location == TensorProto.EXTERNAL or not t.HasField("raw_data") or len(t.raw_data) <= 1024:
+                continue
+            pad = (-offset) % 64
+            data.write(b"\0" * pad)
+            offset += pad
+            raw = t.raw_data
+            data.write(raw)
+            external_data_helper.set_external_data(t, file + ".data", offset, len(raw))
+            t.data_location = TensorProto.EXTERNAL
+            t.ClearField("raw_data")
+            offset += len(raw)
     onnx.save_model(proto, str(dest / file))
     onnx.checker.check_model(str(dest / file))
