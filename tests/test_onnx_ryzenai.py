@@ -358,6 +358,7 @@ def test_streamed_export_memory_is_one_block_and_every_weight_is_external_data(t
     total, block = sum(blocks.values()), max(blocks.values())
     assert total > 8 * block  # the bound below would not tell a streamed export from a loaded one otherwise
     out = subprocess.run([sys.executable, "-c", MEMORY_CHILD, str(src), str(tmp_path / "onnx")], check=True,
+                         cwd=Path(__file__).parents[1],
                          capture_output=True, text=True, env={**__import__("os").environ,
                                                               "PYTHONPATH": str(Path(__file__).parents[1])})
     rss = json.loads(out.stdout.strip().splitlines()[-1])
@@ -372,3 +373,23 @@ def test_streamed_export_memory_is_one_block_and_every_weight_is_external_data(t
     assert all(t.data_location == onnx.TensorProto.EXTERNAL for t in weights if math.prod(t.dims) >= 16)
     data = (tmp_path / "onnx" / "model.onnx.data").stat().st_size
     assert data >= sum(2 * math.prod(i.shape) for i in tensors.values())  # bf16, tensor by tensor
+
+
+def test_streamed_export_estimate_is_the_largest_tensor_not_the_model(tmp_path) -> None:
+    from safetensors.torch import save_file
+
+    from porting.resources import (
+        MEMORY_OVERHEAD,
+        STREAMED_GRAPH_BYTES,
+        ResourceError,
+        check_streamed_export_memory,
+        streamed_export_bytes,
+    )
+
+    save_file({"a.weight": torch.zeros(64, 32, dtype=torch.bfloat16), "b.weight": torch.zeros(8, dtype=torch.bfloat16)},
+              tmp_path / "diffusion_pytorch_model.safetensors")
+    need, breakdown = streamed_export_bytes(tmp_path)
+    assert need == MEMORY_OVERHEAD + STREAMED_GRAPH_BYTES + 2 * 64 * 32 * 4 and "a.weight" in breakdown
+    with pytest.raises(ResourceError, match="streamed export"):
+        check_streamed_export_memory("transformer", tmp_path, available=need - 1)
+    assert check_streamed_export_memory("transformer", tmp_path, available=need) == need
