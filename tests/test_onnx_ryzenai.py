@@ -166,6 +166,7 @@ def _trim_text_encoder(folder: Path, layers: int) -> None:
         tensors = load_file(f)
         keep = {k: v for k, v in tensors.items()
                 if not (k.startswith("model.layers.") and int(k.split(".")[2]) >= layers)}
+        f.unlink()  # publish hard-links the tiny port's files: never write through into the shared port
         save_file(keep, f, metadata={"format": "pt"})
 
 
@@ -178,6 +179,7 @@ def _fp32_transformer(folder: Path) -> None:
         tensors = load_file(f)
         out = {k: (v.float() + 1e-3 * v.float().std() * torch.randn(v.shape, generator=gen)
                    if v.is_floating_point() else v) for k, v in tensors.items()}
+        f.unlink()  # a hard link into the shared tiny port (tests/test_onnx.py uses it after this file)
         save_file(out, f, metadata={"format": "pt"})
 
 
