@@ -161,6 +161,7 @@ def _trim_text_encoder(folder: Path, layers: int) -> None:
     cfg = json.loads(cfg_path.read_text())
     cfg["num_hidden_layers"] = layers
     cfg["layer_types"] = cfg.get("layer_types", [])[:layers] or None
+    cfg_path.unlink()  # a hard link into the shared tiny port, like the weights below
     cfg_path.write_text(json.dumps({k: v for k, v in cfg.items() if v is not None}, indent=2))
     for f in (folder / "text_encoder").glob("*.safetensors"):
         tensors = load_file(f)
