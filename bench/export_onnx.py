@@ -119,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--torch-dtypes", default="fp16,bf16", help="torch steps to compare with (comma-separated)")
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--keep", action="store_true")
+    parser.add_argument("--export-only", action="store_true", help="measure the export only (no onnxruntime or torch "
+                                                                   "step)")
     args = parser.parse_args(argv)
 
     from porting.demo.tiny import REAL_FLUX2, TINY_FLUX2, write_random_checkpoint
@@ -155,6 +157,10 @@ def main(argv: list[str] | None = None) -> int:
         data = out / "transformer" / "model.onnx.data"
         results["export"].update({"data_gb": data.stat().st_size / 1e9, "opset": doc.get("opset_produced"),
                                   "inner_s": doc.get("seconds")})
+        if args.export_only:
+            print(f"load average after: {os.getloadavg()}")
+            _report(results)
+            return 0
         cfg_path = work / "config-only.json"
         cfg_path.write_text(json.dumps({k: v for k, v in config.items() if not k.startswith("_")}))
         wall, rss, code = measure([sys.executable, "-c", ORT_SCRIPT, str(out / "transformer"), str(cfg_path),

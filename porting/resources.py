@@ -136,3 +136,37 @@ def check_pipeline_memory(verb: str, components: Mapping[str, Path], config: Map
                     else "") + f", interpreter {gib(MEMORY_OVERHEAD)}")
     return require_memory(f"{verb} at {width}x{height} in {dtype}", need, breakdown, available=available,
                           hint="Use a smaller --size, a smaller --dtype, or a machine with more memory.")
+
+
+# the streamed export (port export --target ryzenai: transformer, VAE decoder) holds the traced graph (nodes, no
+# weights: klein-9B's is a few hundred MB in torch.export, onnx_ir and the proto together) and one weight at a time
+STREAMED_GRAPH_BYTES = int(1.5 * 2**30)
+
+
+def largest_tensor_bytes(folder: Path) -> tuple[str, int]:
+    """(name, float32 bytes) of the largest tensor in a model folder's safetensors files (headers only)."""
+    from porting.tensors.checkpoint import read_header
+
+    best = ("", 0)
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        tensors, _ = read_header(f)
+        for key, info in tensors.items():
+            size = math.prod(info.shape) * 4
+            if size > best[1]:
+                best = (key, size)
+    return best
+
+
+def streamed_export_bytes(folder: Path) -> tuple[int, str]:
+    """Host memory of a streamed ONNX export: the interpreter, the hollow graph, and the largest weight read (as
+    stored, at most float32), converted (float32 -> bf16) and written: about 2 float32 copies of it."""
+    name, biggest = largest_tensor_bytes(folder)
+    need = MEMORY_OVERHEAD + STREAMED_GRAPH_BYTES + 2 * biggest
+    return need, (f"largest weight {name or '-'} 2 x {gib(biggest)} in float32, graph {gib(STREAMED_GRAPH_BYTES)}, "
+                  f"interpreter {gib(MEMORY_OVERHEAD)}")
+
+
+def check_streamed_export_memory(component: str, folder: Path, *, available: int | None = None) -> int:
+    need, breakdown = streamed_export_bytes(folder)
+    return require_memory(f"{component}: a streamed export", need, breakdown, available=available,
+                          hint="The weights are streamed one tensor at a time; free some memory.")

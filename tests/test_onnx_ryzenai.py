@@ -161,11 +161,13 @@ def _trim_text_encoder(folder: Path, layers: int) -> None:
     cfg = json.loads(cfg_path.read_text())
     cfg["num_hidden_layers"] = layers
     cfg["layer_types"] = cfg.get("layer_types", [])[:layers] or None
+    cfg_path.unlink()  # a hard link into the shared tiny port, like the weights below
     cfg_path.write_text(json.dumps({k: v for k, v in cfg.items() if v is not None}, indent=2))
     for f in (folder / "text_encoder").glob("*.safetensors"):
         tensors = load_file(f)
         keep = {k: v for k, v in tensors.items()
                 if not (k.startswith("model.layers.") and int(k.split(".")[2]) >= layers)}
+        f.unlink()  # publish hard-links the tiny port's files: never write through into the shared port
         save_file(keep, f, metadata={"format": "pt"})
 
 
@@ -178,6 +180,7 @@ def _fp32_transformer(folder: Path) -> None:
         tensors = load_file(f)
         out = {k: (v.float() + 1e-3 * v.float().std() * torch.randn(v.shape, generator=gen)
                    if v.is_floating_point() else v) for k, v in tensors.items()}
+        f.unlink()  # a hard link into the shared tiny port (tests/test_onnx.py uses it after this file)
         save_file(out, f, metadata={"format": "pt"})
 
 
@@ -312,3 +315,84 @@ def test_a_perturbed_int4_block_fails_and_is_located(ryzen_export, tmp_path) -> 
     assert bad and all(b["weight"] == "model.layers.1.mlp.down_proj.weight" for b in bad)
     assert {(b["row"], b["block"]) for b in bad} == {(row, block)}
     assert any("model.layers.1.mlp.down_proj.weight row 5 block 1" in r for r in d["reasons"])
+
+
+# ---------------------------------------------------------------- slow: bounded memory of the streamed export
+
+MEMORY_CHILD = r"""
+import json, resource, sys
+from pathlib import Path
+import diffusers, onnx, onnx_ir, onnxscript, torch  # noqa: F401  (the baseline: the interpreter with its imports)
+from porting.export import ryzenai
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+src, dest = Path(sys.argv[1]), Path(sys.argv[2])
+proto, facts = ryzenai.stream_bf16_component("transformer", src, ryzenai.Profile(size=64, text_len=32), dest)
+ryzenai.save_streamed(proto, dest, "model.onnx")
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps({"base": base, "peak": peak}))
+"""
+
+
+@pytest.mark.slow
+def test_streamed_export_memory_is_one_block_and_every_weight_is_external_data(tmp_path) -> None:
+    """A synthetic transformer whose float32 weights (~1.1 GB) are many times its largest block's: the export's peak
+    RSS over the interpreter's stays within 2 float32 copies of the largest block plus a graph allowance, and every
+    initializer over 1 KB (every weight) is external data in model.onnx.data."""
+    import math
+    import subprocess
+
+    import onnx
+
+    from porting.demo.tiny import REAL_FLUX2, write_random_checkpoint
+    from porting.tensors.checkpoint import read_header
+
+    cfg = {**REAL_FLUX2["klein-4b"], "num_layers": 2, "num_single_layers": 16, "num_attention_heads": 8,
+           "joint_attention_dim": 1024}  # hidden 1024
+    src = tmp_path / "transformer"
+    write_random_checkpoint(src / "diffusion_pytorch_model.safetensors", cfg, "diffusers", "BF16", seed=0,
+                            fill="tiled")
+    (src / "config.json").write_text(json.dumps(cfg))
+    tensors, _ = read_header(src / "diffusion_pytorch_model.safetensors")
+    blocks: dict[str, int] = {}
+    for key, info in tensors.items():
+        parts = key.split(".")
+        block = ".".join(parts[:2]) if parts[0].endswith("transformer_blocks") else "other"
+        blocks[block] = blocks.get(block, 0) + 4 * math.prod(info.shape)
+    total, block = sum(blocks.values()), max(blocks.values())
+    assert total > 8 * block  # the bound below would not tell a streamed export from a loaded one otherwise
+    out = subprocess.run([sys.executable, "-c", MEMORY_CHILD, str(src), str(tmp_path / "onnx")], check=True,
+                         cwd=Path(__file__).parents[1],
+                         capture_output=True, text=True, env={**__import__("os").environ,
+                                                              "PYTHONPATH": str(Path(__file__).parents[1])})
+    rss = json.loads(out.stdout.strip().splitlines()[-1])
+    graph_allowance = 256 * 2**20  # torch.export, onnx_ir and the proto of 18 blocks' nodes, no weights
+    assert rss["peak"] - rss["base"] <= 2 * block + graph_allowance, (rss, block, total)
+    model = onnx.load(str(tmp_path / "onnx" / "model.onnx"), load_external_data=False)
+    inline = [(t.name, len(t.raw_data)) for t in model.graph.initializer
+              if t.data_location != onnx.TensorProto.EXTERNAL and len(t.raw_data) > 1024]
+    assert not inline
+    weights = [t for t in model.graph.initializer if t.name.startswith("model.")]
+    assert len(weights) == len(tensors)
+    assert all(t.data_location == onnx.TensorProto.EXTERNAL for t in weights if math.prod(t.dims) >= 16)
+    data = (tmp_path / "onnx" / "model.onnx.data").stat().st_size
+    assert data >= sum(2 * math.prod(i.shape) for i in tensors.values())  # bf16, tensor by tensor
+
+
+def test_streamed_export_estimate_is_the_largest_tensor_not_the_model(tmp_path) -> None:
+    from safetensors.torch import save_file
+
+    from porting.resources import (
+        MEMORY_OVERHEAD,
+        STREAMED_GRAPH_BYTES,
+        ResourceError,
+        check_streamed_export_memory,
+        streamed_export_bytes,
+    )
+
+    save_file({"a.weight": torch.zeros(64, 32, dtype=torch.bfloat16), "b.weight": torch.zeros(8, dtype=torch.bfloat16)},
+              tmp_path / "diffusion_pytorch_model.safetensors")
+    need, breakdown = streamed_export_bytes(tmp_path)
+    assert need == MEMORY_OVERHEAD + STREAMED_GRAPH_BYTES + 2 * 64 * 32 * 4 and "a.weight" in breakdown
+    with pytest.raises(ResourceError, match="streamed export"):
+        check_streamed_export_memory("transformer", tmp_path, available=need - 1)
+    assert check_streamed_export_memory("transformer", tmp_path, available=need) == need

@@ -27,7 +27,7 @@ from porting.errors import CheckFailed, InputError, PortError, UsageError
 from porting.finite import dumps
 from porting.outputs import atomic_folder, check_output
 from porting.paths import files_within, link_roots
-from porting.resources import MEMORY_OVERHEAD, require_memory
+from porting.resources import MEMORY_OVERHEAD, check_streamed_export_memory, require_memory
 from porting.tensors.checkpoint import hash_checkpoint, open_checkpoint
 
 from .onnx_components import COMPONENTS, COPIED, Traceable, gib, nbytes
@@ -342,12 +342,13 @@ def _export_ryzenai(folder: Path, out: Path, *, opset: int, components: Sequence
                          f"{', '.join(missing)} from.")
     params = {c: COMPONENTS[c].count_params(sources[c]) for c in wanted}
     for c in wanted:  # the text encoder is traced with its float32 weights (the int4 quantizer reads them); the
-        # streamed transformer and VAE decoder are bounded on the tiny model but not yet at real size (klein-4B:
-        # 14.3 GiB after onnx_ir's serialize_model, then a >2 GB proto), so the float32 estimate still applies
-        check_fits(c, params[c], torch.float32, available_bytes,
-                   hint="The ryzenai export is estimated at 2 x the float32 weights (the streamed export is not yet "
-                        "bounded at real size): use a machine with more memory, or --components to export one "
-                        "component at a time.")
+        # transformer and VAE decoder are traced hollow and streamed tensor by tensor (resources.streamed_export_bytes)
+        if c in ryzenai.STREAMED:
+            check_streamed_export_memory(c, sources[c], available=available_bytes)
+        else:
+            check_fits(c, params[c], torch.float32, available_bytes,
+                       hint="The ryzenai text encoder is estimated at 2 x its float32 weights: use a machine with "
+                            "more memory, or --components to export one component at a time.")
     copies = files_to_copy(folder, kind)
     read_paths = {"source": folder, "component": list(sources.values()),
                   "copied folder": [folder / name for name in copies]}

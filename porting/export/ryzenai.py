@@ -392,8 +392,9 @@ def stream_bf16_component(name: str, folder: Path, profile: Profile, dest: Path)
     time, rounded to bfloat16 (float32 when smaller than BF16_MIN_ELEMENTS, as in `torch_bf16_weights`) and appended
     to `dest/model.onnx.data`; the graph's initializers point at it. Returns the proto (weights external) and facts.
 
-    Known limit: bounded on the tiny model only. At klein-4B shapes `ir.serde.serialize_model` reached 14.3 GiB RSS
-    (about the float32 weights) and the proto passed 2 GB, so the caller still applies the float32 memory estimate.
+    Memory: the hollow graph plus one tensor. Nothing folds a node that reads a streamed weight (onnxscript's folder
+    would otherwise load every Linear weight to fold its Transpose, and store the result inline: klein-4B's weights
+    in memory and a proto past protobuf's 2 GB), so the proto holds no weight and shape inference runs in memory.
     """
     require("onnxscript")
     import onnx_ir as ir
@@ -441,14 +442,13 @@ def stream_bf16_component(name: str, folder: Path, profile: Profile, dest: Path)
                 weights.add(value_name)
             offset += len(raw)
             del tensor, raw
-    initializers = model.graph.initializers
-    for node in model.graph:  # a small weight's transpose may be folded: keep its name (`W.T`)
-        if node.op_type == "Transpose" and node.inputs and node.inputs[0] is not None \
-                and node.inputs[0].name in initializers:
-            node.outputs[0].name = node.inputs[0].name + ".T"
-    # fold only small constants (Reduce axes, shape arithmetic, transposes of weights under 1024 values): large
-    # weights stay on disk and their transposes stay nodes
-    opt.fold_constants(model, input_size_limit=1024, output_size_limit=1024)
+    # fold only small constants (Reduce axes, shape arithmetic): nothing that reads a streamed weight. onnxscript
+    # folds a Transpose of an initializer whatever its size (its `_DEFAULT_ALWAYS_FOLD_OPS`), which loaded every
+    # Linear weight from model.onnx.data and stored its transpose inline (the whole model in memory and in the
+    # proto, past protobuf's 2 GB); `should_fold` returning False is the only way to stop that
+    streamed = {v for v in model.graph.initializers.values() if isinstance(v.const_value, ir.ExternalTensor)}
+    opt.fold_constants(model, input_size_limit=1024, output_size_limit=1024,
+                       should_fold=lambda node: False if any(i in streamed for i in node.inputs) else None)
     RemoveUnusedNodesPass()(model)
     proto = ir.serde.serialize_model(model)
     del program, model
@@ -476,8 +476,25 @@ def add_casts(proto: Any, weights: set[str]) -> list[str]:
 
 
 def save_streamed(proto: Any, dest: Path, file: str) -> None:
-    """Save a graph whose weights already sit in `file`.data; small inline constants stay in the graph."""
+    """Save a graph whose weights already sit in `file`.data; the folded constants over 1 KB that the graph still
+    holds inline are appended to it (as `save` does), the smaller ones stay in the graph."""
     import onnx
+    from onnx import TensorProto, external_data_helper
 
+    data_path = dest / (file + ".data")
+    with open(data_path, "ab") as data:
+        offset = data.tell()
+        for t in proto.graph.initializer:
+            if t.data_location == TensorProto.EXTERNAL or not t.HasField("raw_data") or len(t.raw_data) <= 1024:
+                continue
+            pad = (-offset) % 64
+            data.write(b"\0" * pad)
+            offset += pad
+            raw = t.raw_data
+            data.write(raw)
+            external_data_helper.set_external_data(t, file + ".data", offset, len(raw))
+            t.data_location = TensorProto.EXTERNAL
+            t.ClearField("raw_data")
+            offset += len(raw)
     onnx.save_model(proto, str(dest / file))
     onnx.checker.check_model(str(dest / file))
