@@ -90,6 +90,7 @@ def ray_cluster(work):
     os.environ.pop(TRACE_ENV, None)
 
 
+@pytest.mark.slow  # starts a local Ray cluster and worker processes
 def test_ray_batch_passes_fails_retries_and_resumes(work, ray_cluster, capsys):
     out, trace = work / "out-ray", work / "trace.txt"
     run = run_port(capsys, "batch", work / "jobs.toml", "--out", out, "--executor", "ray", "--json")
@@ -121,6 +122,7 @@ def test_ray_batch_passes_fails_retries_and_resumes(work, ray_cluster, capsys):
     (work / "ray-summary.json").write_text(json.dumps(doc))
 
 
+@pytest.mark.slow  # starts a local Ray cluster and worker processes
 def test_local_executor_writes_the_same_summary(work, ray_cluster, capsys):
     if not (work / "ray-summary.json").exists():
         pytest.skip("needs the summary of test_ray_batch_passes_fails_retries_and_resumes")
@@ -132,6 +134,7 @@ def test_local_executor_writes_the_same_summary(work, ray_cluster, capsys):
     assert doc["executor"] == "local" and _normal(doc) == _normal(ray_doc)
 
 
+@pytest.mark.slow  # starts a local Ray cluster and worker processes
 def test_a_changed_source_is_redone_from_the_first_affected_step(work, ray_cluster, capsys):
     out, trace = work / "out-local", work / "trace.txt"
     write_random_checkpoint(work / "b.safetensors", TINY_FLUX2, seed=7)

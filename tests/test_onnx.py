@@ -72,6 +72,7 @@ def _rel(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.linalg.norm(a.astype(np.float64) - b) / np.linalg.norm(b.astype(np.float64)))
 
 
+@pytest.mark.slow  # needs the whole fp32 ONNX export (about a minute and a half on two cores)
 def test_export_layout_manifest_and_graph_interface(published, fp32_export) -> None:
     import onnx
 
@@ -95,6 +96,7 @@ def test_export_layout_manifest_and_graph_interface(published, fp32_export) -> N
     assert (out / "tokenizer" / "tokenizer_config.json").is_file()
 
 
+@pytest.mark.slow  # needs the whole fp32 ONNX export (about a minute and a half on two cores)
 @pytest.mark.parametrize("batch, side, text", [(1, 4, 8), (3, 8, 40)])
 def test_onnxruntime_equals_the_diffusers_transformer(published, fp32_export, batch, side, text) -> None:
     from diffusers import Flux2KleinPipeline, Flux2Transformer2DModel
@@ -115,6 +117,7 @@ def test_onnxruntime_equals_the_diffusers_transformer(published, fp32_export, ba
     assert _rel(got, want) < 1e-4
 
 
+@pytest.mark.slow  # needs the whole fp32 ONNX export (about a minute and a half on two cores)
 def test_vae_decoder_equals_diffusers(published, fp32_export) -> None:
     from diffusers import AutoencoderKLFlux2
 
@@ -128,6 +131,7 @@ def test_vae_decoder_equals_diffusers(published, fp32_export) -> None:
     assert got.shape == (1, 3, 14, 18) and _rel(got, want) < 1e-4
 
 
+@pytest.mark.slow  # needs the whole fp32 ONNX export (about a minute and a half on two cores)
 def test_validate_on_onnxruntime_passes_and_says_why_there_are_no_blocks(published, fp32_export, tmp_path) -> None:
     port, _ = published
     out, _ = fp32_export
@@ -165,6 +169,7 @@ def _perturb_external_tensor(folder: Path, name_part: str, scale: float) -> str:
     return init.name
 
 
+@pytest.mark.slow  # needs the whole fp32 ONNX export (about a minute and a half on two cores)
 def test_export_with_one_weight_edited_in_the_external_data_fails(fp32_export, tmp_path) -> None:
     out, _ = fp32_export
     broken = tmp_path / "broken"
@@ -191,6 +196,7 @@ def test_fp16_export_validates_against_fp16s_own_error(fp16_export, tmp_path) ->
 
 @pytest.mark.parametrize("provider, package", [("CUDAExecutionProvider", "onnxruntime-gpu"),
                                                ("CANNExecutionProvider", "onnxruntime-cann")])
+@pytest.mark.slow  # needs the whole fp32 ONNX export (about a minute and a half on two cores)
 def test_provider_not_installed_is_exit_2_naming_the_package(fp32_export, capsys, provider, package) -> None:
     out, _ = fp32_export
     code, stdout, err = run_cli(["validate", str(out / "transformer"), "--runtime", "onnxruntime", "--provider",
@@ -200,6 +206,7 @@ def test_provider_not_installed_is_exit_2_naming_the_package(fp32_export, capsys
     assert package in doc["hint"] and provider in doc["error"] and "Traceback" not in err
 
 
+@pytest.mark.slow  # needs the whole fp32 ONNX export (about a minute and a half on two cores)
 def test_generate_runs_the_onnx_transformer_and_draws_the_same_image(published, fp32_export, tmp_path) -> None:
     from PIL import Image
 
@@ -235,6 +242,7 @@ def test_a_model_that_cannot_fit_is_refused_before_exporting(published, tmp_path
         check_fits("transformer", params, torch.float32, 24 * 2**30)
 
 
+@pytest.mark.slow  # needs the whole fp32 ONNX export (about a minute and a half on two cores)
 def test_runners_follow_the_protocol(fp32_export, published) -> None:
     from validation.runners.onnxruntime import OrtRunner
     from validation.runners.torch_staged import torch_runner

@@ -78,6 +78,7 @@ def test_two_cpu_ranks_equal_one_process_and_locate_a_fault_on_rank_1(converted,
     assert one.to_dict()["blocks"] == d["blocks"]
 
 
+@pytest.mark.slow  # spawns two ranks again (the library-level equality test stays in the default run)
 def test_cli_devices_cpu_cpu_writes_the_single_device_report(converted, tmp_path, capsys):
     single = run_port(capsys, "validate", converted, *CLI_SMALL, "--out", tmp_path / "one", "--quiet")
     assert single.code == 0, single.err
