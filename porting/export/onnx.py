@@ -205,6 +205,21 @@ def files_to_copy(folder: Path, kind: str) -> dict[str, list[Path]]:
     return {name: files_within(folder / name, link_roots(folder)) for name in COPIED if (folder / name).is_dir()}
 
 
+def _selected(folder: Path, components: Sequence[str] | None) -> tuple[dict[str, Path], str, list[str], dict[str, int]]:
+    """The component folders of `folder`, the ones asked for (all by default) and their parameter counts."""
+    sources, kind = _layout(folder)
+    wanted = list(components) if components else list(sources)
+    unknown = [c for c in wanted if c not in COMPONENTS]
+    if unknown:
+        raise PortError(f"--components {','.join(unknown)}: unknown; choose from {', '.join(COMPONENTS)}.")
+    missing = [c for c in wanted if c not in sources]
+    if missing:
+        raise InputError(f"{folder}: no {', '.join(COMPONENTS[c].source + '/' for c in missing)} folder to export "
+                         f"{', '.join(missing)} from.")
+    params = {c: COMPONENTS[c].count_params(sources[c]) for c in wanted}
+    return sources, kind, wanted, params
+
+
 def export_onnx(folder: str | Path, out: str | Path, *, dtype: str = "fp32", opset: int | None = None,
                 components: Sequence[str] | None = None, force: bool = False,
                 available_bytes: int | None = None, target: str = "generic", profile: Any = None,
@@ -233,16 +248,7 @@ def export_onnx(folder: str | Path, out: str | Path, *, dtype: str = "fp32", ops
     require("onnx")
     require("onnxscript")
     torch_dtype = DTYPES[dtype]
-    sources, kind = _layout(folder)
-    wanted = list(components) if components else list(sources)
-    unknown = [c for c in wanted if c not in COMPONENTS]
-    if unknown:
-        raise PortError(f"--components {','.join(unknown)}: unknown; choose from {', '.join(COMPONENTS)}.")
-    missing = [c for c in wanted if c not in sources]
-    if missing:
-        raise InputError(f"{folder}: no {', '.join(COMPONENTS[c].source + '/' for c in missing)} folder to export "
-                         f"{', '.join(missing)} from.")
-    params = {c: COMPONENTS[c].count_params(sources[c]) for c in wanted}
+    sources, kind, wanted, params = _selected(folder, components)
     for c in wanted:  # refuse before any tracing
         check_fits(c, params[c], torch_dtype, available_bytes)
 
@@ -331,16 +337,7 @@ def _export_ryzenai(folder: Path, out: Path, *, opset: int, components: Sequence
     require("onnx")
     require("onnxscript")
     require("onnxruntime")  # the int4 quantizer
-    sources, kind = _layout(folder)
-    wanted = list(components) if components else list(sources)
-    unknown = [c for c in wanted if c not in COMPONENTS]
-    if unknown:
-        raise PortError(f"--components {','.join(unknown)}: unknown; choose from {', '.join(COMPONENTS)}.")
-    missing = [c for c in wanted if c not in sources]
-    if missing:
-        raise InputError(f"{folder}: no {', '.join(COMPONENTS[c].source + '/' for c in missing)} folder to export "
-                         f"{', '.join(missing)} from.")
-    params = {c: COMPONENTS[c].count_params(sources[c]) for c in wanted}
+    sources, kind, wanted, params = _selected(folder, components)
     for c in wanted:  # the text encoder is traced with its float32 weights (the int4 quantizer reads them); the
         # transformer and VAE decoder are traced hollow and streamed tensor by tensor (resources.streamed_export_bytes)
         if c in ryzenai.STREAMED:

@@ -54,6 +54,17 @@ class Profile:
     accuracy_level: int | None = None
 
 
+def _dynamo_export(traced: Any) -> Any:
+    """torch.onnx.export with the dynamo exporter at opset 18 (the oldest it writes), quietly; its onnx_ir model."""
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(traced.module, (), kwargs=traced.example, dynamo=True, opset_version=18,
+                                    input_names=traced.inputs, output_names=traced.outputs, verbose=False,
+                                    optimize=False)
+    return program.model
+
+
 def check_profile(size: int, text_len: int, block_size: int, accuracy_level: int | None) -> Profile:
     """The ryzenai options, or UsageError (exit 2) naming the one that is wrong."""
     for name, value in (("--size", size), ("--text-len", text_len), ("--block-size", block_size)):
@@ -121,13 +132,7 @@ def trace_static(traced: Traceable) -> Any:
     import onnxscript.optimizer as opt
     from onnx_ir.passes.common import RemoveUnusedNodesPass
 
-    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
-    with warnings.catch_warnings(), torch.no_grad():
-        warnings.simplefilter("ignore")
-        program = torch.onnx.export(traced.module, (), kwargs=traced.example, dynamo=True, opset_version=18,
-                                    input_names=traced.inputs, output_names=traced.outputs, verbose=False,
-                                    optimize=False)
-    model = program.model
+    model = _dynamo_export(traced)
     # a Linear's weight reaches MatMul through a Transpose; name the folded result after the weight (`W.T`) so that
     # MatMulNBits' `W.T_Q4` / `W.T_scales` still say which weight they hold (the folder would call it val_N)
     initializers = model.graph.initializers
@@ -140,7 +145,7 @@ def trace_static(traced: Traceable) -> Any:
     opt.fold_constants(model, input_size_limit=2**62, output_size_limit=2**62)
     RemoveUnusedNodesPass()(model)
     proto = ir.serde.serialize_model(model)
-    del program, model
+    del model
     return proto
 
 
@@ -403,13 +408,7 @@ def stream_bf16_component(name: str, folder: Path, profile: Profile, dest: Path)
     from safetensors import safe_open
 
     traced, prefix = hollow_traceable(name, folder, profile)
-    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
-    with warnings.catch_warnings(), torch.no_grad():
-        warnings.simplefilter("ignore")
-        program = torch.onnx.export(traced.module, (), kwargs=traced.example, dynamo=True, opset_version=18,
-                                    input_names=traced.inputs, output_names=traced.outputs, verbose=False,
-                                    optimize=False)
-    model = program.model
+    model = _dynamo_export(traced)
     params = {k for k, _ in traced.module.named_parameters()}
     dest.mkdir(parents=True, exist_ok=True)
     file = FILES[name]
@@ -451,7 +450,7 @@ def stream_bf16_component(name: str, folder: Path, profile: Profile, dest: Path)
                        should_fold=lambda node: False if any(i in streamed for i in node.inputs) else None)
     RemoveUnusedNodesPass()(model)
     proto = ir.serde.serialize_model(model)
-    del program, model
+    del model
     proto = downgrade_to_17(proto)
     converted = add_casts(proto, weights)
     return proto, {"weights": WEIGHTS[name], "file": file, "bf16_initializers": len(converted), "streamed": True}
