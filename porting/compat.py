@@ -147,11 +147,11 @@ PIPELINES = {"Flux2KleinPipeline": "klein", "Flux2KleinKVPipeline": "klein-kv", 
 def companions(base: Path, config: Mapping[str, Any], family: Any) -> list[dict[str, Any]]:
     """Checks of the base's text encoder, VAE and pipeline class against the transformer's config: each a row
     {check, ok, detail}."""
-    from porting._files import read_json_object
+    from porting._files import read_config
 
     def read(rel: str) -> dict[str, Any] | None:
         p = base / rel
-        return read_json_object(p, "a JSON object") if p.is_file() else None
+        return read_config(p, "a JSON object") if p.is_file() else None
 
     rows: list[dict[str, Any]] = []
     te = read("text_encoder/config.json")
@@ -171,7 +171,7 @@ def companions(base: Path, config: Mapping[str, Any], family: Any) -> list[dict[
                                f"in_channels is {want}"})
     index = read("model_index.json")
     if index is not None and family.table.name == "flux2":
-        cls = index.get("_class_name", "")
+        cls = str(index.get("_class_name", ""))
         base_variant = PIPELINES.get(cls, cls)
         if base_variant == "klein" and not index.get("is_distilled", False):
             base_variant = "klein base (undistilled)"

@@ -154,3 +154,18 @@ def compare_outputs(reference: torch.Tensor, candidate: torch.Tensor) -> str:
     share = (diff > 1e-5).float().mean().item()
     return (f"max |diff| {diff.max().item():.3g} at batch {worst[0]} token {worst[1]}, "
             f"{share:.1%} of elements above 1e-5, output max |x| {reference.abs().max().item():.3g}")
+
+
+def mount_tmpfs(mount: Path, size: str):
+    """A real filesystem of `size` (tmpfs) at `mount` for one test (a generator for fixtures); needs root, which CI
+    and this machine have; skipped, with the reason, where it cannot be mounted."""
+    import subprocess
+
+    import pytest
+
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {done.stderr.decode().strip()}")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)

@@ -20,7 +20,7 @@ import torch
 
 from porting.pipeline.publish import publish
 
-from .helpers import REAL2, leftovers, meta_shapes, run_port, save_state, write_header_only
+from .helpers import REAL2, leftovers, meta_shapes, mount_tmpfs, run_port, save_state, write_header_only
 from .test_safety import assert_clean_refusal
 
 REPO = Path(__file__).resolve().parents[1]
@@ -204,13 +204,7 @@ def test_a_lora_converted_to_kohya_is_named_for_kohya(capsys, tmp_path: Path) ->
 @pytest.fixture
 def tiny_disk(tmp_path: Path):
     """A real 64 KiB filesystem (tmpfs): smaller than a Q8_0 file of the tiny model; needs root (CI has it)."""
-    mount = tmp_path / "tiny-disk"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here (needs root): {done.stderr.decode().strip()}")
-    yield mount
-    subprocess.run(["umount", str(mount)], check=True)
+    yield from mount_tmpfs(tmp_path / "tiny-disk", "64k")
 
 
 def test_a_full_disk_during_gguf_quantize_is_exit_5_naming_the_path(capsys, tiny_disk: Path,

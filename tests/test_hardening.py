@@ -14,7 +14,7 @@ import pytest
 from porting.errors import UnsupportedFormatError, UsageError
 from porting.pipeline.publish import model_card, publish
 
-from .helpers import leftovers, run_port, save_state
+from .helpers import leftovers, mount_tmpfs, run_port, save_state
 from .test_safety import assert_clean_refusal, snapshot
 
 # --- usage errors: exit 2, a message, nothing written ------------------------------------------------------------
@@ -140,13 +140,7 @@ def test_a_dangling_link_as_output_is_refused(capsys, tmp_path: Path, tiny2_file
 @pytest.fixture
 def small_disk(tmp_path: Path):
     """A real 256 KiB filesystem (tmpfs), mounted for the test; needs root, which CI and this machine have."""
-    mount = tmp_path / "small"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here (needs root): {done.stderr.decode().strip()}")
-    yield mount
-    subprocess.run(["umount", str(mount)], check=True)
+    yield from mount_tmpfs(tmp_path / "small", "256k")
 
 
 def test_a_full_disk_mid_write_is_exit_5_and_leaves_nothing(capsys, small_disk: Path, tmp_path: Path,

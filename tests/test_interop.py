@@ -274,3 +274,17 @@ def test_a_lora_for_another_model_width_is_refused_with_both_widths(tmp_path, ca
     assert run.code == 1, run.err
     assert "this adapter is 96 wide" in run.msg and "is 64 wide" in run.msg
     assert not (tmp_path / "out").exists()
+
+
+def test_a_damaged_companion_config_is_exit_2_naming_the_file_and_field(tmp_path, capsys, port):
+    import shutil
+
+    base = tmp_path / "base"
+    shutil.copytree(port["base"], base)
+    te = base / "text_encoder" / "config.json"
+    te.write_text(json.dumps({**json.loads(te.read_text()), "hidden_size": "abc"}))
+    (base / "model_index.json").write_text(json.dumps({**json.loads((base / "model_index.json").read_text()),
+                                                       "_class_name": ["not", "a", "name"]}))
+    run = run_port(capsys, "inspect", port["transformer"], "--base", base)
+    assert run.code == 2 and "Traceback" not in run.err
+    assert f"{te}: 'hidden_size' is 'abc'" in run.msg

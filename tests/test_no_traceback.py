@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from . import quantfiles as qf
-from .helpers import TINY2, leftovers, reference_model, run_port, save_state
+from .helpers import TINY2, leftovers, mount_tmpfs, reference_model, run_port, save_state
 from .lorakit import BFL_MODULES, BY_NAME, DIFFUSERS_MODULES, make_parts, weight_shapes, write_adapter
 from .reference.flux2_bfl import Flux2Params
 
@@ -351,15 +351,7 @@ def test_an_escaped_exception_is_mapped_not_a_traceback(capsys, monkeypatch, tmp
 @pytest.fixture
 def small_disk(tmp_path: Path):
     """A real 256 KiB filesystem (tmpfs) as in test_hardening; needs root, which CI and this machine have."""
-    import subprocess
-
-    mount = tmp_path / "small"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here (needs root): {done.stderr.decode().strip()}")
-    yield mount
-    subprocess.run(["umount", str(mount)], check=True)
+    yield from mount_tmpfs(tmp_path / "small", "256k")
 
 
 @pytest.mark.parametrize("existing", [False, True], ids=["new-workdir", "earlier-demo-workdir"])

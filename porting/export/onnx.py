@@ -279,13 +279,7 @@ def export_onnx(folder: str | Path, out: str | Path, *, dtype: str = "fp32", ops
                 export_s=round(time.perf_counter() - t0, 2), facts=traced.facts))
             del traced
             gc.collect()  # the next component's weights should not sit next to this one's
-        for name, files in copies.items():
-            (staging / name).mkdir()
-            for f in files:
-                dest = staging / name / f.relative_to(folder / name)
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(f, dest)
-            copied.append(name)
+        copied += _copy_folders(folder, staging, copies)
         produced = max(produced_opsets) if produced_opsets else opset
         if produced != opset:
             notices.append(f"asked for opset {opset}, the exporter produced opset {produced}")
