@@ -22,7 +22,7 @@ class Facts:
     """What a runtime's loader looks at, read from headers."""
 
     path: Path
-    family: str  # flux1 / flux2
+    family: str  # the family's name (flux1, flux2, ...)
     naming: str  # original / diffusers
     prefix: str
     respelled: int  # keys in another tool's spelling (ComfyUI-saved `.weight` norms)
@@ -30,6 +30,8 @@ class Facts:
     has_config: bool  # a diffusers model folder with config.json
     container: str  # safetensors / gguf
     quantized: str | None  # the quantized layout's label
+    title: str = ""  # the family as users name it (FLUX.2)
+    single_file_strips_prefix: bool = True  # the family's declaration (`Family.single_file_strips_prefix`)
 
 
 @dataclass(frozen=True)
@@ -79,9 +81,9 @@ def diffusers_from_single_file(f: Facts) -> Verdict:
     if f.quantized is not None and not f.quantized.startswith("BFL"):
         return Verdict(name, AFTER, f"{f.quantized}: its scales are not consumed by diffusers' converter",
                        _original_file(f))
-    if f.family == "flux2" and f.prefix:
-        return Verdict(name, AFTER, f"the FLUX.2 converter does not strip the {f.prefix!r} prefix (KeyError)",
-                       _original_file(f))
+    if f.prefix and not f.single_file_strips_prefix:
+        return Verdict(name, AFTER, f"the {f.title or f.family} converter does not strip the {f.prefix!r} prefix "
+                       "(KeyError)", _original_file(f))
     if f.respelled:
         return Verdict(name, AFTER, "ComfyUI-saved `.weight` norm scales are not in diffusers' converter",
                        _original_file(f))
@@ -94,8 +96,8 @@ def comfyui_core(f: Facts) -> Verdict:
         return Verdict(name, AFTER, "GGUF needs the ComfyUI-GGUF node; core loads safetensors",
                        _original_file(f))
     if f.naming != "original":
-        return Verdict(name, AFTER, "ComfyUI has no FLUX.2 diffusers-naming path (KeyError 'x_embedder.bias')",
-                       _original_file(f))
+        return Verdict(name, AFTER, f"ComfyUI has no {f.title or f.family} diffusers-naming path (KeyError "
+                       "'x_embedder.bias')", _original_file(f))
     if f.files > 1:
         return Verdict(name, AFTER, "no sharded loader: given shard 1 it detects a smaller model without an error",
                        _original_file(f))
@@ -132,7 +134,8 @@ def facts_of(path: Path, ckpt: Any, detection: Any) -> Facts:
     return Facts(path=Path(path), family=detection.table.name, naming=detection.naming, prefix=detection.prefix,
                  respelled=len(detection.respelled), files=len(ckpt.files),
                  has_config=ckpt.config is not None, container=ckpt.container,
-                 quantized=ckpt.quantization.label if ckpt.quantization else None)
+                 quantized=ckpt.quantization.label if ckpt.quantization else None,
+                 title=detection.family.title, single_file_strips_prefix=detection.family.single_file_strips_prefix)
 
 
 def runtimes(facts: Facts) -> list[Verdict]:
@@ -140,9 +143,6 @@ def runtimes(facts: Facts) -> list[Verdict]:
 
 
 # --- companions in a base folder ---------------------------------------------------------------------------------
-
-PIPELINES = {"Flux2KleinPipeline": "klein", "Flux2KleinKVPipeline": "klein-kv", "Flux2Pipeline": "dev"}
-
 
 def companions(base: Path, config: Mapping[str, Any], family: Any) -> list[dict[str, Any]]:
     """Checks of the base's text encoder, VAE and pipeline class against the transformer's config: each a row
@@ -170,16 +170,8 @@ def companions(base: Path, config: Mapping[str, Any], family: Any) -> list[dict[
                      "detail": f"VAE latent_channels {vae['latent_channels']} x 2x2 = {packed}; the transformer's "
                                f"in_channels is {want}"})
     index = read("model_index.json")
-    if index is not None and family.table.name == "flux2":
-        cls = str(index.get("_class_name", ""))
-        base_variant = PIPELINES.get(cls, cls)
-        if base_variant == "klein" and not index.get("is_distilled", False):
-            base_variant = "klein base (undistilled)"
-        wants_dev = bool(config.get("guidance_embeds"))
-        ok = (base_variant == "dev") == wants_dev
-        kind = "dev-like (guidance embedder)" if wants_dev else "klein-like (no guidance embedder)"
-        rows.append({"check": "variant", "ok": ok, "detail": f"base is {base_variant} ({cls}); the transformer is "
-                                                              f"{kind}"})
+    if index is not None and family.pipelines:
+        rows.append(_variant_row(index, config, family.pipelines))
     base_cfg = read("transformer/config.json")
     if base_cfg is not None:
         bad = family.config_mismatches(base_cfg, config)
@@ -187,6 +179,20 @@ def companions(base: Path, config: Mapping[str, Any], family: Any) -> list[dict[
                      "detail": "the base's transformer/config.json fits" if not bad else
                      "; ".join(f"{n}: base {b!r}, this file {c!r}" for n, b, c in bad)})
     return rows
+
+
+def _variant_row(index: Mapping[str, Any], config: Mapping[str, Any], variants: Mapping[str, Any]) -> dict[str, Any]:
+    """The base's pipeline class (a variant the family publishes) against the transformer's guidance embedder."""
+    cls = str(index.get("_class_name", ""))
+    by_class = {v.pipeline: (name, v) for name, v in variants.items()}
+    name, variant = by_class.get(cls, (cls, None))
+    if variant is not None and variant.registers_is_distilled and not index.get("is_distilled", False):
+        name = f"{name} base (undistilled)"
+    wants_guidance = bool(config.get("guidance_embeds"))
+    ok = (variant is not None and variant.guidance_embeds) == wants_guidance
+    like = next((n for n, v in variants.items() if v.guidance_embeds == wants_guidance), None)
+    kind = (f"{like}-like " if like else "") + ("(guidance embedder)" if wants_guidance else "(no guidance embedder)")
+    return {"check": "variant", "ok": ok, "detail": f"base is {name} ({cls}); the transformer is {kind}"}
 
 
 # --- adapters ----------------------------------------------------------------------------------------------------

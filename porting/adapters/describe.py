@@ -7,7 +7,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Mapping
 
-from porting.families import family_for
+from porting.families import family_for, get_family
 
 from .delta import delta_shape, rank, scale
 from .naming import Adapter, read_adapter
@@ -16,12 +16,8 @@ BLOCK_INDEX = re.compile(r"\.(\d+)\.")
 
 
 def variant_configs(table: str) -> Mapping[str, Mapping[str, Any]]:
-    """Released configurations to test an adapter against (FLUX.2 only for now)."""
-    if table != "flux2":
-        return {}
-    from porting.demo.tiny import REAL_FLUX2
-
-    return REAL_FLUX2
+    """Released configurations to test an adapter against: the real configs its family declares."""
+    return get_family(table).real_configs
 
 
 def fits(adapter: Adapter) -> dict[str, str | None]:

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
 from typing import Any, Mapping
 
 from porting._files import parse_json
 from porting.engine.mapping import MappingTable, Naming
 from porting.errors import InputError, UnsupportedFormatError
-from porting.families import builtin_tables
+from porting.families import builtin_tables, families
 from porting.finite import NotFinite, check_number
 from porting.tensors.checkpoint import Checkpoint, open_checkpoint
 
@@ -72,9 +71,16 @@ def naming_config(table: MappingTable) -> dict[str, Any]:
     return config
 
 
-@lru_cache(maxsize=None)
+_INDEXES: dict[str, ModuleIndex] = {}
+
+
 def module_index(table_name: str) -> ModuleIndex:
-    return build_index(builtin_tables()[table_name])
+    """The index of a registered family's table, built once per table (a re-registered family gets a new one)."""
+    table = builtin_tables()[table_name]
+    index = _INDEXES.get(table_name)
+    if index is None or index.table is not table:
+        index = _INDEXES[table_name] = build_index(table)
+    return index
 
 
 def build_index(table: MappingTable) -> ModuleIndex:
@@ -213,13 +219,13 @@ def _check_rank(ckpt: Checkpoint, m: ModuleAdapter, path: Path) -> None:
 
 
 def _best_table(keys: list[str]) -> ModuleIndex:
-    # FLUX.2 first: a LoRA on modules both families share (qkv, linear1) is read as FLUX.2
-    names = sorted(builtin_tables(), key=lambda n: (n != "flux2", n))
+    """The table naming the most keys; a tie goes to the family that declares the higher adapter priority."""
+    ranked = sorted(families(), key=lambda f: (-f.adapter_priority, f.name))
     scored = []
-    for name in names:
-        index = module_index(name)
+    for order, family in enumerate(ranked):
+        index = module_index(family.name)
         hits = sum(1 for k in keys if (s := _split_factor(k)) and _resolve(s[0], index))
-        scored.append((hits, -names.index(name), index))
+        scored.append((hits, -order, index))
     return max(scored, key=lambda t: (t[0], t[1]))[2]
 
 

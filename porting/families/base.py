@@ -50,6 +50,12 @@ class Family:
     shape_terms: ClassVar[tuple[str, ...]] = ()  # sizes the generated shape data may be written in
     shape_probes: ClassVar[tuple[Mapping[str, Any], ...]] = ()  # configs the shape data is generated from
     validates: ClassVar[bool] = False  # whether validation/'s staged torch runner knows this family's blocks
+    # adapters: when an adapter's keys are modules of several families' tables in equal number, the family with the
+    # highest priority reads it (one family's names may be a subset of another's)
+    adapter_priority: ClassVar[int] = 0
+    # compat: whether diffusers' from_single_file converter for this family strips a key prefix
+    # (`model.diffusion_model.`) itself
+    single_file_strips_prefix: ClassVar[bool] = True
 
     def __init__(self, table: MappingTable | None = None, folder: Path | None = None) -> None:
         self._table = table
