@@ -133,3 +133,41 @@ def test_light_verbs_never_import_torch_diffusers_or_transformers(argv: list[str
 def test_inspect_of_a_plain_checkpoint_never_imports_torch(tiny2_file: Path) -> None:
     """Headers only: opening, detecting and describing a bf16 file needs neither torch nor diffusers."""
     assert _heavy_modules_after(["inspect", str(tiny2_file), "--json"]) == []
+
+
+def _quantized_files(folder: Path, state) -> dict[str, Path]:
+    """Every quantized layout flux-port reads, tiny, as its producer writes it (tests/quantfiles.py)."""
+    from . import quantfiles as qf
+
+    mixed, _, _ = qf.comfy_mixed(state, "nvfp4")
+    declared, _, metadata = qf.comfy_mixed(state, "mxfp8", declare="metadata")
+    files = {"comfy scaled fp8": qf.save(folder / "scaled.safetensors", qf.comfy_scaled_fp8(state)[0]),
+             "comfy_quant nvfp4": qf.save(folder / "mixed.safetensors", mixed),
+             "comfy metadata mxfp8": qf.save(folder / "declared.safetensors", declared, metadata),
+             "BFL fp8": qf.save(folder / "bfl.safetensors", qf.bfl_fp8(state)[0]),
+             "BFL scheme nvfp4": qf.save(folder / "dbfl.safetensors", qf.diffusers_bfl(state)[0]),
+             "ModelOpt int8": qf.save(folder / "int8.safetensors", qf.modelopt_int8(state)[0])}
+    qf.gguf_file(folder / "q8.gguf", state, "Q8_0")
+    return {**files, "GGUF Q8_0": folder / "q8.gguf"}
+
+
+def test_inspect_of_quantized_files_never_imports_torch(tmp_path: Path, tiny2_state) -> None:
+    """The header and the scales' shapes say what a quantized file is: inspect of every layout (one interpreter)
+    exits 0, names its layout, and leaves torch, diffusers and transformers unloaded."""
+    files = _quantized_files(tmp_path, tiny2_state)
+    code = ("import contextlib, io, json, sys\nfrom porting.cli.app import main\nlayouts = []\n"
+            f"for path in {[str(p) for p in files.values()]!r}:\n"
+            "    out = io.StringIO()\n"
+            "    try:\n"
+            "        with contextlib.redirect_stdout(out):\n"
+            "            main(['inspect', path, '--json'])\n"
+            "    except SystemExit as e:\n"
+            "        assert not e.code, (path, e.code)\n"
+            "    layouts.append(json.loads(out.getvalue())['quantization']['format'])\n"
+            f"print(json.dumps([layouts, sorted(m for m in {HEAVY!r} if m in sys.modules)]))\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    layouts, heavy = json.loads(run.stdout.strip().splitlines()[-1])
+    assert heavy == []
+    assert len(layouts) == len(files) and all(layouts), layouts
+    assert layouts[0] == "ComfyUI scaled fp8" and layouts[-1] == "GGUF"

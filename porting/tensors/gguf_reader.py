@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from porting.errors import CheckFailed, InputError, UnsupportedQuantizationError
 
 from .dtypes import nbytes
 from .reader import Checkpoint, Quantization, TensorInfo
+
+if TYPE_CHECKING:  # the header is read with gguf and numpy; torch only when a tensor is dequantized
+    import torch
 
 PLAIN = {"F32": "F32", "F16": "F16", "BF16": "BF16"}  # GGML type name -> safetensors tag
 
@@ -37,7 +38,10 @@ class GGUFDecoder:
         self.entries = entries  # key -> (GGML type, data offset, stored bytes, torch shape)
 
     def dequantize(self, key: str, rows: tuple[int, int] | None = None,
-                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                   dtype: torch.dtype | None = None) -> torch.Tensor:
+        import torch
+
+        dtype = torch.float32 if dtype is None else dtype
         gguf = _gguf()
         qtype, offset, stored, shape = self.entries[key]
         n = shape[0] if shape else 1
@@ -50,6 +54,7 @@ class GGUFDecoder:
     def _rows(self, gguf: Any, key: str, qtype: Any, offset: int, row_bytes: int, count: int,
               rows: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
         import numpy as np
+        import torch
 
         raw = np.empty((count, row_bytes), dtype=np.uint8)  # uninitialised: read over at once
         start = offset + rows[0] * row_bytes
@@ -75,6 +80,7 @@ def q8_0(raw, dtype: torch.dtype) -> torch.Tensor:
     about 5x faster than the package, which matters because Q8_0 is the common GGUF type for klein.
     """
     import numpy as np
+    import torch
 
     blocks = raw.reshape(-1, 34)
     n = blocks.shape[0]

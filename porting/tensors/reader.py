@@ -162,6 +162,16 @@ def _check_dequantized(t: torch.Tensor, key: str, path: Path, rows: tuple[int, i
                       "output dtype (try --dtype bf16 or fp32); the file may be damaged.")
 
 
+def read_bytes(info: TensorInfo) -> bytes:
+    """A stored tensor's raw bytes, without torch (small tensors a header-only reader needs, e.g. JSON markers)."""
+    with open(info.file, "rb") as f:
+        f.seek(info.start)
+        raw = f.read(info.nbytes)
+    if len(raw) != info.nbytes:
+        raise InputError(f"{info.file}: unexpected end of file while reading tensor {info.name!r}.")
+    return raw
+
+
 def read_stored(info: TensorInfo, rows: tuple[int, int] | None = None) -> torch.Tensor:
     """Read a stored tensor, or rows [a, b) of dim 0, with plain file reads.
 

@@ -3,14 +3,15 @@
 A layout module (one per producer's format) decides from the header which layers are quantized and with which
 scheme; this module turns that into a `Checkpoint` whose quantized weights are computed tensors (float32) and whose
 sidecar tensors (scales, markers) are gone from the key set, folded into the weights or reported as dropped.
+
+Finding the layers reads headers only; torch (and the kernels) are imported when a weight is dequantized, so
+`port inspect` of a quantized file stays torch-free.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
-
-import torch
+from typing import TYPE_CHECKING, Mapping
 
 from porting.errors import InputError
 from porting.finite import check_scales
@@ -18,7 +19,9 @@ from porting.finite import check_scales
 from ..dtypes import nbytes
 from ..reader import Checkpoint, Quantization, TensorInfo, read_stored
 from ..sidecars import SIDECAR_NAMES, is_sidecar  # noqa: F401  (re-exported)
-from . import kernels
+
+if TYPE_CHECKING:
+    import torch
 
 
 class Parts:
@@ -64,10 +67,10 @@ class Scheme:
         """Refuse a scale that is zero, negative or not finite (scales of one tensor or one row)."""
         check_scales(t, repr(info.name), info.file)
 
-    def dequantize(self, parts: Parts, rows: tuple[int, int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Rows [a, b) dequantized in float32, rounded once to `dtype`."""
+    def dequantize(self, parts: Parts, rows: tuple[int, int], dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Rows [a, b) dequantized in float32, rounded once to `dtype` (None: float32)."""
         out = self.dequantize_f32(parts, rows)
-        return out if dtype == torch.float32 else out.to(dtype)
+        return out if dtype is None or dtype == out.dtype else out.to(dtype)
 
     def dequantize_f32(self, parts: Parts, rows: tuple[int, int]) -> torch.Tensor:
         raise NotImplementedError
@@ -97,7 +100,12 @@ class Scaled(Scheme):
             return None
         return f"scale {list(s.shape)} fits neither one scale per tensor nor one per row of weight {list(w.shape)}"
 
-    def dequantize(self, parts: Parts, rows: tuple[int, int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def dequantize(self, parts: Parts, rows: tuple[int, int], dtype: torch.dtype | None = None) -> torch.Tensor:
+        import torch
+
+        from . import kernels
+
+        dtype = torch.float32 if dtype is None else dtype
         if parts.info(self.scale_role).numel == 1:
             # one scale: each of the 256 codes has one dequantized value; a table lookup gives the same values
             # as the float32 product rounded to `dtype`, several times faster
@@ -111,6 +119,8 @@ class Scaled(Scheme):
     def dequantize_f32(self, parts: Parts, rows: tuple[int, int]) -> torch.Tensor:
         w = parts.rows("weight", rows)
         scale = parts.whole(self.scale_role).reshape(-1)[rows[0]:rows[1]]
+        from . import kernels
+
         return kernels.scaled(w, scale)
 
 
@@ -147,6 +157,8 @@ class NVFP4(Scheme):
         check_scales(t, repr(info.name), info.file, zero_ok=role == "weight_scale")  # 0: a block of zeros
 
     def _scales(self, parts: Parts) -> torch.Tensor:
+        from . import kernels
+
         key = "_unswizzled"
         if key not in parts._cache:
             n, k = self.shape(parts.layer.parts)
@@ -157,6 +169,8 @@ class NVFP4(Scheme):
 
     def dequantize_f32(self, parts: Parts, rows: tuple[int, int]) -> torch.Tensor:
         a, b = rows
+        from . import kernels
+
         return kernels.nvfp4(parts.rows("weight", rows), self._scales(parts)[a:b], parts.whole("weight_scale_2"),
                              self.high_first)
 
@@ -181,11 +195,17 @@ class MXFP8(Scheme):
 
     def check_scale(self, role: str, t: torch.Tensor, info: TensorInfo) -> None:
         """E8M0 exponents: 0xFF is NaN; every other byte is a power of two (or 0 as read here)."""
+        import torch
+
         nan = t.view(torch.uint8) == 0xFF
         if bool(nan.any()):
             check_scales(torch.where(nan, torch.nan, 1.0), repr(info.name), info.file, zero_ok=True)
 
     def dequantize_f32(self, parts: Parts, rows: tuple[int, int]) -> torch.Tensor:
+        import torch
+
+        from . import kernels
+
         key = "_unswizzled"
         n, k = parts.info("weight").shape
         if key not in parts._cache:
@@ -210,7 +230,7 @@ class QuantDecoder:
         self._current: tuple[str, dict[str, torch.Tensor]] | None = None
 
     def dequantize(self, key: str, rows: tuple[int, int] | None = None,
-                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                   dtype: torch.dtype | None = None) -> torch.Tensor:
         layer = self.layers[key]
         if self._current is None or self._current[0] != key:
             self._current = (key, {})
@@ -224,7 +244,7 @@ class QuantDecoder:
             check_scales(smooth, repr(layer.pre_quant_scale.name), layer.pre_quant_scale.file)
             parts._cache["_pre_quant_scale"] = smooth
         out = layer.scheme.dequantize(parts, rows or (0, n)) * parts._cache["_pre_quant_scale"]
-        return out if dtype == torch.float32 else out.to(dtype)
+        return out if dtype is None or dtype == out.dtype else out.to(dtype)
 
 
 @dataclass

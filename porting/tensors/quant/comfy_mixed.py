@@ -17,7 +17,7 @@ from __future__ import annotations
 from porting._files import parse_json
 from porting.errors import InputError, UnsupportedQuantizationError
 
-from ..reader import Checkpoint, read_stored
+from ..reader import Checkpoint, read_bytes
 from .base import MXFP8, NVFP4, Found, Scaled, Scheme, layer_parts
 
 NAME = "ComfyUI mixed precision"
@@ -69,7 +69,7 @@ def _configs(ckpt: Checkpoint) -> dict[str, dict]:
                 raise InputError(f"{ckpt.path}: {key!r} should be a small uint8 tensor of JSON, is {info.dtype} "
                                  f"{list(info.shape)}.")
             where = f"{ckpt.path}: {key!r}"
-            conf = parse_json(bytes(read_stored(info).numpy()), str(ckpt.path), what=repr(key))
+            conf = parse_json(read_bytes(info), str(ckpt.path), what=repr(key))
             configs[key[: -len(MARKER)] + "."] = _layer_config(conf, where)
     return configs
 
