@@ -29,6 +29,7 @@ from porting.text import one_line
 
 from .delta import Shape, delta, delta_shape, multiplier, read32
 from .describe import variant_configs
+from .effect import Effect
 from .naming import Adapter, ModuleAdapter, read_adapter
 
 
@@ -84,6 +85,7 @@ class Placement:
         self.direct: dict[str, list[Contribution]] = {}
         self.via: dict[str, _Group] = {}
         self.leftovers: list[tuple[str, str]] = []
+        self.effect = Effect()  # what each merged tensor's delta does to it (port inspect --base measures the same)
         for adapter, strength in adapters:
             self.leftovers += [(f"{adapter.path.name}: {k}", why) for k, why in adapter.unknown]
             if adapter.table.name != detection.table.name:
@@ -168,14 +170,15 @@ class Placement:
                 weight = ckpt.read(stored)
                 if param in self:
                     dtype = weight.dtype
-                    merged = weight.to(torch.float32)
-                    del weight  # peak memory: the float32 sum and its cast, not the read as well
+                    merged = weight.to(torch.float32, copy=True)  # the base weight is measured against the sum
                     names = self.names(param)
                     self.add_into(param, merged)
                     # the sum must be finite and fit the dtype it is written in (the base's, then the output's)
                     narrowest = min((dtype, ST_TO_TORCH[ps.out_dtype]), key=lambda d: torch.finfo(d).max)
                     check_tensor(merged, f"{stored} plus the delta of {names}", ckpt.path, into=narrowest,
                                  hint="Lower the adapter's strength, or merge into a bf16 / fp32 copy of the base.")
+                    self.effect.observe(param, weight, merged=merged, adapters=names)
+                    del weight  # peak memory: the float32 sum and its cast, not the read as well
                     weight = merged.to(dtype)  # one rounding to the base dtype
                     del merged
                 inputs.append(weight)
@@ -264,7 +267,10 @@ def merge(base: str | Path, adapters: list[tuple[str | Path, float]], out: str |
          "modules": len(a.modules), "kinds": a.kinds, "skipped": skipped[str(a.path)]} for a, s in read]
     result = convert(base, out, to=to or detection.naming, strict=True, max_shard_size=max_shard_size,
                      dry_run=dry_run, force=force, on_start=on_start, on_bytes=on_bytes,
-                     tensors=placement.tensors, manifest_extra={"merged_adapters": merged},
+                     tensors=placement.tensors,
+                     manifest_extra={"merged_adapters": merged, "adapter_effect": placement.effect.doc},
                      inputs={"adapter": [a.path for a, _ in read]}, on_notice=on_notice)
     result.extra["skipped"] = {path: keys for path, keys in skipped.items() if keys}
+    if not dry_run:
+        result.extra["adapter_effect"] = placement.effect.doc
     return result

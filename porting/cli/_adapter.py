@@ -51,14 +51,24 @@ def convert(output: Output, src: Path, out: Optional[Path], to: str, style: Opti
         output.hint(f"load it with pipe.load_lora_weights({str(result.out)!r})")
 
 
-def inspect(output: Output, path: Path) -> None:
+def inspect(output: Output, path: Path, base: Optional[Path] = None, strength: Optional[float] = None) -> None:
     from porting.adapters.describe import describe_adapter
     from porting.compat import adapter_runtimes
+    from porting.errors import UsageError
 
     from ._compat import compatibility_table
+    from ._options import require_finite
 
+    if strength is not None and base is None:
+        raise UsageError("--strength needs --base: the delta is measured against a base's weights.",
+                         hint=f"port inspect {path} --base BASE --strength {strength:g}")
+    strength = require_finite(1.0 if strength is None else strength, "--strength")
     info = describe_adapter(path)
     info["compatibility"] = [v.to_dict() for v in adapter_runtimes(path, info)]
+    if base is not None:
+        from porting.adapters.base_effect import effect_on_base
+
+        info["effect"] = effect_on_base(path, base, strength)
     output.document(info)
     table = Table(title=f"{path}", show_header=False)
     table.add_row("kind", f"adapter ({info['format']})")
@@ -76,8 +86,31 @@ def inspect(output: Output, path: Path) -> None:
         table.add_row("targets", f"{target} x{n}")
     output.table(table)
     output.table(compatibility_table(info))
+    if "effect" in info:
+        output.table(effect_table(info["effect"]))
+        flagged = [r for r in info["effect"]["modules"] if r["status"] != "ok"]
+        if flagged:
+            output.warning(f"{len(flagged)} module(s) of {path.name} would not change the bf16 weights of the base "
+                           f"at strength {strength:g} (" + ", ".join(f"{r['module']}: {r['status']}"
+                                                                    for r in flagged[:4])
+                           + (" ..." if len(flagged) > 4 else "") + ")")
     for row in info["unreadable"][:20]:
         output.warning(f"{row['key']}: {row['why']}")
+
+
+def effect_table(doc: dict[str, Any]) -> Table:
+    """The summary of an adapter's effect on a base (`porting.adapters.effect`) as a table."""
+    from porting.adapters.effect import summary_lines
+
+    lines = summary_lines(doc)
+    table = Table(title=f"effect on {doc.get('base', 'the base')} at strength {doc.get('strength', 1):g}",
+                  show_header=False)
+    table.add_row("summary", lines[0].split(": ", 1)[1])
+    for line in lines[1:]:
+        label, _, rest = line.strip().partition(": ")
+        table.add_row(label, rest)
+    table.add_row("threshold", doc["definition"])
+    return table
 
 
 def _counts(counts: dict[str, Any]) -> str:

@@ -17,6 +17,8 @@ Examples:
   port inspect flux-2-klein-9b.safetensors
   port inspect ./my-finetune/ --json
   port inspect my-lora.safetensors             (an adapter: naming, ranks, alphas, which base it fits)
+  port inspect my-lora.safetensors --base flux-2-klein-9b.safetensors --strength 0.8
+                                               (and what each module does to that base: flags a LoRA with no effect)
 """
 
 
@@ -47,14 +49,22 @@ def inspect(path: Annotated[Path, typer.Argument(
                 help="A .safetensors or .gguf file, a sharded folder, a diffusers model folder or a pipeline folder.")],
             base: Annotated[Optional[Path], typer.Option(
                 "--base", help="A base pipeline folder: check its text encoder, VAE and variant against this "
-                               "transformer.")] = None,
+                               "transformer. For an adapter: the base checkpoint (file or folder) to measure each "
+                               "module's delta against (read a tensor at a time).")] = None,
+            strength: Annotated[Optional[float], typer.Option(
+                "--strength", help="Adapter only, with --base: the strength the delta is measured at (default "
+                                   "1).")] = None,
             json_: JsonOpt = False) -> None:
     """Show naming, family, variant, dtypes, counts, the inferred diffusers config and which runtimes load the file
     (reads headers only)."""
     out = _output.use(json_mode=json_)
     path = transformer_of(path, out.status)
     if _adapter.is_adapter(path):
-        return _adapter.inspect(out, path)
+        return _adapter.inspect(out, path, transformer_of(base, out.status) if base else None, strength)
+    if strength is not None:
+        from porting.errors import UsageError
+
+        raise UsageError("--strength is for an adapter measured against a base (port inspect ADAPTER --base BASE).")
     info = describe(path, base)
     out.document(info)
     table = Table(title=f"{path}", show_header=False)

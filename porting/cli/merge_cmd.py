@@ -67,6 +67,15 @@ def merge(
     doc = {**result.to_dict(), "adapters": [{"path": str(p), "strength": s} for p, s in specs]}
     output.document(doc)
     output.table(summary_table(result))
+    effect = result.extra.get("adapter_effect")
+    if effect:
+        from porting.adapters.effect import summary_lines
+
+        lines = summary_lines(effect)
+        for line in lines:
+            output.status(line)
+        if any(r["status"] != "ok" for r in effect["modules"]):
+            output.warning(lines[0].split(": ", 1)[1] + "; see the lines above or --json (adapter_effect)")
     for path, keys in result.extra.get("skipped", {}).items():
         output.warning(f"skipped {len(keys)} key(s) of {path} (--skip): {', '.join(keys[:6])}"
                        + (f" and {len(keys) - 6} more" if len(keys) > 6 else ""))

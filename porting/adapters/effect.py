@@ -1,0 +1,138 @@
+"""What an adapter does to a base, module by module: how large its delta is, and whether it survives bf16.
+
+For every base tensor an adapter lands on, with W the base weight and d the delta in float32 (at its strength;
+several adapters' deltas summed, as merge adds them):
+
+- `rel_norm` = ||d||_F / ||W||_F and `max_abs` = max |d|;
+- `changed`: how many elements of the weight, stored in bf16, differ once d is added:
+  round_bf16(W + d) != round_bf16(W), with W + d in float32 and round-to-nearest-even (what `port merge` writes
+  into a bf16 base, and what a bf16 runtime computes when it patches the weight).
+
+A module is flagged
+- `zero` when d is exactly zero (an untrained LoRA's up matrix, a LoKr factor of zeros);
+- `no effect` when d is not zero but changes no element: at every element |d| is below half a bf16 ulp of the
+  weight there (a tie rounds to even; just below a power of two the ulp halves, which the exact rounding handles),
+  so the merged bf16 weight is the base weight bit for bit. The LoRA "loads but does nothing".
+bf16 is the yardstick whatever the base's own dtype: FLUX checkpoints are published and run in bf16, so an fp32 or
+dequantized base that would keep such a delta loses it in a bf16 runtime all the same.
+
+`Effect` accumulates one row per module (`observe`), reading the weight a block of rows at a time, so no second
+full-size float32 buffer is made; `doc` is the JSON summary and is updated in place, which lets merge put it in its
+manifest before the tensors are read.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Iterable
+
+if TYPE_CHECKING:
+    import torch
+
+OK, ZERO, NO_EFFECT = "ok", "zero", "no effect"
+BLOCK = 1 << 22  # elements per block of rows (16 MiB of float32)
+DEFINITION = ("no effect: round_bf16(W + d) == round_bf16(W) at every element (|d| below half a bf16 ulp of the "
+              "weight everywhere), d not zero; zero: d == 0")
+
+
+def measure(weight: torch.Tensor, merged: torch.Tensor | None = None,
+            delta: torch.Tensor | None = None) -> dict[str, Any]:
+    """The numbers of one module: `weight` as stored, and either `merged` (W + d, float32) or `delta` (d)."""
+    import torch
+
+    if (merged is None) == (delta is None):
+        raise ValueError("measure needs exactly one of merged and delta")
+    other = merged if merged is not None else delta
+    assert other is not None
+    cols = weight.shape[-1] if weight.dim() > 1 else max(weight.numel(), 1)
+    w2, o2 = weight.reshape(-1, cols), other.reshape(-1, cols)
+    step = max(1, BLOCK // cols)
+    buf = torch.empty(min(step, w2.shape[0]) * cols, dtype=torch.float32)
+    d_sq = w_sq = 0.0
+    peak = 0.0
+    changed = 0
+    for a in range(0, w2.shape[0], step):
+        w, o = w2[a:a + step], o2[a:a + step]
+        scratch = buf[: w.numel()].view(w.shape)
+        w16 = w if w.dtype == torch.bfloat16 else w.to(torch.bfloat16)
+        if merged is not None:
+            m, d = o, torch.sub(o, w, out=scratch)
+        else:
+            m, d = torch.add(o, w, out=scratch), o
+        changed += int(torch.count_nonzero(m.to(torch.bfloat16) != w16))
+        d_sq += float(torch.linalg.vector_norm(d)) ** 2
+        lo, hi = torch.aminmax(d)
+        peak = max(peak, -float(lo), float(hi))
+        w_sq += float(torch.linalg.vector_norm(w, dtype=torch.float32)) ** 2
+    w_norm = w_sq ** 0.5
+    status = ZERO if peak == 0.0 else NO_EFFECT if changed == 0 else OK
+    return {"rel_norm": (d_sq ** 0.5 / w_norm) if w_norm > 0 else None, "max_abs": peak,
+            "weight_norm": w_norm, "changed": changed, "elements": weight.numel(), "status": status}
+
+
+class Effect:
+    """Rows of `measure`, one per base tensor, and the keys that landed nowhere; `doc` is kept current."""
+
+    def __init__(self, strength: float | None = None) -> None:
+        self.rows: list[dict[str, Any]] = []
+        self.unplaced: list[dict[str, str]] = []
+        self.doc: dict[str, Any] = {"definition": DEFINITION, "reference_dtype": "bf16", "modules": self.rows,
+                                    "unplaced": self.unplaced, "counts": {}}
+        if strength is not None:
+            self.doc["strength"] = strength
+        self._count()
+
+    def observe(self, module: str, weight: torch.Tensor, merged: torch.Tensor | None = None,
+                delta: torch.Tensor | None = None, adapters: str = "") -> dict[str, Any]:
+        """Measure one base tensor (see `measure`); `adapters` names what landed on it, for messages."""
+        row = {"module": module, **measure(weight, merged, delta)}
+        if adapters:
+            row["adapters"] = adapters
+        self.rows.append(row)
+        self._count()
+        return row
+
+    def land_nowhere(self, leftovers: Iterable[tuple[str, str]]) -> None:
+        """Adapter keys that land on no base tensor (or on one of another shape), with why."""
+        self.unplaced += [{"keys": k, "why": why} for k, why in leftovers]
+        self._count()
+
+    def _count(self) -> None:
+        counts = {"modules": len(self.rows), OK: 0, NO_EFFECT: 0, ZERO: 0, "unplaced": len(self.unplaced)}
+        for row in self.rows:
+            counts[row["status"]] += 1
+        self.doc["counts"] = counts
+
+    @property
+    def flagged(self) -> list[dict[str, Any]]:
+        return [r for r in self.rows if r["status"] != OK]
+
+    def weakest(self, n: int = 5) -> list[dict[str, Any]]:
+        """The `n` modules whose delta is smallest relative to their weight (the first to fall below bf16)."""
+        ranked = sorted(self.rows, key=lambda r: (r["rel_norm"] is None, r["rel_norm"] or 0.0))
+        return ranked[:n]
+
+
+def summary_lines(doc: dict[str, Any], flagged: int = 10, weakest: int = 3) -> list[str]:
+    """A short text summary of an `Effect.doc`: counts, the flagged modules, the weakest others."""
+    c = doc["counts"]
+    lines = [f"adapter effect on the base (bf16 yardstick): {c['modules']} module(s): {c[OK]} change the weight, "
+             f"{c[NO_EFFECT]} no effect, {c[ZERO]} zero" + (f"; {c['unplaced']} key group(s) land nowhere"
+                                                              if c["unplaced"] else "")]
+    rows = doc["modules"]
+    bad = [r for r in rows if r["status"] != OK]
+    for r in bad[:flagged]:
+        lines.append(f"  {r['status']}: {r['module']} ({_row(r)})")
+    if len(bad) > flagged:
+        lines.append(f"  ... and {len(bad) - flagged} more flagged (--json for every module)")
+    good = sorted((r for r in rows if r["status"] == OK and r["rel_norm"] is not None), key=lambda r: r["rel_norm"])
+    for r in good[:weakest]:
+        lines.append(f"  weakest: {r['module']} ({_row(r)})")
+    for u in doc["unplaced"][:flagged]:
+        lines.append(f"  lands nowhere: {u['keys']}: {u['why']}")
+    return lines
+
+
+def _row(r: dict[str, Any]) -> str:
+    rel = "n/a" if r["rel_norm"] is None else f"{r['rel_norm']:.3g}"
+    return (f"|d|/|W| {rel}, max |d| {r['max_abs']:.3g}, changes {r['changed']:,} of {r['elements']:,} bf16 "
+            "elements")
