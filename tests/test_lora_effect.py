@@ -148,6 +148,8 @@ def test_measure_reads_blocks_of_rows_with_the_same_numbers(monkeypatch) -> None
     monkeypatch.setattr(E, "BLOCK", 20)  # one row and a bit per block
     blocks = E.measure(w, delta=d)
     merged = E.measure(w, merged=w.float() + d)
+    as_fp32 = E.measure(w.float(), delta=d)  # an fp32 base is judged at bf16 all the same
+    assert as_fp32["changed"] == whole["changed"] and as_fp32["rel_norm"] == pytest.approx(whole["rel_norm"])
     assert blocks["changed"] == whole["changed"] == int(((w.float() + d).bfloat16() != w).sum()) == merged["changed"]
     for k in ("rel_norm", "max_abs"):
         assert blocks[k] == pytest.approx(whole[k], rel=1e-6) and merged[k] == pytest.approx(whole[k], rel=1e-5)
