@@ -36,7 +36,7 @@ class Flux2(Family):
     name = "flux2"
     title = "FLUX.2"
     table_resource = "flux2.toml"
-    validates = True
+    stages_module = "porting.families.flux2_stages"
     shapes_resource = "flux2.shapes.toml"
     # a fine-tune must agree with its base on these
     structural_fields = ("num_layers", "num_single_layers", "num_attention_heads", "attention_head_dim",
