@@ -146,3 +146,39 @@ def test_flux1_on_two_cpu_ranks_equals_one_process(checkpoints, tmp_path) -> Non
     two = validate(checkpoints["flux1-dev"], devices="cpu,cpu", device_weight_transform=fault, **SMALL).to_dict()
     assert two["blocks"] == one["blocks"] and two["verdict"] == "fail"
     assert two["blame"]["stage"] == "single_transformer_blocks.1"
+
+
+@pytest.mark.parametrize("variant,pipeline_class", [("flux1-dev", "FluxPipeline"), ("dev", "Flux2Pipeline")])
+def test_a_prompt_is_encoded_by_the_bases_own_pipeline_encoders(variant, pipeline_class, tmp_path) -> None:
+    """--base --prompt: the features equal what the base's pipeline (loaded from the folder) computes itself."""
+    import diffusers
+
+    from porting.demo.bases import tiny_base, write_tiny_base
+
+    tb = tiny_base(variant)
+    base = write_tiny_base(tmp_path / "base", variant, seed=0)
+    ft = write_random_checkpoint(tmp_path / "ft.safetensors", tb.transformer, table=tb.family, seed=1)
+    inputs = build_inputs(WeightSource(ft).config, resolution=64, text_len=16, timesteps=(1.0,), base=base,
+                          prompt="a red fox")
+    assert inputs.description["text_features"] == "prompt"
+    pipe = getattr(diffusers, pipeline_class).from_pretrained(base, transformer=None, vae=None, local_files_only=True)
+    with torch.no_grad():
+        want = pipe.encode_prompt("a red fox", device=torch.device("cpu"), max_sequence_length=16)
+    torch.testing.assert_close(inputs.state["ctx"], want[0].float(), rtol=0, atol=0)
+    if pipeline_class == "FluxPipeline":  # CLIP's pooled output too; and the whole run once (the same for both)
+        torch.testing.assert_close(inputs.state["pooled"], want[1].float(), rtol=0, atol=0)
+        d = validate(ft, resolution=64, text_len=16, timesteps=(1.0,), base=base, prompt="a red fox").to_dict()
+        assert d["verdict"] == "pass" and d["inputs"]["prompt"] == "a red fox"
+
+
+def test_a_prompt_needs_the_bases_second_encoder_for_flux1(tmp_path) -> None:
+    import shutil
+
+    from porting.demo.bases import tiny_base, write_tiny_base
+    from porting.errors import InputError
+
+    base = write_tiny_base(tmp_path / "base", "flux1-dev", seed=0)
+    shutil.rmtree(base / "text_encoder_2")
+    ft = write_random_checkpoint(tmp_path / "ft.safetensors", tiny_base("flux1-dev").transformer, table="flux1")
+    with pytest.raises(InputError, match="text_encoder_2/"):
+        build_inputs(WeightSource(ft).config, resolution=64, text_len=16, base=base, prompt="a fox")
