@@ -186,3 +186,17 @@ def test_a_prompt_needs_the_bases_second_encoder_for_flux1(tmp_path) -> None:
     ft = write_random_checkpoint(tmp_path / "ft.safetensors", tiny_base("flux1-dev").transformer, table="flux1")
     with pytest.raises(InputError, match="text_encoder_2/"):
         build_inputs(WeightSource(ft).config, resolution=64, text_len=16, base=base, prompt="a fox")
+
+
+def test_the_memory_estimate_groups_weights_by_the_familys_blocks(checkpoints) -> None:
+    from porting.resources import stage_params
+
+    source = WeightSource(checkpoints["flux1-dev"])
+    assert source.stage_of("single_transformer_blocks.1.proj_mlp.weight") == "single_transformer_blocks.1"
+    assert source.stage_of("time_text_embed.guidance_embedder.linear_1.weight") == "other"
+    shapes = [(k, tuple(s)) for k, s, _ in source.plan.outputs()]
+    staged = StagedModel(source, torch.device("cpu"), torch.float32)
+    per_stage = [sum(p.numel() for _, m in staged._modules(n) for p in m.parameters()) for n in staged.stage_names()]
+    blocks = max(per_stage[1:-1])
+    assert stage_params(shapes, source.stage_of) == max(blocks, per_stage[0] + per_stage[-1])
+    assert source.text_encoders(Path("base"), "a fox") == [Path("base/text_encoder"), Path("base/text_encoder_2")]
