@@ -71,27 +71,41 @@ def test_the_staged_golden_equals_the_diffusers_forward(name, checkpoints, tmp_p
     torch.testing.assert_close(streamed, _whole_forward(folder, inputs.state), rtol=0, atol=1e-6)
 
 
-def test_flux1_inputs_are_what_flux_pipeline_feeds_its_transformer(checkpoints, tmp_path) -> None:
-    """FluxPipeline's first step (sigma 1: timestep 1.0 after its /1000, guidance 3.5) on our packed latents and text
-    features: the transformer receives our ids, timestep and guidance, and computes what the staged run computes."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+@pytest.mark.parametrize("name,variant", [("flux1-dev", "flux1-dev"), ("flux2-dev", "dev")])
+def test_inputs_are_what_the_pipeline_feeds_its_transformer(name, variant, checkpoints, tmp_path) -> None:
+    """The family's pipeline (a tiny base, our converted transformer), first step at sigma 1 (timestep 1.0 after its
+    / 1000, its default guidance) on our latents and text features: the transformer receives our ids, timestep and
+    guidance, and computes what the staged run computes."""
+    import diffusers
+
+    from porting.demo.bases import write_tiny_base
 
     folder = tmp_path / "transformer"
-    convert(checkpoints["flux1-dev"], folder)
+    convert(checkpoints[name], folder)
     source = WeightSource(folder)
     inputs = build_inputs(source.config, resolution=128, text_len=32, timesteps=(1.0,))
     s = inputs.state
-    transformer = FluxTransformer2DModel.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    base = write_tiny_base(tmp_path / "base", variant, seed=0)
+    cls = getattr(diffusers, source.detection.table.diffusers_class)
+    transformer = cls.from_pretrained(folder, torch_dtype=torch.float32).eval()
     seen: dict = {}
     transformer.register_forward_pre_hook(lambda m, a, kw: seen.update(kw), with_kwargs=True)
     transformer.register_forward_hook(lambda m, a, o: seen.update(out=o[0] if isinstance(o, tuple) else o.sample))
-    pipe = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=None, text_encoder=None, tokenizer=None,
-                        text_encoder_2=None, tokenizer_2=None, transformer=transformer)
-    pipe(prompt_embeds=s["ctx"], pooled_prompt_embeds=s["pooled"], latents=s["x"], height=128, width=128,
-         num_inference_steps=1, output_type="latent")
+    pipe = diffusers.DiffusionPipeline.from_pretrained(base, transformer=transformer, local_files_only=True)
+    side = 128 // 16  # image tokens per side; the tiny base's VAE downsamples less than the real one's 8
+    size = side * 2 * pipe.vae_scale_factor
+    if "pooled" in s:  # FluxPipeline takes packed latents
+        pipe(prompt_embeds=s["ctx"], pooled_prompt_embeds=s["pooled"], latents=s["x"], height=size, width=size,
+             num_inference_steps=1, output_type="latent")
+    else:  # Flux2Pipeline packs (B, C, H, W) latents itself
+        latents = s["x"].reshape(1, side, side, -1).permute(0, 3, 1, 2)
+        pipe(prompt_embeds=s["ctx"], latents=latents, height=size, width=size, num_inference_steps=1,
+             output_type="latent")
     assert torch.equal(seen["timestep"], s["timestep"]) and torch.equal(seen["guidance"], s["guidance"])
     assert torch.equal(seen["img_ids"], s["img_ids"]) and torch.equal(seen["txt_ids"], s["txt_ids"])
-    assert torch.equal(seen["pooled_projections"], s["pooled"])
+    assert torch.equal(seen["hidden_states"], s["x"])
+    if "pooled" in s:
+        assert torch.equal(seen["pooled_projections"], s["pooled"])
     streamed = StagedModel(source, torch.device("cpu"), torch.float32).forward_all(s)
     torch.testing.assert_close(streamed, seen["out"], rtol=0, atol=1e-6)
 
