@@ -2,11 +2,13 @@
 
 A family knows how to turn facts read off shapes into a diffusers config, which sizes its table may name, which
 config fields a fine-tune must share with its base, which pipeline classes publish it, its tiny and real configs,
-and the keys and shapes its diffusers model has (from generated data, so a conversion need not import diffusers).
+the keys and shapes its diffusers model has (from generated data, so a conversion need not import diffusers), and
+its transformer's stages for port validate (a module loaded on demand).
 """
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from functools import cached_property
 from importlib import resources
@@ -20,6 +22,7 @@ from porting.engine.ops import OpShapeError
 
 from .meta import meta_state_shapes
 from .shapes import ShapeTemplate, load_template
+from .stages import TransformerStages
 
 Shape = tuple[int, ...]
 
@@ -34,6 +37,17 @@ class PipelineVariant:
     out_layers: tuple[int, ...]  # the pipeline's default text_encoder_out_layers
     registers_is_distilled: bool  # whether the pipeline's config (model_index.json) records is_distilled
     title: str
+    # further text encoders the pipeline takes, as (component folder, class): FLUX.1's T5 in text_encoder_2/
+    more_text_encoders: tuple[tuple[str, str], ...] = ()
+    default_steps: int = 50  # denoising steps when the user names none (a distilled base says 4 itself)
+    # whether `latents=` passed to the pipeline is packed as tokens (batch, patches, in_channels), as FluxPipeline
+    # takes it, rather than (batch, in_channels, H / 16, W / 16), as the FLUX.2 pipelines do
+    packed_latents: bool = False
+
+    @property
+    def text_encoders(self) -> dict[str, str]:
+        """Every text encoder component the pipeline takes and the class it expects there."""
+        return {"text_encoder": self.text_encoder, **dict(self.more_text_encoders)}
 
 
 class Family:
@@ -49,13 +63,15 @@ class Family:
     real_configs: ClassVar[Mapping[str, Mapping[str, Any]]] = {}
     shape_terms: ClassVar[tuple[str, ...]] = ()  # sizes the generated shape data may be written in
     shape_probes: ClassVar[tuple[Mapping[str, Any], ...]] = ()  # configs the shape data is generated from
-    validates: ClassVar[bool] = False  # whether validation/'s staged torch runner knows this family's blocks
     # adapters: when an adapter's keys are modules of several families' tables in equal number, the family with the
     # highest priority reads it (one family's names may be a subset of another's)
     adapter_priority: ClassVar[int] = 0
     # compat: whether diffusers' from_single_file converter for this family strips a key prefix
     # (`model.diffusion_model.`) itself
     single_file_strips_prefix: ClassVar[bool] = True
+    # the module whose STAGES runs the transformer stage by stage (`stages.TransformerStages`, for port validate);
+    # it imports torch and diffusers, so it is named here and loaded only by `stages()`
+    stages_module: ClassVar[str | None] = None
 
     def __init__(self, table: MappingTable | None = None, folder: Path | None = None) -> None:
         self._table = table
@@ -86,6 +102,16 @@ class Family:
             return None
         text, path = self._read(self.shapes_resource)
         return load_template(text, path)
+
+    @property
+    def has_stages(self) -> bool:
+        return self.stages_module is not None
+
+    def stages(self) -> TransformerStages:
+        """The family's stages and input builders (imports torch and diffusers)."""
+        if self.stages_module is None:
+            raise KeyError(f"{self.title or self.name} declares no transformer stages")
+        return importlib.import_module(self.stages_module).STAGES
 
     @property
     def diffusers_class(self) -> str:

@@ -36,9 +36,9 @@ class Flux2(Family):
     name = "flux2"
     title = "FLUX.2"
     table_resource = "flux2.toml"
-    validates = True
     adapter_priority = 1  # a LoRA on modules FLUX.1 shares (qkv, linear1) is read as FLUX.2
     single_file_strips_prefix = False  # its converter looks keys up as they are: KeyError on a prefix
+    stages_module = "porting.families.flux2_stages"
     shapes_resource = "flux2.shapes.toml"
     # a fine-tune must agree with its base on these
     structural_fields = ("num_layers", "num_single_layers", "num_attention_heads", "attention_head_dim",
@@ -49,7 +49,7 @@ class Flux2(Family):
         "klein": PipelineVariant("Flux2KleinPipeline", "Qwen3ForCausalLM", False, (9, 18, 27), True,
                                  "FLUX.2 [klein]"),
         "klein-kv": PipelineVariant("Flux2KleinKVPipeline", "Qwen3ForCausalLM", False, (9, 18, 27), False,
-                                    "FLUX.2 [klein] KV"),
+                                    "FLUX.2 [klein] KV", default_steps=4),
         "dev": PipelineVariant("Flux2Pipeline", "Mistral3ForConditionalGeneration", True, (10, 20, 30), False,
                                "FLUX.2 [dev]"),
     }
