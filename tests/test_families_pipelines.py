@@ -186,3 +186,25 @@ def test_bench_skips_edit_for_flux1(ports, tmp_path) -> None:
     rows = {r["task"]: r for r in json.loads((b.out / "bench.json").read_text())["rows"]}
     assert rows["t2i"]["status"] == "ok"
     assert rows["edit"]["status"] == "skipped" and "FluxPipeline takes no reference image" in rows["edit"]["reason"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, pipeline", [("flux1", "FluxPipeline"), ("flux2-dev", "Flux2Pipeline")])
+def test_demo_runs_offline_for_the_family(family, pipeline, capsys, tmp_path) -> None:
+    """`port demo --family`: convert, validate (PASS, the real gate), publish and generate on the family's tiny
+    base."""
+    work = tmp_path / "demo"
+    run = run_port(capsys, "demo", "--workdir", work, "--family", family, "--json")
+    assert run.code == 0, run.msg
+    doc = json.loads(run.out)
+    assert doc["family"] == family and doc["validate"]["verdict"] == "pass"
+    assert doc["publish"]["pipeline"] == pipeline and doc["publish"]["validation"]["status"] == "pass"
+    assert json.loads((work / "published" / "model_index.json").read_text())["_class_name"] == pipeline
+    with Image.open(work / "demo.png") as image:
+        assert image.size == (64, 64)
+
+
+def test_demo_refuses_an_unknown_family(capsys, tmp_path) -> None:
+    run = run_port(capsys, "demo", "--workdir", tmp_path / "demo", "--family", "flux3")
+    assert run.code == 2 and "--family 'flux3': choose one of klein, flux1, flux1-schnell, flux2-dev" in run.msg
+    assert not (tmp_path / "demo").exists()
