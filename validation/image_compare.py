@@ -32,6 +32,7 @@ from porting.pipeline.compare_tables import COMPARE_JSON, COMPARE_MD, fmt, summa
 from porting.pipeline.generate import (
     DEFAULT_SIZE,
     DTYPES,
+    check_takes_images,
     default_size,
     default_steps,
     load_references,
@@ -348,6 +349,8 @@ def compare(reference: Side, candidate: Side, *, prompts: Sequence[str] | None =
     if diff_gain <= 0:
         raise PortError(f"--diff-gain {diff_gain}: must be positive.")
     ref, cand = _prepare(reference, "--reference-dtype"), _prepare(candidate, "--dtype")
+    for side in (ref, cand):  # a text-only pipeline (FluxPipeline) refuses --image before anything loads
+        check_takes_images(read_model_index(side.folder), images)
     sizes = [reference_size(Path(p)) for p in images]
     for side, label, with_encoder in ((ref, "the reference", True), (cand, "the candidate", False)):
         pipeload.check_memory(f"comparing ({label} side on {side.device})", side.folder, side.device, side.dtype_name,

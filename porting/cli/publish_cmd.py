@@ -32,10 +32,14 @@ class LinkChoice(str, Enum):
     copy = "copy"
 
 
-class VariantChoice(str, Enum):
-    klein = "klein"
-    klein_kv = "klein-kv"
-    dev = "dev"
+def _variant_choices() -> type[Enum]:
+    """The publish variants the family registry declares (torch-free: the registry is data)."""
+    from porting.families import pipeline_variants
+
+    return Enum("VariantChoice", {name: name for name in pipeline_variants()}, type=str)  # type: ignore[return-value]
+
+
+VariantChoice = _variant_choices()
 
 
 def summary_table(result: PublishResult) -> Table:

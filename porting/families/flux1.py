@@ -74,6 +74,8 @@ class Flux1(Family):
                   ("text_encoder_2", "d_model", "joint_attention_dim", "T5 d_model"))
         for component, field, target, what in widths:
             path = base / component / "config.json"
+            if not path.is_file():  # a base without this text encoder: publish names the missing component
+                continue
             cfg = read_json_object(path, f"{component} config")
             text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
             width = json_int(text, field, path, minimum=1)

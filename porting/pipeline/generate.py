@@ -144,8 +144,10 @@ def call_parameters(index: dict[str, Any]) -> Any:
 
 def check_takes_images(index: dict[str, Any], images: Sequence[Any]) -> None:
     """Refuse --image (exit 2, before any image is read) for a pipeline without a reference-image input."""
+    if not images:
+        return
     accepted = call_parameters(index)
-    if images and accepted is not None and "image" not in accepted:
+    if accepted is not None and "image" not in accepted:
         raise PortError(f"--image: {index.get('_class_name')} takes no reference image (text-to-image only).",
                         hint="Drop --image, or use a pipeline with image editing.")
 

@@ -27,7 +27,7 @@ def transformer_folder(folder: Path, transformer: Path | None) -> Path:
 
 
 # what the rest of the pipeline (text encoder, VAE) fixes about the transformer it can run
-PIPELINE_GEOMETRY = ("joint_attention_dim", "in_channels", "out_channels", "guidance_embeds")
+PIPELINE_GEOMETRY = ("joint_attention_dim", "pooled_projection_dim", "in_channels", "out_channels", "guidance_embeds")
 
 
 def check_swap_fits(folder: Path, transformer: Path) -> None:
