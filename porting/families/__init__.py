@@ -51,6 +51,15 @@ def family_for(table: MappingTable) -> Family:
     return type(family)(table=table, folder=family._folder)
 
 
+def family_for_class(class_name: str) -> Family:
+    """The family whose diffusers transformer class is `class_name` (a config's `_class_name`)."""
+    for family in families():
+        if family.diffusers_class == class_name:
+            return family
+    raise KeyError(f"no model family has the diffusers class {class_name!r} (known: "
+                   f"{', '.join(f.diffusers_class for f in families())})")
+
+
 def builtin_tables() -> dict[str, MappingTable]:
     """Every registered family's table, by name, in name order."""
     return {f.name: f.table for f in families()}
@@ -65,4 +74,4 @@ for _family in (FLUX1, FLUX2):
     register(_family)
 
 __all__ = ["Family", "PipelineVariant", "register", "unregister", "families", "get_family", "family_for",
-           "builtin_tables", "pipeline_variants"]
+           "family_for_class", "builtin_tables", "pipeline_variants"]

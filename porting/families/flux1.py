@@ -19,6 +19,7 @@ class Flux1(Family):
     title = "FLUX.1"
     table_resource = "flux1.toml"
     shapes_resource = "flux1.shapes.toml"
+    export_module = "porting.families.flux1_export"
     structural_fields = ("num_layers", "num_single_layers", "num_attention_heads", "attention_head_dim",
                          "joint_attention_dim", "in_channels", "guidance_embeds", "pooled_projection_dim")
     tiny_config = TINY

@@ -37,6 +37,7 @@ class Flux2(Family):
     title = "FLUX.2"
     table_resource = "flux2.toml"
     validates = True
+    export_module = "porting.families.flux2_export"
     shapes_resource = "flux2.shapes.toml"
     # a fine-tune must agree with its base on these
     structural_fields = ("num_layers", "num_single_layers", "num_attention_heads", "attention_head_dim",
