@@ -134,10 +134,11 @@ class Family:
     def variant_for(self, config: Mapping[str, Any], pipeline_class: str | None) -> str | None:
         """The publish variant of a folder: the one whose pipeline class model_index.json names, else the default
         for the transformer config; None for a family that publishes no pipeline."""
+        if not self.pipelines:
+            return None
+        default = self.default_variant(config)
         named = [name for name, v in self.pipelines.items() if v.pipeline == pipeline_class]
-        if named:
-            return named[0]
-        return self.default_variant(config) if self.pipelines else None
+        return default if default in named or not named else named[0]
 
     def export_spec(self, config: Mapping[str, Any], pipeline_class: str | None = None) -> Any:
         """What `port export` writes for a model of this family (a `porting.export.onnx_components.ExportSpec`);
