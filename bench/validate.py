@@ -32,13 +32,13 @@ def golden_child(path: str, resolution: int, text_len: int, timesteps: list[floa
     import torch
 
     from validation.inputs import build_inputs
-    from validation.staged import StagedFlux2
+    from validation.staged import StagedModel
     from validation.weights import WeightSource
 
     torch.set_grad_enabled(False)
     source = WeightSource(path)
     inputs = build_inputs(source.config, resolution, text_len, timesteps, (0,))
-    staged = StagedFlux2(source, torch.device("cpu"), torch.float32)
+    staged = StagedModel(source, torch.device("cpu"), torch.float32)
     times: dict[str, float] = {}
     last = time.perf_counter()
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from porting.errors import UsageError
 
@@ -23,7 +23,7 @@ MEMORY_OVERHEAD = int(1.5 * 2**30)
 ACTIVATION_COPIES = 24
 # the VAE decoder's last up-blocks run at full resolution with 128 channels; a few such tensors are alive at once
 VAE_CHANNELS, VAE_COPIES = 128, 8
-TEXT_TOKENS = 512  # the Flux2 pipelines pad prompts to max_sequence_length 512
+TEXT_TOKENS = 512  # the FLUX pipelines pad prompts to max_sequence_length 512
 
 
 class ResourceError(UsageError):
@@ -87,30 +87,40 @@ def activation_bytes(config: Mapping[str, Any], tokens: int, batch: int, nbytes:
     return ACTIVATION_COPIES * batch * tokens * hidden_size(config) * nbytes
 
 
-def stage_params(shapes: Iterable[tuple[str, tuple[int, ...]]]) -> int:
-    """Parameters of the largest stage the staged runner materialises at once (a block, or embed + final)."""
+def block_of(key: str) -> str:
+    """`name.N` for a key inside a numbered block (`transformer_blocks.3.attn...`), else `other`."""
+    parts = key.split(".")
+    return ".".join(parts[:2]) if len(parts) > 2 and parts[1].isdigit() else "other"
+
+
+def stage_params(shapes: Iterable[tuple[str, tuple[int, ...]]],
+                 stage_of: Callable[[str], str] | None = None) -> int:
+    """Parameters of the largest stage the staged runner materialises at once (a block, or embed + final together:
+    the upper bound). `stage_of` names the stage of a key (the family's block templates); default `block_of`."""
+    stage_of = stage_of or block_of
     stages: dict[str, int] = {}
     for key, shape in shapes:
-        parts = key.split(".")
-        stage = ".".join(parts[:2]) if parts[0] in ("transformer_blocks", "single_transformer_blocks") else "other"
+        stage = stage_of(key)
         stages[stage] = stages.get(stage, 0) + math.prod(shape)
     return max(stages.values(), default=0)
 
 
 def check_validate_memory(config: Mapping[str, Any], shapes: Iterable[tuple[str, tuple[int, ...]]], *,
                           resolution: int, text_len: int, batch: int, golden_dtype: str, dtype: str,
-                          text_encoder: Path | None = None, available: int | None = None) -> int:
+                          text_encoders: Sequence[Path] = (), available: int | None = None,
+                          stage_of: Callable[[str], str] | None = None) -> int:
     """`port validate`'s host memory on a CPU reference: the largest stage's weights (streamed), the activations of
-    every case in the golden's dtype, and the text encoder in float32 when it encodes --prompt."""
-    biggest = stage_params(shapes)
+    every case in the golden's dtype, and the text encoders in float32 when they encode --prompt (a family's
+    pipeline loads all of its encoders at once: FLUX.1's CLIP and T5 together)."""
+    biggest = stage_params(shapes, stage_of)
     weights = biggest * (itemsize(golden_dtype) + 4)  # the stage in the golden's dtype + the tensor read (<= fp32)
     tokens = image_tokens(resolution, resolution) + text_len
     acts = activation_bytes(config, tokens, batch, max(itemsize(golden_dtype), itemsize(dtype), 4))
-    encoder = folder_params(text_encoder) * 4 if text_encoder is not None and text_encoder.is_dir() else 0
+    encoder = sum(folder_params(folder) * 4 for folder in text_encoders if folder.is_dir())
     need = MEMORY_OVERHEAD + max(weights + acts, encoder)
     breakdown = (f"largest stage {biggest / 1e6:.1f} M parameters {gib(weights)}, activations of {batch} case(s) x "
                  f"{tokens:,} tokens x hidden {hidden_size(config)} {gib(acts)}"
-                 + (f", text encoder in float32 {gib(encoder)}" if encoder else "")
+                 + (f", text encoder(s) in float32 {gib(encoder)}" if encoder else "")
                  + f", interpreter {gib(MEMORY_OVERHEAD)}")
     return require_memory(f"validating at --resolution {resolution} --text-len {text_len} with a {golden_dtype} "
                           "golden", need, breakdown, available=available,

@@ -249,8 +249,9 @@ def test_runners_follow_the_protocol(fp32_export, published) -> None:
     from validation.weights import WeightSource
 
     out, _ = fp32_export
-    ort_runner = OrtRunner(out / "transformer", "CPUExecutionProvider", torch.float32)
-    staged = torch_runner(WeightSource(published[1] / "transformer"), torch.device("cpu"), torch.float32)
+    source = WeightSource(published[1] / "transformer")
+    ort_runner = OrtRunner(out / "transformer", "CPUExecutionProvider", torch.float32, source.stages.forward_kwargs)
+    staged = torch_runner(source, torch.device("cpu"), torch.float32)
     assert isinstance(ort_runner, Runner) and isinstance(staged, Runner)
     assert ort_runner.stage_names() == ["output"] and not ort_runner.localises and staged.localises
 

@@ -17,7 +17,7 @@ from porting.engine.convert import convert
 from porting.errors import DeviceError
 from validation.api import validate
 from validation.inputs import build_inputs
-from validation.staged import StagedFlux2
+from validation.staged import StagedModel
 from validation.weights import WeightSource
 
 SMALL = dict(resolution=128, text_len=32)  # 64 image + 32 text tokens, 3 timesteps
@@ -119,7 +119,7 @@ def test_streamed_golden_equals_a_normal_float32_forward(converted):
 
     source = WeightSource(converted)
     inputs = build_inputs(source.config, **SMALL)
-    staged = StagedFlux2(source, torch.device("cpu"), torch.float32)
+    staged = StagedModel(source, torch.device("cpu"), torch.float32)
     streamed = staged.forward_all(inputs.state)
     # weights were released after each stage
     assert all(p.device.type == "meta" for p in staged.model.parameters())

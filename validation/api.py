@@ -95,15 +95,16 @@ def validate(model: str | Path, *, device: str = "cpu", dtype: str | None = None
     if ref.type == "cpu":  # the golden and the intrinsic run live in host memory: refuse what cannot fit, up front
         check_validate_memory(source.config, [(k, shape) for k, shape, _ in source.plan.outputs()],
                               resolution=resolution, text_len=text_len, batch=len(seeds) * len(timesteps),
-                              golden_dtype=golden_dtype, dtype=dtype,
-                              text_encoder=Path(base) / "text_encoder" if base is not None and prompt else None)
+                              golden_dtype=golden_dtype, dtype=dtype, text_encoders=source.text_encoders(base, prompt),
+                              stage_of=source.stage_of)
     weights = source.weights_sha256()
     if export is not None and weights != export["weights_sha256"]:
         raise CheckFailed(f"{weights_path}: the source weights changed since the export (recorded "
                           f"{export['weights_sha256'][:16]}..., now {weights[:16]}...).",
                           hint="Export again from the current weights.")
     check_dequantized(source)
-    inputs = build_inputs(source.config, resolution, text_len, timesteps, seeds, base, prompt)
+    inputs = build_inputs(source.config, resolution, text_len, timesteps, seeds, base, prompt,
+                          family=source.detection.family)
     if export is not None and export.get("target") == "ryzenai":
         # the export computes in float32 on bf16-rounded weights (Cast nodes): its intrinsic error is that rounding
         from porting.export.ryzenai import torch_bf16_weights
@@ -115,7 +116,7 @@ def validate(model: str | Path, *, device: str = "cpu", dtype: str | None = None
     if runtime == "onnxruntime":
         from .runners.onnxruntime import OrtRunner
 
-        device_run: Runner = OrtRunner(Path(model), provider, run_dtype)
+        device_run: Runner = OrtRunner(Path(model), provider, run_dtype, source.stages.forward_kwargs)
     else:
         device_run = torch_runner(source, dev, run_dtype, device_weight_transform)
     golden_weights = GoldenWeights()  # refuses a non-finite weight by name, counts all-zero ones

@@ -19,14 +19,14 @@ import torch
 from .checks import check_golden_stage
 from .metrics import compare, error_ratio
 from .runners.base import WHOLE, Runner, forward_all
-from .staged import cast_state, stage_input, stage_output
+from .staged import StagedModel, cast_state
 
 GROWTH_FLAG = 1.5  # device error grows this much faster than the reference's through one block
 
 
 @dataclass
 class Runs:
-    golden: Runner
+    golden: StagedModel  # always the torch staged run: it also says what each stage is judged by
     intrinsic: Runner
     device: Runner
 
@@ -82,6 +82,7 @@ def lockstep_stages(runs: Runs, stages: list[tuple[int, str]], carry: Carry,
     The whole model is one call over every stage; a pipeline rank calls it over its own range with the carry it
     received, so the numbers are the same wherever the range boundaries fall."""
     dtype = runs.device.dtype
+    stage_input, stage_output = runs.golden.stage_input, runs.golden.stage_output
     golden_state, intrinsic_state, device_state, prev = carry.golden, carry.intrinsic, carry.device, carry.prev
     rows: list[dict[str, Any]] = []
     for index, stage in stages:

@@ -298,7 +298,8 @@ class Progress:
         return f"rank {self.rank} ({self.device}, {span}) {self.phase}"
 
 
-def _reference_for(job: Job, dev: torch.device, config: dict[str, Any], shapes: list[Any], batch: int) -> torch.device:
+def _reference_for(job: Job, dev: torch.device, config: dict[str, Any], shapes: list[Any], batch: int,
+                   stage_of: Callable[[str], str] | None = None) -> torch.device:
     """The golden's device on this rank: its own device when the largest stage and the activations fit in its free
     memory (--reference devices), else the CPU."""
     if job.reference == "cpu" or dev.type == "cpu":
@@ -309,7 +310,8 @@ def _reference_for(job: Job, dev: torch.device, config: dict[str, Any], shapes: 
         free = (torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda"
                 else torch.npu.mem_get_info(dev)[0])  # type: ignore[attr-defined]
         check_validate_memory(config, shapes, resolution=job.resolution, text_len=job.text_len, batch=batch,
-                              golden_dtype=job.golden_dtype, dtype=job.dtype, available=int(free))
+                              golden_dtype=job.golden_dtype, dtype=job.dtype, available=int(free),
+                              stage_of=stage_of)
     except PortError:
         return torch.device("cpu")
     except Exception:  # no memory query on this backend: the CPU is the safe place
@@ -338,7 +340,7 @@ def run_rank(job: Job, rank: int, world: int, device: str, progress: Progress) -
     source = WeightSource(job.model, job.config)
     shapes = [(k, shape) for k, shape, _ in source.plan.outputs()]
     batch = len(job.seeds) * len(job.timesteps)
-    ref = _reference_for(job, dev, source.config, shapes, batch)
+    ref = _reference_for(job, dev, source.config, shapes, batch, source.stage_of)
     golden_weights = GoldenWeights()
     intrinsic = (torch_runner(source, ref, run_dtype) if job.intrinsic == "native" else
                  torch_runner(source, ref, torch.float32, emulate=run_dtype))
@@ -363,7 +365,7 @@ def run_rank(job: Job, rank: int, world: int, device: str, progress: Progress) -
         weights = source.weights_sha256()
         check_dequantized(source)
         inputs = build_inputs(source.config, job.resolution, job.text_len, job.timesteps, job.seeds,
-                              Path(job.base) if job.base else None, job.prompt)
+                              Path(job.base) if job.base else None, job.prompt, family=source.detection.family)
         carry = start(runs, inputs.state)
     else:
         progress.phase = f"receiving the activations from rank {rank - 1}"
@@ -618,8 +620,8 @@ def validate_pipeline(model: str | Path, *, devices: str | Sequence[str], dtype:
     if reference == "cpu" or kind == "cpu":
         check_validate_memory(source.config, [(k, shape) for k, shape, _ in source.plan.outputs()],
                               resolution=resolution, text_len=text_len, batch=len(seeds) * len(timesteps),
-                              golden_dtype=golden_dtype, dtype=dtype,
-                              text_encoder=Path(base) / "text_encoder" if base is not None and prompt else None)
+                              golden_dtype=golden_dtype, dtype=dtype, text_encoders=source.text_encoders(base, prompt),
+                              stage_of=source.stage_of)
     job = Job(model=str(model), devices=[str(s) for s in specs], backend=backend, dtype=dtype,
               golden_dtype=golden_dtype, reference=reference, out=str(out) if out is not None else None,
               resolution=resolution, text_len=text_len, timesteps=list(timesteps), seeds=list(seeds),

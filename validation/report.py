@@ -18,12 +18,11 @@ REPORT_JSON = "report.json"
 REPORT_MD = "report.md"
 
 
-def original_name(table: MappingTable, stage: str) -> str:
-    """`transformer_blocks.3` -> `double_blocks.3`, through the mapping table's block templates."""
-    if stage == "embed":
-        return "img_in, txt_in, time_in, *_modulation"
-    if stage == "final":
-        return "final_layer"
+def original_name(table: MappingTable, stage: str, labels: Mapping[str, str] | None = None) -> str:
+    """`transformer_blocks.3` -> `double_blocks.3`, through the mapping table's block templates; the stages that are
+    not blocks (`embed`, `final`) by the family's `labels`."""
+    if labels and stage in labels:
+        return labels[stage]
     diff, orig = table.block_patterns("diffusers"), table.block_patterns("original")
     for placeholder, pattern in diff.items():
         m = pattern.match(stage + ".")

@@ -73,7 +73,7 @@ def verdict(rows: list[dict[str, Any]], outputs: dict[str, torch.Tensor], where:
     run_dtype = _dtype(dtype, "--dtype")
     table = source.detection.table
     for row in rows:
-        row["original"] = original_name(table, row["stage"])
+        row["original"] = original_name(table, row["stage"], source.stages.labels)
 
     overall_dev = compare(outputs["device"], outputs["golden"], run_dtype)
     overall_int = compare(outputs["intrinsic"], outputs["golden"], run_dtype)

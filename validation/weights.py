@@ -14,6 +14,7 @@ import torch
 from porting.engine.detect import Detection, detect, load_base_config
 from porting.engine.plan import Plan, build_plan
 from porting.errors import InputError
+from porting.families.stages import TransformerStages
 from porting.tensors.checkpoint import Checkpoint, hash_checkpoint, open_checkpoint
 
 WeightTransform = Callable[[str, torch.Tensor], torch.Tensor]
@@ -24,11 +25,12 @@ class WeightSource:
         self.path = Path(path)
         self.ckpt: Checkpoint = open_checkpoint(path)
         self.detection: Detection = detect(self.ckpt, load_base_config(config) if config else None)
-        if not self.detection.family.validates:
-            raise InputError(f"{path}: port validate has no staged runner for {self.detection.family.title} "
-                             f"transformers yet ({self.detection.variant}); it validates FLUX.2.",
-                             hint=f"{self.detection.family.title} is convert-only in this flux-port: port convert "
-                                  "works, port validate does not yet.")
+        family = self.detection.family
+        if not family.has_stages:
+            raise InputError(f"{path}: port validate has no staged runner for {family.title or family.name} "
+                             f"transformers ({self.detection.variant}): the family declares no stages.",
+                             hint=f"{family.title or family.name} is convert-only in this flux-port: port convert "
+                                  "works, port validate does not.")
         self.plan: Plan = build_plan(self.ckpt, self.detection, "diffusers")
         if not self.plan.ok:
             raise InputError(f"{path}: the checkpoint does not map cleanly onto {self.detection.table.diffusers_class} "
@@ -39,10 +41,31 @@ class WeightSource:
             for j, key in enumerate(ps.step.targets):
                 self._where[key] = (i, j)
         self._cached: tuple[int, list[torch.Tensor]] | None = None
+        self._blocks = list(self.detection.table.block_patterns("diffusers").values())
 
     @property
     def config(self) -> dict[str, Any]:
         return self.detection.config
+
+    @property
+    def stages(self) -> TransformerStages:
+        """The family's stages and input builders."""
+        return self.detection.family.stages()
+
+    def stage_of(self, key: str) -> str:
+        """The block a diffusers key belongs to (`transformer_blocks.3`), or `other` (embeddings, output), through
+        the mapping table's block templates: for memory estimates made before any model exists."""
+        for pattern in self._blocks:
+            m = pattern.match(key)
+            if m:
+                return m.group(0).rstrip(".")
+        return "other"
+
+    def text_encoders(self, base: Path | None, prompt: str | None) -> list[Path]:
+        """The base's text encoder folders a --prompt is encoded with (none without a prompt)."""
+        if base is None or not prompt:
+            return []
+        return [Path(base) / name for name in self.stages.text_encoders]
 
     def keys(self) -> list[str]:
         return list(self._where)

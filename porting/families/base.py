@@ -2,11 +2,13 @@
 
 A family knows how to turn facts read off shapes into a diffusers config, which sizes its table may name, which
 config fields a fine-tune must share with its base, which pipeline classes publish it, its tiny and real configs,
-and the keys and shapes its diffusers model has (from generated data, so a conversion need not import diffusers).
+the keys and shapes its diffusers model has (from generated data, so a conversion need not import diffusers), and
+its transformer's stages for port validate (a module loaded on demand).
 """
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from functools import cached_property
 from importlib import resources
@@ -20,6 +22,7 @@ from porting.engine.ops import OpShapeError
 
 from .meta import meta_state_shapes
 from .shapes import ShapeTemplate, load_template
+from .stages import TransformerStages
 
 Shape = tuple[int, ...]
 
@@ -49,7 +52,9 @@ class Family:
     real_configs: ClassVar[Mapping[str, Mapping[str, Any]]] = {}
     shape_terms: ClassVar[tuple[str, ...]] = ()  # sizes the generated shape data may be written in
     shape_probes: ClassVar[tuple[Mapping[str, Any], ...]] = ()  # configs the shape data is generated from
-    validates: ClassVar[bool] = False  # whether validation/'s staged torch runner knows this family's blocks
+    # the module whose STAGES runs the transformer stage by stage (`stages.TransformerStages`, for port validate);
+    # it imports torch and diffusers, so it is named here and loaded only by `stages()`
+    stages_module: ClassVar[str | None] = None
     # the module whose `export_spec(family, config, variant, variant_name)` declares what `port export` writes
     # (graph wrappers, example inputs; it imports torch, so it is named here and imported only by the export)
     export_module: ClassVar[str | None] = None
@@ -83,6 +88,16 @@ class Family:
             return None
         text, path = self._read(self.shapes_resource)
         return load_template(text, path)
+
+    @property
+    def has_stages(self) -> bool:
+        return self.stages_module is not None
+
+    def stages(self) -> TransformerStages:
+        """The family's stages and input builders (imports torch and diffusers)."""
+        if self.stages_module is None:
+            raise KeyError(f"{self.title or self.name} declares no transformer stages")
+        return importlib.import_module(self.stages_module).STAGES
 
     @property
     def diffusers_class(self) -> str:
@@ -145,8 +160,6 @@ class Family:
         KeyError when the family declares no export."""
         if self.export_module is None:
             raise KeyError(f"{self.title or self.name} declares no exportable components")
-        import importlib
-
         name = self.variant_for(config, pipeline_class)
         variant = self.pipelines.get(name) if name is not None else None
         return importlib.import_module(self.export_module).export_spec(self, config, variant, name)

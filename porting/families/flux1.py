@@ -1,4 +1,4 @@
-"""FLUX.1 (dev, schnell): Black Forest Labs naming <-> diffusers `FluxTransformer2DModel` (convert only)."""
+"""FLUX.1 (dev, schnell): Black Forest Labs naming <-> diffusers `FluxTransformer2DModel`."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ class Flux1(Family):
     title = "FLUX.1"
     table_resource = "flux1.toml"
     shapes_resource = "flux1.shapes.toml"
+    stages_module = "porting.families.flux1_stages"
     export_module = "porting.families.flux1_export"
     structural_fields = ("num_layers", "num_single_layers", "num_attention_heads", "attention_head_dim",
                          "joint_attention_dim", "in_channels", "guidance_embeds", "pooled_projection_dim")

@@ -36,7 +36,7 @@ class Flux2(Family):
     name = "flux2"
     title = "FLUX.2"
     table_resource = "flux2.toml"
-    validates = True
+    stages_module = "porting.families.flux2_stages"
     export_module = "porting.families.flux2_export"
     shapes_resource = "flux2.shapes.toml"
     # a fine-tune must agree with its base on these

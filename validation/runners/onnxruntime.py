@@ -7,7 +7,7 @@ report judges the final output only and says so.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import torch
@@ -16,9 +16,6 @@ from porting.export.ort import check_provider, model_path, open_session, require
 
 from .base import WHOLE, State
 
-# validation state key -> the graph input names port export gives (diffusers' forward names)
-FEEDS = {"x": "hidden_states", "ctx": "encoder_hidden_states", "timestep": "timestep", "img_ids": "img_ids",
-         "txt_ids": "txt_ids", "guidance": "guidance"}
 ORT_FLOATS = {"tensor(float)": torch.float32, "tensor(float16)": torch.float16, "tensor(double)": torch.float64}
 NO_LOCALISATION = ("per-block localisation is not available through an ONNX graph: onnxruntime runs the exported "
                    "transformer as one graph with no block boundaries to stop at or feed, so only the final output "
@@ -30,8 +27,12 @@ class OrtRunner:
     localises = False
     localisation_note = NO_LOCALISATION
 
-    def __init__(self, folder: Path, provider: str, dtype: torch.dtype) -> None:
+    def __init__(self, folder: Path, provider: str, dtype: torch.dtype,
+                 forward_kwargs: Callable[[State], Mapping[str, Any]]) -> None:
+        """`forward_kwargs`: the family's inputs state as the diffusers forward's arguments, which are the graph's
+        input names (`TransformerStages.forward_kwargs`)."""
         check_provider(provider)
+        self.forward_kwargs = forward_kwargs
         self.folder, self.provider, self.dtype = Path(folder), provider, dtype
         self.device = f"onnxruntime:{provider}"
         self.session = open_session(self.folder, provider)
@@ -40,16 +41,18 @@ class OrtRunner:
         self.feed_dtypes = {i.name: ORT_FLOATS.get(i.type) for i in self.session.get_inputs()}
         first = self.session.get_inputs()[0].shape
         self.static_batch = first[0] if first and isinstance(first[0], int) else None
+        # inputs with a batch dimension (FLUX.1's position ids have none)
+        self.batched = {i.name for i in self.session.get_inputs()
+                        if self.static_batch is not None and i.shape and i.shape[0] == self.static_batch}
 
     def stage_names(self) -> list[str]:
         return [WHOLE]
 
     def _feed(self, state: State) -> dict[str, np.ndarray]:
         feed = {}
-        for key, name in FEEDS.items():
+        for name, value in self.forward_kwargs(state).items():
             if name not in self.inputs:
                 continue
-            value = state[key]
             if value.is_floating_point():
                 value = value.to(self.feed_dtypes.get(name) or self.dtype)
             feed[name] = value.detach().cpu().contiguous().numpy()
@@ -66,7 +69,8 @@ class OrtRunner:
         if self.static_batch is None or batch == self.static_batch:
             return torch.from_numpy(self.session.run(None, feed)[0])
         # a static batch-1 graph (--target ryzenai): one case at a time
-        parts = [self.session.run(None, {k: v[i:i + 1] for k, v in feed.items()})[0] for i in range(batch)]
+        parts = [self.session.run(None, {k: v[i:i + 1] if k in self.batched else v for k, v in feed.items()})[0]
+                 for i in range(batch)]
         return torch.from_numpy(np.concatenate(parts))
 
     def facts(self) -> dict[str, Any]:

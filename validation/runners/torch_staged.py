@@ -1,4 +1,4 @@
-"""The torch runner: a diffusers model run stage by stage (`validation.staged.StagedFlux2`), on any torch device."""
+"""The torch runner: a diffusers model run stage by stage (`validation.staged.StagedModel`), on any torch device."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ from typing import Any
 import torch
 
 from porting.devices import device_facts
-from validation.staged import StagedFlux2
+from validation.staged import StagedModel
 from validation.weights import WeightSource, WeightTransform
 
 
-class TorchStagedRunner(StagedFlux2):
+class TorchStagedRunner(StagedModel):
     runtime = "torch"
     localises = True
     localisation_note = ""
