@@ -160,28 +160,51 @@ def _call_kwargs(pipe: Any, guidance_scale: float | None, images: Sequence[Any] 
 
 
 def _needs_negative(pipe: Any, kwargs: dict[str, Any]) -> bool:
-    """Whether the pipeline will run classifier-free guidance and so encode an empty negative prompt."""
+    """Whether the pipeline will run classifier-free guidance and so encode an empty negative prompt. A pipeline
+    with a `true_cfg_scale` (FluxPipeline) runs it only above 1 there, its `guidance_scale` being embedded."""
     accepted = inspect.signature(pipe.__call__).parameters
+    if "true_cfg_scale" in accepted:
+        return "negative_prompt_embeds" in accepted and float(kwargs.get(
+            "true_cfg_scale", accepted["true_cfg_scale"].default)) > 1.0
     return ("negative_prompt_embeds" in accepted and not getattr(pipe.config, "is_distilled", False)
             and float(kwargs.get("guidance_scale", accepted["guidance_scale"].default
                                  if "guidance_scale" in accepted else 1.0)) > 1.0)
 
 
-def _encode(pipe: Any, prompt: str, device: torch.device) -> torch.Tensor:
+Embeds = dict[str, torch.Tensor]
+
+
+def _embed_names(pipe: Any) -> list[str]:
+    """The prompt embeddings the pipeline takes, in the order its encode_prompt returns them: prompt_embeds, and
+    pooled_prompt_embeds where there is a pooled text encoder (FluxPipeline's CLIP)."""
+    accepted = inspect.signature(pipe.__call__).parameters
+    return [n for n in accepted if n.endswith("prompt_embeds") and not n.startswith(("negative_", "ip_adapter"))]
+
+
+def _encode(pipe: Any, prompt: str, device: torch.device) -> Embeds:
     with torch.no_grad():
         embeds = pipe.encode_prompt(prompt=prompt, device=device)
-    return (embeds[0] if isinstance(embeds, tuple) else embeds).detach().to("cpu")
+    embeds = embeds if isinstance(embeds, tuple) else (embeds,)
+    return {name: t.detach().to("cpu") for name, t in zip(_embed_names(pipe), embeds)}
 
 
-def _render(pipe: Any, side: _Prepared, embeds: torch.Tensor, negative: torch.Tensor | None, seed: int,
+def _drop_text_encoders(pipe: Any) -> None:
+    """Free every text encoder before denoising (text_encoder, and text_encoder_2 where there is one)."""
+    for name in list(getattr(pipe, "components", {})):
+        if name.startswith("text_encoder"):
+            setattr(pipe, name, None)
+
+
+def _render(pipe: Any, side: _Prepared, embeds: Embeds, negative: Embeds | None, seed: int,
             width: int, height: int, steps: int, kwargs: dict[str, Any],
             on_step: Callable[[float], None] | None = None) -> Any:
     dtype = DTYPES[side.dtype_name]
-    call = dict(kwargs, prompt=None, prompt_embeds=embeds.to(side.device, dtype), height=height, width=width,
+    call = dict(kwargs, prompt=None, **{k: v.to(side.device, dtype) for k, v in embeds.items()}, height=height,
+                width=width,
                 num_inference_steps=steps, latents=pipeload.initial_latents(pipe, width, height, seed),
                 generator=torch.Generator("cpu").manual_seed(seed))
     if negative is not None:
-        call["negative_prompt_embeds"] = negative.to(side.device, dtype)
+        call.update({f"negative_{k}": v.to(side.device, dtype) for k, v in negative.items()})
     if on_step is not None:
         marks = {"start": progress_clock()}
 
@@ -270,7 +293,7 @@ def lpips_scorer(backbone: torch.nn.Module | None, weights: str | Path | None, w
     return im.LpipsScorer.from_file(source.path), None
 
 
-def _render_side(pipe: Any, side: _Prepared, embeds: Sequence[torch.Tensor], negative: torch.Tensor | None,
+def _render_side(pipe: Any, side: _Prepared, embeds: Sequence[Embeds], negative: Embeds | None,
                  seeds: Sequence[int], size: tuple[int, int], steps: int, kwargs: dict[str, Any], folder: Path,
                  tick: Callable[[str], None], on_step: Callable[[float], None] | None = None) -> None:
     width, height = size
@@ -331,7 +354,7 @@ def compare(reference: Side, candidate: Side, *, prompts: Sequence[str] | None =
                               width, height, transformer=side.transformer, text_encoder=with_encoder,
                               extra_tokens=reference_tokens(sizes))
     references = load_references([Path(p) for p in images])
-    steps = default_steps(read_model_index(ref.folder)) if steps is None else steps
+    steps = default_steps(read_model_index(ref.folder), ref.folder) if steps is None else steps
     if steps < 1:
         raise PortError(f"--steps {steps}: needs at least 1.")
     dims = [read_config(side.transformer / "config.json", "the transformer's config").get("joint_attention_dim")
@@ -377,7 +400,7 @@ def compare(reference: Side, candidate: Side, *, prompts: Sequence[str] | None =
         say(f"encoding {len(prompts)} prompt(s) once with the reference's text encoder")
         embeds = [_encode(pipe, p, ref.device) for p in prompts]
         negative = _encode(pipe, "", ref.device) if _needs_negative(pipe, kwargs) else None
-        pipe.text_encoder = None  # not needed any more; frees its memory before denoising
+        _drop_text_encoders(pipe)  # not needed any more; frees their memory before denoising
         if on_render_start:
             on_render_start(2 * len(prompts), steps)
         (staging / "reference").mkdir()

@@ -37,6 +37,17 @@ class PipelineVariant:
     out_layers: tuple[int, ...]  # the pipeline's default text_encoder_out_layers
     registers_is_distilled: bool  # whether the pipeline's config (model_index.json) records is_distilled
     title: str
+    # further text encoders the pipeline takes, as (component folder, class): FLUX.1's T5 in text_encoder_2/
+    more_text_encoders: tuple[tuple[str, str], ...] = ()
+    default_steps: int = 50  # denoising steps when the user names none (a distilled base says 4 itself)
+    # whether `latents=` passed to the pipeline is packed as tokens (batch, patches, in_channels), as FluxPipeline
+    # takes it, rather than (batch, in_channels, H / 16, W / 16), as the FLUX.2 pipelines do
+    packed_latents: bool = False
+
+    @property
+    def text_encoders(self) -> dict[str, str]:
+        """Every text encoder component the pipeline takes and the class it expects there."""
+        return {"text_encoder": self.text_encoder, **dict(self.more_text_encoders)}
 
 
 class Family:

@@ -48,7 +48,7 @@ class Flux2(Family):
         "klein": PipelineVariant("Flux2KleinPipeline", "Qwen3ForCausalLM", False, (9, 18, 27), True,
                                  "FLUX.2 [klein]"),
         "klein-kv": PipelineVariant("Flux2KleinKVPipeline", "Qwen3ForCausalLM", False, (9, 18, 27), False,
-                                    "FLUX.2 [klein] KV"),
+                                    "FLUX.2 [klein] KV", default_steps=4),
         "dev": PipelineVariant("Flux2Pipeline", "Mistral3ForConditionalGeneration", True, (10, 20, 30), False,
                                "FLUX.2 [dev]"),
     }

@@ -315,7 +315,7 @@ def bench(folder: str | Path, *, transformer: str | Path | None = None, device: 
     if runs < 1 or warmup < 0:
         raise PortError(f"--runs {runs} / --warmup {warmup}: at least one timed run, no negative warm-up.")
     width, height = parse_size(default_size(dev, folder) if size is None else size)
-    steps = default_steps(index) if steps is None else steps
+    steps = default_steps(index, folder) if steps is None else steps
     if steps < 1:
         raise PortError(f"--steps {steps}: needs at least 1.")
     pipeload.check_memory("bench", folder, dev, dtype_name, width, height, transformer=swap)

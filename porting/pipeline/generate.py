@@ -118,11 +118,36 @@ def read_model_index(folder: Path) -> dict[str, Any]:
     return index
 
 
-def default_steps(index: dict[str, Any]) -> int:
-    """4 for distilled klein (and the KV pipeline, which is distilled), 50 for base and dev models."""
-    if index.get("_class_name") == "Flux2KleinKVPipeline" or index.get("is_distilled"):
+def default_steps(index: dict[str, Any], folder: Path | None = None) -> int:
+    """4 for a base whose model_index.json says it is distilled; else the steps of the folder's publish variant
+    (the family registry: 4 for klein KV and FLUX.1 [schnell], 28 for FLUX.1 [dev]); 50 when unknown.
+    `folder` tells variants sharing a pipeline class apart by the transformer's guidance embedding."""
+    from .variants import folder_variant
+
+    if index.get("is_distilled"):
         return 4
-    return 50
+    spec = folder_variant(index, folder)
+    return spec.default_steps if spec is not None else 50
+
+
+def call_parameters(index: dict[str, Any]) -> Any:
+    """The `__call__` parameters of the pipeline class model_index.json names (None for a class diffusers lacks):
+    what a verb asks before loading anything, instead of knowing which pipelines take what."""
+    import diffusers
+
+    try:
+        cls = getattr(diffusers, str(index.get("_class_name")))
+    except (AttributeError, ImportError, RuntimeError):
+        return None
+    return inspect.signature(cls.__call__).parameters if isinstance(cls, type) else None
+
+
+def check_takes_images(index: dict[str, Any], images: Sequence[Any]) -> None:
+    """Refuse --image (exit 2, before any image is read) for a pipeline without a reference-image input."""
+    accepted = call_parameters(index)
+    if images and accepted is not None and "image" not in accepted:
+        raise PortError(f"--image: {index.get('_class_name')} takes no reference image (text-to-image only).",
+                        hint="Drop --image, or use a pipeline with image editing.")
 
 
 def reference_size(path: Path) -> tuple[int, int]:
@@ -289,8 +314,9 @@ def generate(folder: str | Path, prompt: str, *, device: str = "cpu", steps: int
     if dtype_name not in DTYPES:
         raise PortError(f"--dtype {dtype_name!r}: choose one of {', '.join(DTYPES)}.")
     width, height = parse_size(default_size(dev, onnx_source or folder) if size is None else size)
+    check_takes_images(index, images)
     sizes = [reference_size(Path(p)) for p in images]
-    steps = default_steps(index) if steps is None else steps
+    steps = default_steps(index, onnx_source or folder) if steps is None else steps
     if steps < 1:
         raise PortError(f"--steps {steps}: needs at least 1.")
     if onnx_source is None:

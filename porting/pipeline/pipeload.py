@@ -45,6 +45,28 @@ def check_swap_fits(folder: Path, transformer: Path) -> None:
                              "feed this one.", hint="Swap in a transformer of the same model family and size.")
 
 
+def transformer_class(transformer: Path) -> Any:
+    """The diffusers class of a transformer folder: its config's `_class_name`, if a registered family has it."""
+    import diffusers
+
+    from porting.families import families
+
+    name = read_config(Path(transformer) / "config.json", "a transformer config").get("_class_name")
+    known = {f.diffusers_class for f in families()}
+    if name not in known:
+        raise InputError(f"{transformer}: config.json _class_name is {name!r}; flux-port runs "
+                         f"{', '.join(sorted(known))}.", hint="Swap in a transformer port convert wrote.")
+    return getattr(diffusers, str(name))
+
+
+def text_components(folder: Path) -> list[str]:
+    """The text encoders and tokenizers model_index.json lists (text_encoder, text_encoder_2, tokenizer, ...)."""
+    from porting._files import read_json_object
+
+    index = read_json_object(Path(folder) / "model_index.json", "a diffusers pipeline folder has one at its root")
+    return sorted(k for k in index if k.startswith(("text_encoder", "tokenizer")))
+
+
 def weights_sha256(transformer: Path) -> str:
     """The weights identity convert and publish record, recomputed from the files."""
     return hash_checkpoint(open_checkpoint(transformer))
@@ -54,10 +76,11 @@ def load(folder: Path, device: torch.device, dtype: torch.dtype, *, transformer:
          text_encoder: bool = True, offload: str = "none") -> Any:
     """The folder's pipeline in `dtype`, on `device` or offloaded to it, with its progress bars off.
 
-    `transformer` replaces the folder's transformer; `text_encoder=False` leaves the text encoder and tokenizer
-    unloaded (the caller passes prompt embeddings).
+    `transformer` replaces the folder's transformer (its class from its config.json, one a registered family
+    converts); `text_encoder=False` leaves every text encoder and tokenizer unloaded (the caller passes prompt
+    embeddings).
     """
-    from diffusers import DiffusionPipeline, Flux2Transformer2DModel
+    from diffusers import DiffusionPipeline
 
     if offload not in OFFLOADS:
         raise PortError(f"offload mode {offload!r}: choose one of {', '.join(OFFLOADS)}.")
@@ -65,9 +88,9 @@ def load(folder: Path, device: torch.device, dtype: torch.dtype, *, transformer:
     with warnings.catch_warnings():  # diffusers 0.42 renamed torch_dtype to dtype; older ones know torch_dtype only
         warnings.filterwarnings("ignore", message=".*torch_dtype.*", category=FutureWarning)
         if transformer is not None:
-            overrides["transformer"] = Flux2Transformer2DModel.from_pretrained(transformer, torch_dtype=dtype)
+            overrides["transformer"] = transformer_class(transformer).from_pretrained(transformer, torch_dtype=dtype)
         if not text_encoder:
-            overrides.update(text_encoder=None, tokenizer=None)
+            overrides.update({name: None for name in text_components(folder)})
         pipe = DiffusionPipeline.from_pretrained(folder, local_files_only=True, torch_dtype=dtype, **overrides)
     if offload == "model":
         pipe.enable_model_cpu_offload(device=device)
@@ -93,8 +116,8 @@ def check_memory(verb: str, folder: Path, device: torch.device, dtype: str, widt
     folder = Path(folder)
     tr = Path(transformer) if transformer is not None else folder / "transformer"
     components = {"transformer": tr, "vae": folder / "vae"}
-    if text_encoder:
-        components["text_encoder"] = folder / "text_encoder"
+    if text_encoder:  # every text encoder: FLUX.1 has CLIP and T5 (text_encoder_2)
+        components.update({p.name: p for p in sorted(folder.glob("text_encoder*"))})
     config = read_config(tr / "config.json", "the transformer's config") if (tr / "config.json").is_file() else {}
     return check_pipeline_memory(verb, {k: v for k, v in components.items() if v.is_dir()}, config, width=width,
                                  height=height, dtype=dtype, on_cpu=device.type == "cpu", extra_tokens=extra_tokens)
@@ -102,12 +125,20 @@ def check_memory(verb: str, folder: Path, device: torch.device, dtype: str, widt
 
 def initial_latents(pipe: Any, width: int, height: int, seed: int) -> torch.Tensor:
     """The starting noise, drawn in float32 from a CPU generator so every device and dtype starts from the same
-    numbers (the pipeline casts it to its own dtype); shape (1, in_channels, H / 16, W / 16) as the Flux2 pipelines
-    take it."""
+    numbers (the pipeline casts it to its own dtype); shape (1, in_channels, H / 16, W / 16) as the FLUX.2 pipelines
+    take it, or the same numbers as (1, patches, in_channels) for a pipeline whose variant takes packed latents."""
+    from porting.families import pipeline_variants
+
+    from .variants import matching_variants
+
     factor = getattr(pipe, "vae_scale_factor", 8) * 2
     channels = int(pipe.transformer.config.in_channels)
     generator = torch.Generator("cpu").manual_seed(seed)
-    return torch.randn((1, channels, height // factor, width // factor), generator=generator, dtype=torch.float32)
+    noise = torch.randn((1, channels, height // factor, width // factor), generator=generator, dtype=torch.float32)
+    names = matching_variants({"_class_name": type(pipe).__name__})
+    if names and pipeline_variants()[names[0]][1].packed_latents:
+        return noise.flatten(2).transpose(1, 2).contiguous()
+    return noise
 
 
 def check_size(pipe: Any, width: int, height: int) -> None:

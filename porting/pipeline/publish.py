@@ -1,7 +1,8 @@
 """`port publish`: a diffusers pipeline folder from a base repository and a converted transformer, gated on validation.
 
-The folder is what `Flux2KleinPipeline.from_pretrained(folder)` (or the KV / dev pipeline) loads: `model_index.json`,
-the base's `scheduler/`, `text_encoder/`, `tokenizer/`, `vae/` (hard-linked, not copied, where the filesystem
+The folder is what the variant's pipeline (`Flux2KleinPipeline`, `FluxPipeline`, ... from the family registry)
+loads with `from_pretrained(folder)`: `model_index.json`, the base's `scheduler/`, text encoders, tokenizers and `vae/`
+(hard-linked, not copied, where the filesystem
 allows), the converted `transformer/`, a model card, the validation report and a manifest with the sha256 of every
 file. It is built next to the destination and moved into place only when complete.
 """
@@ -117,11 +118,14 @@ def base_components(index: dict[str, Any]) -> list[str]:
 
 
 def infer_variant(base_index: dict[str, Any], transformer_cfg: dict[str, Any]) -> str:
-    by_pipeline = {spec.pipeline: name for name, (_, spec) in pipeline_variants().items()}
-    found = by_pipeline.get(str(base_index.get("_class_name")))
-    if found:
-        return found
-    for name, (family, _) in pipeline_variants().items():
+    """The variant of the base's pipeline class; where one class serves several variants (FLUX.1 [dev] and
+    [schnell] are both FluxPipeline), the one whose guidance embedding the transformer has."""
+    from .variants import matching_variants
+
+    same_class = matching_variants(base_index, transformer_cfg)
+    if same_class:
+        return same_class[0]
+    for family, _ in pipeline_variants().values():
         if transformer_cfg.get("_class_name") == family.diffusers_class:
             return family.default_variant(transformer_cfg)
     raise InputError(f"the transformer's class {transformer_cfg.get('_class_name')!r} has no pipeline flux-port "
@@ -162,17 +166,18 @@ def check_consistency(base: Path, base_index: dict[str, Any], cfg: dict[str, Any
     else:
         notices.append(f"{base_cfg_path} not found: the fine-tune's architecture was only checked against the "
                        "other components")
-    te_entry = base_index.get("text_encoder") or [None, None]
-    if te_entry[1] != spec.text_encoder:
-        problems.append(f"base model_index.json text_encoder is {te_entry[1]!r}, {spec.pipeline} needs "
-                        f"{spec.text_encoder!r}")
+    for component, wanted in spec.text_encoders.items():
+        entry = base_index.get(component)
+        found = entry[1] if isinstance(entry, list) and len(entry) == 2 else None
+        if found != wanted:
+            problems.append(f"base model_index.json {component} is {found!r}, {spec.pipeline} needs {wanted!r}")
     problems += family.pipeline_fit(base, cfg, spec)
     if problems:
         raise CheckFailed(
             f"the transformer does not fit the base {base} ({len(problems)} problem(s)); nothing was written.",
             details="\n".join(f"  {p}" for p in problems),
-            hint="A fine-tune must be published with the base it was trained from (e.g. klein-4B with "
-                 "FLUX.2-klein-4B, klein-9B with FLUX.2-klein-9B), and --variant must match it.")
+            hint="A fine-tune must be published with the base it was trained from (the same model and size), "
+                 f"and --variant must match it (the base and transformer say {variant}).")
     return notices
 
 
@@ -299,6 +304,9 @@ def build_model_index(base_index: dict[str, Any], variant: str) -> dict[str, Any
         index["is_distilled"] = bool(base_index["is_distilled"])
     for name in base_components(base_index):
         index[name] = list(base_index[name])
+    for name, entry in base_index.items():  # optional components the base leaves empty (FluxPipeline's image encoder)
+        if not name.startswith("_") and entry == [None, None]:
+            index[name] = [None, None]
     index["transformer"] = ["diffusers", family.diffusers_class]
     return dict(sorted(index.items(), key=lambda kv: (not kv[0].startswith("_"), kv[0])))
 
@@ -364,6 +372,7 @@ def model_card(*, name: str, base_model: str | None, base: Path, variant: str, w
     """The README.md of a published folder. Without `base_model` (a Hub repo id) the YAML header names no base
     (the Hub links `base_model` to a repository; a local folder name would be a broken link)."""
     _, spec = variant_spec(variant)
+    plural = "s" if len(spec.text_encoders) > 1 else ""
     meta: dict[str, str] = ({"base_model": base_model, "base_model_relation": "finetune"} if base_model else {})
     meta.update({"library_name": "diffusers", "pipeline_tag": "text-to-image", **base_card_metadata(base)})
     lines = ["---"] + [f"{k}: {json.dumps(v)}" for k, v in meta.items()]
@@ -375,8 +384,9 @@ def model_card(*, name: str, base_model: str | None, base: Path, variant: str, w
                      else f"`{_code(base_model)}`")
     lines += ["tags:", "  - flux-port", f"  - {family.name}", "---", "", f"# {_md(name)}", "",
               f"A {spec.title} fine-tune of {base_link} in diffusers layout, "
-              f"ported by flux-port {__version__}. The base repository provides the scheduler, text encoder, "
-              "tokenizer and VAE; the transformer is the converted fine-tune.", ""]
+              f"ported by flux-port {__version__}. The base repository provides the scheduler, text "
+              f"encoder{plural}, tokenizer{plural} "
+              "and VAE; the transformer is the converted fine-tune.", ""]
     if not gate.passed:
         lines += ["> **Not validated.** This folder was published with `--skip-validation`: "
                   f"{_md(gate.message)}. Nothing checked that these weights compute what the original checkpoint "
