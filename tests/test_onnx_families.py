@@ -175,3 +175,124 @@ def test_flux1_transformer_export_equals_torch(flux1_small) -> None:
     assert (manifest["family"], manifest["model"], manifest["source"]["layout"]) == ("flux1", "FLUX.1 [dev]",
                                                                                      "transformer")
     assert lint(out, "generic").ok
+
+
+# ---------------------------------------------------------------- whole tiny pipelines (slow: minutes of tracing)
+
+@pytest.fixture(scope="module")
+def flux1_dev(tmp_path_factory) -> tuple[Path, Path]:
+    """The tiny FLUX.1 [dev] base (FluxPipeline: CLIP + T5) exported whole through the CLI."""
+    root = tmp_path_factory.mktemp("flux1-dev")
+    base = write_tiny_base(root / "base", "flux1-dev", seed=0)
+    with pytest.raises(SystemExit) as exc:
+        main(["export", str(base), "--format", "onnx", "--out", str(root / "onnx"), "--quiet"])
+    assert exc.value.code in (0, None)
+    return base, root / "onnx"
+
+
+@pytest.mark.slow
+def test_flux1_dev_pipeline_export_layout_and_every_component_equals_torch(flux1_dev, capsys) -> None:
+    from diffusers import AutoencoderKL
+    from transformers import CLIPTextModel, T5EncoderModel
+
+    base, out = flux1_dev
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert sorted(manifest["components"]) == ["text_encoder", "text_encoder_2", "transformer", "vae_decoder"]
+    assert manifest["copied"] == ["tokenizer", "tokenizer_2", "scheduler"] and manifest["model"] == "FLUX.1 [dev]"
+    assert manifest["components"]["transformer"]["inputs"][2] == "pooled_projections"
+    feeds = [_flux1_feed(2, 5, 9, True)]
+    assert _ort_equals_torch(out / "transformer", base / "transformer", "FluxTransformer2DModel", feeds) < 1e-5
+    clip = CLIPTextModel.from_pretrained(base / "text_encoder").eval()
+    t5 = T5EncoderModel.from_pretrained(base / "text_encoder_2").eval()
+    vae = AutoencoderKL.from_pretrained(base / "vae").eval()
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, clip.config.vocab_size, (3, 77), generator=gen)
+    ids[:, -1] = clip.config.eos_token_id  # the pooled row is the end-of-text token's
+    ids2 = torch.randint(0, t5.config.vocab_size, (3, 40), generator=gen)
+    z = torch.randn(1, vae.config.latent_channels, 7, 9, generator=gen)
+    with torch.no_grad():
+        wants = {"text_encoder": clip(input_ids=ids).pooler_output, "text_encoder_2": t5(input_ids=ids2)[0],
+                 "vae_decoder": vae.decode(z, return_dict=False)[0]}
+    feeds2 = {"text_encoder": {"input_ids": ids}, "text_encoder_2": {"input_ids": ids2},
+              "vae_decoder": {"latent_sample": z}}
+    for name, want in wants.items():
+        (got,) = open_session(out / name).run(None, {k: v.numpy() for k, v in feeds2[name].items()})
+        assert got.shape == tuple(want.shape) and _rel(got, want.numpy()) < 1e-5, name
+    code, stdout, _ = run_cli(["export", "--check", str(out), "--target", "generic"], capsys)
+    assert code == 0 and "PASS" in stdout
+
+
+@pytest.mark.slow
+def test_flux1_onnx_validates_on_onnxruntime_and_an_edited_weight_fails(flux1_dev, tmp_path) -> None:
+    from test_onnx import _perturb_external_tensor
+
+    from validation.api import validate
+
+    _, out = flux1_dev
+    d = validate(out / "transformer", runtime="onnxruntime", **SMALL).to_dict()
+    assert d["verdict"] == "pass", d["reasons"]
+    assert 0 < d["output"]["device"]["rel_l2"] < 1e-4 and d["device"] == "onnxruntime:CPUExecutionProvider"
+    broken = tmp_path / "broken"
+    shutil.copytree(out, broken)
+    name = _perturb_external_tensor(broken / "transformer", "single_transformer_blocks.0.proj_mlp.weight", 0.5)
+    assert "single_transformer_blocks.0" in name
+    d = validate(broken / "transformer", runtime="onnxruntime", **SMALL).to_dict()
+    assert d["verdict"] == "fail" and d["output"]["ratio"] > 10
+
+
+@pytest.mark.slow
+def test_flux1_generate_runs_the_onnx_transformer_and_draws_the_same_image(flux1_dev, tmp_path) -> None:
+    from PIL import Image
+
+    from porting.pipeline.generate import generate
+
+    base, out = flux1_dev
+    result = generate(out, "a red fox", steps=2, seed=3, size=32, output=tmp_path / "onnx.png", progress=False)
+    generate(base, "a red fox", steps=2, seed=3, size=32, output=tmp_path / "torch.png", progress=False)
+    got = np.asarray(Image.open(tmp_path / "onnx.png"), dtype=np.int16)
+    want = np.asarray(Image.open(tmp_path / "torch.png"), dtype=np.int16)
+    assert result.transformer_runtime == "onnxruntime:CPUExecutionProvider"
+    assert got.shape == (32, 32, 3) and got.std() > 1 and np.abs(got - want).max() <= 1
+
+
+@pytest.mark.slow
+def test_flux1_schnell_lone_transformer_folder_exports(tmp_path, capsys) -> None:
+    base = write_tiny_base(tmp_path / "base", "flux1-schnell", seed=1)
+    code, _, err = run_cli(["export", str(base / "transformer"), "--format", "onnx", "--out", str(tmp_path / "o"),
+                            "--quiet"], capsys)
+    assert code == 0, err
+    manifest = json.loads((tmp_path / "o" / MANIFEST).read_text())
+    assert manifest["model"] == "FLUX.1 [schnell]" and manifest["source"]["layout"] == "transformer"
+    assert "guidance" not in manifest["components"]["transformer"]["inputs"]
+    feeds = [_flux1_feed(2, 4, 7, False)]
+    assert _ort_equals_torch(tmp_path / "o" / "transformer", base / "transformer", "FluxTransformer2DModel",
+                             feeds) < 1e-5
+    assert lint(tmp_path / "o", "generic").ok
+
+
+@pytest.mark.slow
+def test_flux2_dev_pipeline_export_with_its_mistral_text_encoder(tmp_path, capsys) -> None:
+    from transformers import Mistral3ForConditionalGeneration
+
+    base = write_tiny_base(tmp_path / "base", "dev", seed=0)
+    code, _, err = run_cli(["export", str(base), "--format", "onnx", "--out", str(tmp_path / "o"),
+                            "--components", "transformer,text_encoder", "--quiet"], capsys)
+    assert code == 0, err
+    out = tmp_path / "o"
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert manifest["model"] == "FLUX.2 [dev]" and manifest["components"]["transformer"]["inputs"][-1] == "guidance"
+    feeds = [_flux2_feed(2, 5, 9, True)]
+    assert _ort_equals_torch(out / "transformer", base / "transformer", "Flux2Transformer2DModel", feeds) < 1e-5
+    layers = manifest["components"]["text_encoder"]["hidden_states_layers"]
+    encoder = Mistral3ForConditionalGeneration.from_pretrained(base / "text_encoder").eval()
+    n = encoder.config.text_config.num_hidden_layers
+    assert len(layers) == 3 and layers == sorted(layers) and max(layers) <= n  # (10, 20, 30) at this depth
+    ids = torch.randint(0, encoder.config.text_config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[1, 8:] = 0  # a padded row, as the pipeline pads to max_length
+    with torch.no_grad():
+        hidden = encoder(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False).hidden_states
+    want = torch.stack([hidden[k] for k in layers], dim=1).permute(0, 2, 1, 3).reshape(2, 12, -1).numpy()
+    (got,) = open_session(out / "text_encoder").run(None, {"input_ids": ids.numpy(), "attention_mask": mask.numpy()})
+    assert got.shape == want.shape and _rel(got, want) < 1e-5
+    assert lint(out, "generic").ok
