@@ -119,10 +119,13 @@ def test_a_table_without_its_format_version_is_refused(tmp_path: Path) -> None:
         load_table_file(path)
 
 
-def test_validate_refuses_a_family_without_a_staged_runner(capsys, tmp_path: Path) -> None:
-    from .helpers import TINY1_DEV, reference_model, run_port, save_state
+def test_validate_refuses_a_family_without_stages(toy, capsys, tmp_path: Path) -> None:
+    from .helpers import run_port
 
-    src = save_state(tmp_path / "flux1.safetensors", reference_model(TINY1_DEV, seed=0).state_dict())
+    src = tmp_path / "toy.safetensors"
+    _toy_checkpoint(src)
+    assert not toy.has_stages and get_family("flux1").has_stages and get_family("flux2").has_stages
     run = run_port(capsys, "validate", src, "--out", tmp_path / "r", "--resolution", "32", "--text-len", "8")
-    assert run.code == 2 and "no staged runner for FLUX.1" in run.msg and "convert-only" in run.msg
+    assert run.code == 2 and "no staged runner for Toy" in run.msg and "declares no stages" in run.msg
+    assert "convert-only" in run.msg and "Traceback" not in run.err
     assert not (tmp_path / "r").exists()

@@ -36,8 +36,9 @@ def cast_state(state: State, dtype: torch.dtype, device: torch.device) -> State:
 class StagedModel:
     def __init__(self, source: WeightSource, device: torch.device, dtype: torch.dtype,
                  weight_transform: WeightTransform | None = None, emulate: torch.dtype | None = None) -> None:
-        """`emulate`: compute in `dtype` (float32) but round weights, inputs and every module output to `emulate`,
-        the storage rounding of a bf16 accelerator with float32 accumulation, for hosts whose CPU lacks fast bf16."""
+        """`emulate`: compute in `dtype` (float32) but round weights, inputs and every module's positional inputs and
+        outputs to `emulate`, the storage rounding of a bf16 accelerator with float32 accumulation, for hosts whose
+        CPU lacks fast bf16."""
         import diffusers
 
         self.source, self.device, self.dtype = source, device, dtype
@@ -57,12 +58,18 @@ class StagedModel:
         self.model.eval().requires_grad_(False)
         if emulate is not None:
             for module in self.model.modules():
+                # positional inputs too: what arithmetic between modules computes (a timestep x 1000, a modulated
+                # norm) is stored in `emulate` on the device before the next module reads it
+                module.register_forward_pre_hook(self._round_inputs)
                 module.register_forward_hook(self._round_output)
 
     def _round(self, t: Any) -> Any:
         if isinstance(t, torch.Tensor) and t.is_floating_point():
             return t.to(self.emulate).to(self.dtype)
         return t
+
+    def _round_inputs(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        return tuple(self._round(a) for a in args)
 
     def _round_output(self, module: nn.Module, inputs: Any, output: Any) -> Any:
         return tuple(self._round(o) for o in output) if isinstance(output, tuple) else self._round(output)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -16,6 +16,9 @@ from porting.reports import REPORTS, run_folder
 from . import _output
 from ._options import out_option
 from .inspect_cmd import describe
+
+if TYPE_CHECKING:
+    from porting.demo.bases import TinyBase
 
 PROMPT = "a red fox in the snow"
 
@@ -89,16 +92,23 @@ def demo(
         "--workdir", help="Where the demo writes its files: a new folder, or one an earlier demo wrote.")
     ] = Path("demo-out"),
     json_: Annotated[bool, typer.Option("--json", help="Print one JSON document.")] = False,
+    family: Annotated[str, typer.Option(
+        "--family", help="Which tiny model: klein (FLUX.2 [klein], the default), flux1 (FLUX.1 [dev]), "
+                         "flux1-schnell, flux2-dev (FLUX.2 [dev]).")] = "klein",
 ) -> None:
-    """Port a tiny random FLUX.2 [klein] fine-tune end to end, offline, and generate a PNG with it."""
+    """Port a tiny random fine-tune (FLUX.2 [klein] by default) end to end, offline, and generate a PNG with it."""
+    from porting.demo.bases import demo_bases
     from porting.errors import EXIT_CHECK_FAILED, PortError
 
     from ._lastresort import as_port_error
 
+    bases = demo_bases()
+    if family not in bases:
+        raise PortError(f"--family {family!r}: choose one of {', '.join(bases)}.")
     running: list[str] = []  # the entries of workdir the steps write, the last one the step now running
     _PREPARED.clear()
     try:
-        _run(workdir, json_, running)
+        _run(workdir, json_, running, bases[family])
     except KeyboardInterrupt:
         raise interrupted(workdir, running[-1] if running else "") from None
     except Exception as err:  # a step failed (a full disk included): no half-built work folder is left
@@ -112,9 +122,8 @@ def demo(
         raise mapped from err
 
 
-def _run(workdir: Path, json_: bool, running: list[str]) -> None:
-    from porting.demo.tiny import TINY_FLUX2, write_random_checkpoint
-    from porting.demo.tinypipe import build_demo_base
+def _run(workdir: Path, json_: bool, running: list[str], tiny: TinyBase) -> None:
+    from porting.demo.tiny import write_random_checkpoint
     from porting.engine.convert import convert as run_convert
     from porting.pipeline.generate import generate
     from porting.pipeline.publish import publish
@@ -122,15 +131,16 @@ def _run(workdir: Path, json_: bool, running: list[str]) -> None:
 
     out = _output.use(json_mode=json_, heavy=True)
     prepare_workdir(workdir)
-    steps: dict[str, object] = {}
+    steps: dict[str, object] = {"family": tiny.demo, "variant": tiny.variant}
 
     running.append("base")
-    base = build_demo_base(workdir / "base")
+    base = tiny.build(workdir / "base", 0)
     _recorded(workdir, 'base')
-    out.result(f"[1/6] tiny FLUX.2 [klein] base (Qwen3 text encoder, tokenizer, VAE, scheduler): {base}")
+    out.result(f"[1/6] tiny {tiny.title} base ({tiny.components}): {base}")
 
     running.append("finetune")
-    src = write_random_checkpoint(workdir / "finetune" / "tiny-klein-finetune.safetensors", TINY_FLUX2, seed=1)
+    src = write_random_checkpoint(workdir / "finetune" / f"tiny-{tiny.demo}-finetune.safetensors", tiny.transformer,
+                                  seed=1, table=tiny.family)
     _recorded(workdir, 'finetune')
     info = describe(src)
     steps["inspect"] = info
@@ -165,7 +175,8 @@ def _run(workdir: Path, json_: bool, running: list[str]) -> None:
     published = publish(base, converted.out, workdir / "published", report=workdir / "reports")
     _recorded(workdir, 'published')
     steps["publish"] = published.to_dict()
-    out.result(f"[5/6] publish: {published.out} loads with Flux2KleinPipeline.from_pretrained (validation gate passed)")
+    out.result(f"[5/6] publish: {published.out} loads with {published.pipeline}.from_pretrained "
+               "(validation gate passed)")
 
     running.append("demo.png")
     image = workdir / "demo.png"

@@ -51,8 +51,8 @@ def validate(
     text_len: Annotated[int, typer.Option("--text-len", help="Text tokens (the pipeline pads to 512).")] = 512,
     timesteps: Annotated[str, typer.Option("--timesteps", help="Comma-separated, in [0, 1].")] = "1.0,0.5,0.1",
     seeds: Annotated[str, typer.Option("--seeds", help="Comma-separated CPU generator seeds.")] = "0",
-    base: Annotated[Optional[Path], typer.Option("--base", help="Base model folder whose text encoder encodes "
-                                                 "--prompt.")] = None,
+    base: Annotated[Optional[Path], typer.Option("--base", help="Base model folder whose text encoder(s) "
+                                                 "encode --prompt as its pipeline does.")] = None,
     prompt: Annotated[Optional[str], typer.Option("--prompt", help="Prompt for real text features.")] = None,
     max_ratio: Annotated[float, typer.Option(
         "--max-ratio", help="Largest accepted device/intrinsic error ratio.")] = 2.0,

@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping
 @dataclass(frozen=True)
 class TinyBase:
     variant: str  # the publish variant (porting.families pipeline_variants) the base stands for
+    demo: str  # its name for `port demo --family`
     family: str  # the family (and mapping table) of its transformer
     title: str
     components: str  # what the base holds, in words, for the demo's output
@@ -51,14 +52,14 @@ def _configs() -> dict[str, Mapping[str, Any]]:
 def tiny_bases() -> dict[str, TinyBase]:
     c = _configs()
     return {
-        "klein": TinyBase("klein", "flux2", "FLUX.2 [klein]", "Qwen3 text encoder, tokenizer, VAE, scheduler",
+        "klein": TinyBase("klein", "klein", "flux2", "FLUX.2 [klein]", "Qwen3 text encoder, tokenizer, VAE, scheduler",
                           _klein, c["klein"]),
-        "flux1-dev": TinyBase("flux1-dev", "flux1", "FLUX.1 [dev]",
+        "flux1-dev": TinyBase("flux1-dev", "flux1", "flux1", "FLUX.1 [dev]",
                               "CLIP + T5 text encoders and tokenizers, VAE, scheduler", _flux1(True), c["flux1-dev"]),
-        "flux1-schnell": TinyBase("flux1-schnell", "flux1", "FLUX.1 [schnell]",
+        "flux1-schnell": TinyBase("flux1-schnell", "flux1-schnell", "flux1", "FLUX.1 [schnell]",
                                   "CLIP + T5 text encoders and tokenizers, VAE, scheduler", _flux1(False),
                                   c["flux1-schnell"]),
-        "dev": TinyBase("dev", "flux2", "FLUX.2 [dev]", "Mistral3 text encoder, tokenizer, VAE, scheduler",
+        "dev": TinyBase("dev", "flux2-dev", "flux2", "FLUX.2 [dev]", "Mistral3 text encoder, tokenizer, VAE, scheduler",
                         _flux2_dev, c["dev"]),
     }
 
@@ -68,6 +69,11 @@ def tiny_base(variant: str) -> TinyBase:
     if variant not in bases:
         raise KeyError(f"no tiny base for variant {variant!r} (known: {', '.join(bases)})")
     return bases[variant]
+
+
+def demo_bases() -> dict[str, TinyBase]:
+    """The tiny bases by their `port demo --family` name (klein, flux1, flux1-schnell, flux2-dev)."""
+    return {b.demo: b for b in tiny_bases().values()}
 
 
 def write_tiny_base(folder: str | Path, variant: str = "klein", seed: int = 0) -> Path:

@@ -1,10 +1,11 @@
 """The protocol between `validate` and whatever computes the transformer.
 
 A runner exposes its stage names and runs one stage on a list of input states (dicts of tensors, see
-`validation.staged`). The final state of every runner holds `out`, the transformer's output. A runner that can stop
-between blocks (`localises = True`) lets the lock-step comparison feed each block the golden's inputs and blame the
-first bad block; a whole-graph runner (an ONNX session) has the single stage `WHOLE`, which takes the model inputs
-(`x`, `ctx`, `timestep`, `img_ids`, `txt_ids`, `guidance`) and returns `{"out": ...}`.
+`validation.staged` and the family's stages, `porting.families.stages`). The final state of every runner holds
+`out`, the transformer's output. A runner that can stop between blocks (`localises = True`) lets the lock-step
+comparison feed each block the golden's inputs and blame the first bad block; a whole-graph runner (an ONNX session)
+has the single stage `WHOLE`, which takes the family's inputs state (`x`, `ctx`, `timestep`, `img_ids`, `txt_ids`,
+and `guidance` / `pooled` where the model has them) and returns `{"out": ...}`.
 """
 
 from __future__ import annotations
