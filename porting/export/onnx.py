@@ -369,16 +369,16 @@ def _export_ryzenai(folder: Path, out: Path, *, opset: int, components: Sequence
     from .lint import lint
 
     check_opset(opset, "ryzenai")
+    layout = _layout(folder)  # what the model's family declares, before any work
+    if not layout.spec.ryzenai:
+        raise UsageError(f"--target ryzenai: {folder} is {layout.spec.title} ({layout.class_name}); the Ryzen AI "
+                         f"flow is written for {ryzenai.FLOW_FOR} only (its static shapes, bf16 transformer and int4 "
+                         "text encoder).", hint="Export it with --target generic (the default).")
     profile = profile or ryzenai.Profile()
     ryzenai.check_profile(profile.size, profile.text_len, profile.block_size, profile.accuracy_level)
     require("onnx")
     require("onnxscript")
     require("onnxruntime")  # the int4 quantizer
-    layout = _layout(folder)
-    if not layout.spec.ryzenai:
-        raise UsageError(f"--target ryzenai: {folder} is {layout.spec.title} ({layout.class_name}); the Ryzen AI "
-                         f"flow is written for {ryzenai.FLOW_FOR} only (its static shapes, bf16 transformer and int4 "
-                         "text encoder).", hint="Export it with --target generic (the default).")
     layout, wanted, params = _selected(folder, components)
     sources, kind = layout.sources, layout.kind
     for c in wanted:  # the text encoder is traced with its float32 weights (the int4 quantizer reads them); the
