@@ -118,7 +118,8 @@ def test_flux1_transformer_graph_takes_pooled_projections_and_guidance(tmp_path)
     """The traced module and its example inputs (no export): FluxPipeline's names, FLUX.1's unbatched ids."""
     for guidance in (True, False):
         folder = _transformer_folder(tmp_path / str(guidance), "FluxTransformer2DModel",
-                                     {**TINY_FLUX1, "guidance_embeds": guidance})
+                                     {**TINY_FLUX1, "num_layers": 1, "num_single_layers": 1,
+                                      "guidance_embeds": guidance})
         spec, family, cls_name = model_spec(folder / "config.json")
         traced = spec.components["transformer"].load(folder, torch.float32)
         assert (family, cls_name) == ("flux1", "FluxTransformer2DModel")
