@@ -124,9 +124,9 @@ def check_weights(model_file: Path, source: dict[str, torch.Tensor]) -> dict[str
 
 def validate_text_encoder(folder: Path, *, out: Path | None = None, max_ratio: float = 2.0,
                           provider: str = "CPUExecutionProvider", prompt: str | None = None) -> Report:
-    from porting.export.onnx_components import load_text_encoder
     from porting.export.ort import open_session
     from porting.export.ryzenai import int4_dequantize_torch
+    from porting.families.flux2_export import load_text_encoder
 
     root, manifest = _root(folder)
     src = (manifest.get("source") or {}).get("text_encoder")

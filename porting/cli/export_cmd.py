@@ -48,7 +48,9 @@ def export(
     opset: Annotated[Optional[int], typer.Option("--opset", help="ONNX opset (default 18; 23 fuses Attention and "
                                                  "RMSNormalization).")] = None,
     components: Annotated[Optional[str], typer.Option("--components", help="Comma-separated: transformer, "
-                                                      "vae_decoder, text_encoder (default: all present).")] = None,
+                                                      "vae_decoder, text_encoder, text_encoder_2 where the "
+                                                      "pipeline has one (default: all the model's family "
+                                                      "exports).")] = None,
     target: Annotated[ExportTarget, typer.Option("--target", help="generic: dynamic axes, opset 18+; ryzenai: "
                                                  "AMD Ryzen AI NPU form (opset 17, static shapes, bf16 transformer, "
                                                  "int4 text encoder).")] = ExportTarget.generic,
@@ -97,7 +99,8 @@ def export(
                              "and float weights).")
     wanted = [c.strip() for c in components.split(",") if c.strip()] if components else None
     if components is not None and not wanted:
-        raise PortError("--components is empty; name at least one of transformer, vae_decoder, text_encoder.")
+        raise PortError("--components is empty; name at least one of transformer, vae_decoder, text_encoder, "
+                        "text_encoder_2.")
     result = export_onnx(folder, out, dtype=dtype.value, opset=opset, components=wanted, force=force,
                          on_status=output.status, target=target.value, profile=profile)
     output.document(result.to_dict())

@@ -30,7 +30,7 @@ from porting.paths import files_within, link_roots
 from porting.resources import MEMORY_OVERHEAD, check_streamed_export_memory, require_memory
 from porting.tensors.checkpoint import hash_checkpoint, open_checkpoint
 
-from .onnx_components import COMPONENTS, COPIED, Traceable, gib, nbytes
+from .onnx_components import ExportSpec, Traceable, gib, nbytes
 from .ort import MODEL_FILE, require
 
 MANIFEST = "flux-port-export.json"
@@ -92,15 +92,49 @@ def find_manifest(path: Path) -> tuple[Path, dict[str, Any]]:
                      hint="Export first: port export FOLDER --format onnx --out DIR, then use DIR/transformer.")
 
 
-def _layout(folder: Path) -> tuple[dict[str, Path], str]:
+@dataclass(frozen=True)
+class Layout:
+    """What is exported from a folder: its component source folders, pipeline or lone transformer, and what the
+    model's family declares it exports."""
+
+    sources: dict[str, Path]
+    kind: str  # "pipeline" or "transformer"
+    spec: ExportSpec
+    family: str  # the family's registry name
+    class_name: str  # the transformer's diffusers class
+
+
+def model_spec(transformer_config: Path, pipeline_class: str | None = None) -> tuple[ExportSpec, str, str]:
+    """The one seam between the export and the families: the family of a transformer config's `_class_name`, and the
+    components it declares (for the pipeline class model_index.json names, when there is one)."""
+    from porting.families import family_for_class
+
+    cfg = read_config(transformer_config, "a transformer config")
+    class_name = cfg.get("_class_name")
+    try:
+        family = family_for_class(str(class_name))
+        spec = family.export_spec(cfg, pipeline_class)
+    except KeyError as e:
+        raise InputError(f"{transformer_config}: '_class_name' is {class_name!r}; port export knows no family "
+                         f"that exports it ({e.args[0]}).",
+                         hint="Point at a published folder (port publish --out) or a converted transformer "
+                              "(port convert --out).") from None
+    return spec, family.name, str(class_name)
+
+
+def _layout(folder: Path) -> Layout:
     """Component source folders of a pipeline folder, or of a lone transformer folder."""
     if (folder / "model_index.json").is_file():
-        return {name: folder / c.source for name, c in COMPONENTS.items() if (folder / c.source).is_dir()}, "pipeline"
+        index = read_config(folder / "model_index.json", "a pipeline index")
+        if not (folder / "transformer" / "config.json").is_file():
+            raise InputError(f"{folder}: no transformer/config.json; port export reads the model's family there.")
+        spec, family, class_name = model_spec(folder / "transformer" / "config.json", index.get("_class_name"))
+        sources = {name: folder / c.source for name, c in spec.components.items() if (folder / c.source).is_dir()}
+        return Layout(sources, "pipeline", spec, family, class_name)
     if (folder / "config.json").is_file():
-        cfg = read_config(folder / "config.json", "a transformer config")
-        if cfg.get("_class_name") == "Flux2Transformer2DModel":
-            return {"transformer": folder}, "transformer"
-    raise InputError(f"{folder}: neither a diffusers pipeline folder (model_index.json) nor a Flux2 transformer "
+        spec, family, class_name = model_spec(folder / "config.json")
+        return Layout({"transformer": folder}, "transformer", spec, family, class_name)
+    raise InputError(f"{folder}: neither a diffusers pipeline folder (model_index.json) nor a transformer "
                      "folder (config.json).", hint="Point at a published folder (port publish --out) or a "
                                                    "converted transformer (port convert --out).")
 
@@ -197,27 +231,34 @@ def export_component(traced: Traceable, dest: Path, opset: int) -> int:
     return produced
 
 
-def files_to_copy(folder: Path, kind: str) -> dict[str, list[Path]]:
-    """The files of the weightless folders (tokenizer, scheduler) an export carries, listed before any work; a link
+def files_to_copy(folder: Path, layout: Layout) -> dict[str, list[Path]]:
+    """The files of the weightless folders (tokenizers, scheduler) an export carries, listed before any work; a link
     is followed only when it stays inside the source folder."""
-    if kind != "pipeline":
+    if layout.kind != "pipeline":
         return {}
-    return {name: files_within(folder / name, link_roots(folder)) for name in COPIED if (folder / name).is_dir()}
+    return {name: files_within(folder / name, link_roots(folder)) for name in layout.spec.copied
+            if (folder / name).is_dir()}
 
 
-def _selected(folder: Path, components: Sequence[str] | None) -> tuple[dict[str, Path], str, list[str], dict[str, int]]:
-    """The component folders of `folder`, the ones asked for (all by default) and their parameter counts."""
-    sources, kind = _layout(folder)
+def _selected(folder: Path, components: Sequence[str] | None) -> tuple[Layout, list[str], dict[str, int]]:
+    """The layout of `folder`, the components asked for (all it has by default) and their parameter counts."""
+    layout = _layout(folder)
+    spec, sources = layout.spec, layout.sources
     wanted = list(components) if components else list(sources)
-    unknown = [c for c in wanted if c not in COMPONENTS]
+    refused = [c for c in wanted if c in spec.refused]
+    if refused:
+        raise UsageError(f"--components {refused[0]}: {spec.title} does not export it: {spec.refused[refused[0]]}",
+                         hint="Leave it out of --components.")
+    unknown = [c for c in wanted if c not in spec.components]
     if unknown:
-        raise PortError(f"--components {','.join(unknown)}: unknown; choose from {', '.join(COMPONENTS)}.")
+        raise PortError(f"--components {','.join(unknown)}: unknown for {spec.title}; choose from "
+                        f"{', '.join(spec.components)}.")
     missing = [c for c in wanted if c not in sources]
     if missing:
-        raise InputError(f"{folder}: no {', '.join(COMPONENTS[c].source + '/' for c in missing)} folder to export "
-                         f"{', '.join(missing)} from.")
-    params = {c: COMPONENTS[c].count_params(sources[c]) for c in wanted}
-    return sources, kind, wanted, params
+        raise InputError(f"{folder}: no {', '.join(spec.components[c].source + '/' for c in missing)} folder to "
+                         f"export {', '.join(missing)} from.")
+    params = {c: spec.components[c].count_params(sources[c]) for c in wanted}
+    return layout, wanted, params
 
 
 def export_onnx(folder: str | Path, out: str | Path, *, dtype: str = "fp32", opset: int | None = None,
@@ -248,11 +289,12 @@ def export_onnx(folder: str | Path, out: str | Path, *, dtype: str = "fp32", ops
     require("onnx")
     require("onnxscript")
     torch_dtype = DTYPES[dtype]
-    sources, kind, wanted, params = _selected(folder, components)
+    layout, wanted, params = _selected(folder, components)
+    sources, kind = layout.sources, layout.kind
     for c in wanted:  # refuse before any tracing
         check_fits(c, params[c], torch_dtype, available_bytes)
 
-    copies = files_to_copy(folder, kind)
+    copies = files_to_copy(folder, layout)
     read_paths = {"source": folder, "component": list(sources.values()),
                   "copied folder": [folder / name for name in copies]}
     check_output(out, force=force, verb="export", inputs=read_paths)  # before any tracing
@@ -268,7 +310,7 @@ def export_onnx(folder: str | Path, out: str | Path, *, dtype: str = "fp32", ops
         for c in wanted:
             say(f"exporting {c} ({params[c] / 1e6:.1f} M parameters, {dtype}, opset {opset})")
             t0 = time.perf_counter()
-            traced = COMPONENTS[c].load(sources[c], torch_dtype)
+            traced = layout.spec.components[c].load(sources[c], torch_dtype)
             produced = export_component(traced, staging / c, opset)
             produced_opsets.add(produced)
             results.append(ComponentResult(
@@ -290,6 +332,7 @@ def export_onnx(folder: str | Path, out: str | Path, *, dtype: str = "fp32", ops
             "source": {"folder": str(folder.resolve()), "layout": kind,
                        "transformer": str(sources["transformer"].resolve()) if "transformer" in sources else None,
                        "weights_sha256": weights},
+            "family": layout.family, "model": layout.spec.title, "class_name": layout.class_name,
             "dtype": dtype, "opset": {"requested": opset, "produced": produced},
             "components": {r.name: {"file": f"{r.name}/{MODEL_FILE}", "inputs": r.inputs, "outputs": r.outputs,
                                     "dynamic_axes": r.dynamic_axes, "params": r.params, **r.facts}
@@ -326,12 +369,18 @@ def _export_ryzenai(folder: Path, out: Path, *, opset: int, components: Sequence
     from .lint import lint
 
     check_opset(opset, "ryzenai")
+    layout = _layout(folder)  # what the model's family declares, before any work
+    if not layout.spec.ryzenai:
+        raise UsageError(f"--target ryzenai: {folder} is {layout.spec.title} ({layout.class_name}); the Ryzen AI "
+                         f"flow is written for {ryzenai.FLOW_FOR} only (its static shapes, bf16 transformer and int4 "
+                         "text encoder).", hint="Export it with --target generic (the default).")
     profile = profile or ryzenai.Profile()
     ryzenai.check_profile(profile.size, profile.text_len, profile.block_size, profile.accuracy_level)
     require("onnx")
     require("onnxscript")
     require("onnxruntime")  # the int4 quantizer
-    sources, kind, wanted, params = _selected(folder, components)
+    layout, wanted, params = _selected(folder, components)
+    sources, kind = layout.sources, layout.kind
     for c in wanted:  # the text encoder is traced with its float32 weights (the int4 quantizer reads them); the
         # transformer and VAE decoder are traced hollow and streamed tensor by tensor (resources.streamed_export_bytes)
         if c in ryzenai.STREAMED:
@@ -340,7 +389,7 @@ def _export_ryzenai(folder: Path, out: Path, *, opset: int, components: Sequence
             check_fits(c, params[c], torch.float32, available_bytes,
                        hint="The ryzenai text encoder is estimated at 2 x its float32 weights: use a machine with "
                             "more memory, or --components to export one component at a time.")
-    copies = files_to_copy(folder, kind)
+    copies = files_to_copy(folder, layout)
     read_paths = {"source": folder, "component": list(sources.values()),
                   "copied folder": [folder / name for name in copies]}
     check_output(out, force=force, verb="export", inputs=read_paths)
@@ -358,7 +407,7 @@ def _export_ryzenai(folder: Path, out: Path, *, opset: int, components: Sequence
                 proto, facts = ryzenai.stream_bf16_component(c, sources[c], profile, staging / c)
                 ryzenai.save_streamed(proto, staging / c, file)
             else:
-                traced = COMPONENTS[c].load(sources[c], torch.float32)
+                traced = layout.spec.components[c].load(sources[c], torch.float32)
                 proto, facts = ryzenai.finish_component(c, traced, profile)
                 del traced
                 gc.collect()

@@ -1,9 +1,9 @@
 """An exported folder as a diffusers pipeline: the transformer runs in onnxruntime, the other components stay torch
 (loaded from the source pipeline folder the export manifest names).
 
-`OrtTransformer` stands in for `Flux2Transformer2DModel` inside the pipeline: it offers what the FLUX.2 pipelines
-use of their transformer (`config.in_channels`, `dtype`, `cache_context`, the forward keywords) and feeds the
-exported graph's named inputs.
+`OrtTransformer` stands in for the family's transformer inside the pipeline: it offers what the FLUX pipelines use
+of their transformer (`config`, `dtype`, `cache_context`, the forward keywords) and feeds the exported graph's named
+inputs, which are the diffusers forward's argument names.
 """
 
 from __future__ import annotations
@@ -49,17 +49,17 @@ class OrtTransformer(nn.Module):
     def cache_context(self, name: str) -> Iterator[None]:
         yield
 
-    def forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, timestep: torch.Tensor,
-                img_ids: torch.Tensor, txt_ids: torch.Tensor, guidance: torch.Tensor | None = None,
-                joint_attention_kwargs: dict[str, Any] | None = None, return_dict: bool = False,
-                **unused: Any) -> tuple[torch.Tensor]:
-        if unused.get("kv_cache_mode") is not None:
+    def forward(self, hidden_states: torch.Tensor, joint_attention_kwargs: dict[str, Any] | None = None,
+                return_dict: bool = False, **given: Any) -> tuple[torch.Tensor]:
+        """The pipeline's keyword arguments fed by name: the graph's inputs are the diffusers forward's names, so
+        whatever the family's graph takes (FLUX.1's pooled_projections, guidance where the model has it) is passed
+        through; an input the graph needs and the pipeline did not pass is an error naming it."""
+        if given.get("kv_cache_mode") is not None:
             raise PortError("the ONNX transformer has no KV cache; generate with the torch transformer instead.")
-        given = {"hidden_states": hidden_states, "encoder_hidden_states": encoder_hidden_states,
-                 "timestep": timestep, "img_ids": img_ids, "txt_ids": txt_ids, "guidance": guidance}
+        given["hidden_states"] = hidden_states
         feed = {}
         for name in self.input_names:
-            value = given[name]
+            value = given.get(name)
             if value is None:
                 raise PortError(f"the exported transformer needs {name!r}, which the pipeline did not pass.")
             value = value.to(self._dtype) if value.is_floating_point() else value
@@ -101,7 +101,7 @@ def load_onnx_pipeline(folder: Path, dtype: torch.dtype, provider: str = "CPUExe
               .items() if not k.startswith("_")}
     transformer = OrtTransformer(Path(folder) / "transformer", config, provider)
     level = diffusers_logging.get_verbosity()
-    diffusers_logging.set_verbosity_error()  # "expected Flux2Transformer2DModel" is the point of the seam
+    diffusers_logging.set_verbosity_error()  # "expected <transformer class>" is the point of the seam
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch_dtype.*", category=FutureWarning)

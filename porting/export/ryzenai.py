@@ -32,6 +32,7 @@ from .onnx_components import Traceable
 from .ort import require
 
 OPSET = 17
+FLOW_FOR = "FLUX.2 [klein]"  # the model this flow is written for; a family's ExportSpec.ryzenai says it is taken
 DEFAULT_SIZE = 1024
 DEFAULT_TEXT_LEN = 512
 DEFAULT_BLOCK_SIZE = 128
@@ -353,8 +354,9 @@ def hollow_traceable(name: str, folder: Path, profile: Profile) -> tuple[Traceab
     """The component's graph module built from its config with hollow weights, static example inputs, and the prefix
     its parameter names carry in the graph. Nothing of the weights is read."""
     from porting._files import read_config
+    from porting.families.flux2_export import transformer_graph
 
-    from .onnx_components import GuidedTransformerGraph, TransformerGraph, VaeDecoderGraph
+    from .onnx_components import VaeDecoderGraph
 
     cfg = {k: v for k, v in read_config(folder / "config.json", "a component config").items() if not k.startswith("_")}
     if name == "transformer":
@@ -362,7 +364,7 @@ def hollow_traceable(name: str, folder: Path, profile: Profile) -> tuple[Traceab
 
         with torch.device("meta"):
             model = Flux2Transformer2DModel.from_config(cfg).eval().requires_grad_(False)
-        graph = (GuidedTransformerGraph if model.config.guidance_embeds else TransformerGraph)(hollow(model))
+        graph = transformer_graph(hollow(model))
         shape = Traceable(graph, {"hidden_states": torch.zeros(1, 16, model.config.in_channels),
                                   "encoder_hidden_states": torch.zeros(1, 6, model.config.joint_attention_dim),
                                   **({"guidance": torch.zeros(1)} if model.config.guidance_embeds else {})},

@@ -56,7 +56,8 @@ def family_for_class(class_name: str) -> Family:
     for family in families():
         if family.diffusers_class == class_name:
             return family
-    raise KeyError(f"no model family has the diffusers class {class_name!r}")
+    raise KeyError(f"no model family has the diffusers class {class_name!r} (known: "
+                   f"{', '.join(f.diffusers_class for f in families())})")
 
 
 def builtin_tables() -> dict[str, MappingTable]:

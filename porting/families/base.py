@@ -72,6 +72,9 @@ class Family:
     # the module whose STAGES runs the transformer stage by stage (`stages.TransformerStages`, for port validate);
     # it imports torch and diffusers, so it is named here and loaded only by `stages()`
     stages_module: ClassVar[str | None] = None
+    # the module whose `export_spec(family, config, variant, variant_name)` declares what `port export` writes
+    # (graph wrappers, example inputs; it imports torch, so it is named here and imported only by the export)
+    export_module: ClassVar[str | None] = None
 
     def __init__(self, table: MappingTable | None = None, folder: Path | None = None) -> None:
         self._table = table
@@ -159,6 +162,24 @@ class Family:
         if not self.pipelines:
             raise KeyError(f"{self.title or self.name} has no pipeline flux-port publishes")
         return next(iter(self.pipelines))
+
+    def variant_for(self, config: Mapping[str, Any], pipeline_class: str | None) -> str | None:
+        """The publish variant of a folder: the one whose pipeline class model_index.json names, else the default
+        for the transformer config; None for a family that publishes no pipeline."""
+        if not self.pipelines:
+            return None
+        default = self.default_variant(config)
+        named = [name for name, v in self.pipelines.items() if v.pipeline == pipeline_class]
+        return default if default in named or not named else named[0]
+
+    def export_spec(self, config: Mapping[str, Any], pipeline_class: str | None = None) -> Any:
+        """What `port export` writes for a model of this family (a `porting.export.onnx_components.ExportSpec`);
+        KeyError when the family declares no export."""
+        if self.export_module is None:
+            raise KeyError(f"{self.title or self.name} declares no exportable components")
+        name = self.variant_for(config, pipeline_class)
+        variant = self.pipelines.get(name) if name is not None else None
+        return importlib.import_module(self.export_module).export_spec(self, config, variant, name)
 
     def pipeline_fit(self, base: Path, config: Mapping[str, Any], variant: PipelineVariant) -> list[str]:
         """Problems that keep this transformer from working with the base's other components."""

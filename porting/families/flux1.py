@@ -23,6 +23,7 @@ class Flux1(Family):
     table_resource = "flux1.toml"
     shapes_resource = "flux1.shapes.toml"
     stages_module = "porting.families.flux1_stages"
+    export_module = "porting.families.flux1_export"
     structural_fields = ("num_layers", "num_single_layers", "num_attention_heads", "attention_head_dim",
                          "joint_attention_dim", "in_channels", "guidance_embeds", "pooled_projection_dim")
     # FluxPipeline: CLIP (pooled) in text_encoder/, T5 (sequence) in text_encoder_2/; dev embeds guidance, schnell

@@ -39,6 +39,7 @@ class Flux2(Family):
     adapter_priority = 1  # a LoRA on modules FLUX.1 shares (qkv, linear1) is read as FLUX.2
     single_file_strips_prefix = False  # its converter looks keys up as they are: KeyError on a prefix
     stages_module = "porting.families.flux2_stages"
+    export_module = "porting.families.flux2_export"
     shapes_resource = "flux2.shapes.toml"
     # a fine-tune must agree with its base on these
     structural_fields = ("num_layers", "num_single_layers", "num_attention_heads", "attention_head_dim",
