@@ -29,8 +29,8 @@ from .dtypes import torch_dtype
 from .identity import WeightsHasher, tensor_bytes
 from .prefetch import ByteBudget, prefetched
 
-__all__ = ["Entry", "Segments", "Chunks", "WeightsHasher", "write_shards", "plan_shards", "shard_names", "parse_size",
-           "atomic_folder"]
+__all__ = ["Entry", "Segments", "Chunks", "Filled", "WeightsHasher", "write_shards", "plan_shards", "shard_names",
+           "parse_size", "atomic_folder"]
 
 ALIGN = 8  # header padded so tensor data starts 8-byte aligned, as safetensors itself does
 
@@ -127,6 +127,25 @@ class Chunks:
     source_key: str  # for error messages
 
 
+@dataclass(frozen=True)
+class Filled:
+    """An output tensor of `rows` rows of `row_bytes` bytes that the producer writes straight into the writer's
+    buffers: `fill(view, a, b)` puts the bytes of rows [a, b) into `view`, a buffer the writer reuses once written.
+
+    For tensors computed a few rows at a time (merged weights): no allocation per tensor or per block, and the
+    bytes are written and hashed from the same buffers as copied tensors.
+    """
+
+    rows: int
+    row_bytes: int
+    fill: Callable[[memoryview, int, int], None]
+    source_key: str  # for error messages
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.row_bytes
+
+
 READ_PIECE = 16 * 2**20  # bytes per read of a copied tensor
 READ_AHEAD = 96 * 2**20  # bytes read (or computed) ahead of the writer at most, beyond one piece
 HASH_ASIDE = 2**20  # pieces this large are hashed on a third thread while being written; smaller ones inline
@@ -154,7 +173,7 @@ class _Sources:
 Piece = tuple[memoryview, "mmap.mmap | None"]  # bytes of a tensor, and the read buffer they live in (if any)
 
 
-def _pieces(entries: list[Entry], items: Iterable[torch.Tensor | Segments | Chunks], budget: ByteBudget,
+def _pieces(entries: list[Entry], items: Iterable[torch.Tensor | Segments | Chunks | Filled], budget: ByteBudget,
             pool: list[mmap.mmap]) -> Iterator[Piece | None]:
     """The bytes of every planned tensor in order, checked against the plan; None after each tensor.
 
@@ -171,6 +190,8 @@ def _pieces(entries: list[Entry], items: Iterable[torch.Tensor | Segments | Chun
                 raise InternalError(f"the tensors ran out before {e.key!r}, which the plan has.")
             if isinstance(item, Segments):
                 yield from _copied_pieces(e, item, sources, budget, pool)
+            elif isinstance(item, Filled):
+                yield from _filled_pieces(e, item, budget, pool)
             elif isinstance(item, Chunks):
                 yield from _computed_pieces(e, item.blocks, budget, whole=False)
             else:
@@ -199,6 +220,24 @@ def _copied_pieces(e: Entry, item: Segments, sources: _Sources, budget: ByteBudg
             yield memoryview(buf)[:n], buf
             budget.give(want - n)
             done += n
+
+
+def _filled_pieces(e: Entry, item: Filled, budget: ByteBudget, pool: list[mmap.mmap]) -> Iterator[Piece]:
+    if item.nbytes != e.nbytes:
+        raise InternalError(f"tensor {e.key!r} came out as {item.nbytes} bytes, planned {e.nbytes}.")
+    step = max(1, READ_PIECE // max(item.row_bytes, 1))
+    for a in range(0, item.rows, step):
+        b = min(a + step, item.rows)
+        want = (b - a) * item.row_bytes
+        buf = pool.pop() if pool else mmap.mmap(-1, max(READ_PIECE, want))
+        if len(buf) < want:  # a row larger than a piece (none in these models): a buffer of its own
+            pool.append(buf)
+            buf = mmap.mmap(-1, want)
+        if not budget.take(want):
+            return
+        view = memoryview(buf)[:want]
+        item.fill(view, a, b)
+        yield view, buf
 
 
 def _computed_pieces(e: Entry, blocks: Iterable[torch.Tensor], budget: ByteBudget, whole: bool) -> Iterator[Piece]:
@@ -240,16 +279,17 @@ def _write_all(fd: int, data: memoryview | bytes) -> None:
         view = view[n:]
 
 
-def write_shards(folder: Path, stem: str, entries: list[Entry], tensors: Iterable[torch.Tensor | Segments | Chunks],
+def write_shards(folder: Path, stem: str, entries: list[Entry],
+                 tensors: Iterable[torch.Tensor | Segments | Chunks | Filled],
                  max_shard_bytes: int, metadata: dict[str, str] | None = None,
                  on_bytes: Callable[[int], None] | None = None,
                  hasher: WeightsHasher | None = None) -> list[str]:
     """Write `tensors` (yielded in the order of `entries`) as one file or shards plus the standard index.
 
-    An item is a tensor (written from memory), `Segments` (byte ranges of source files, copied) or `Chunks` (row
-    blocks computed one after another). A second thread reads or computes the next pieces while this one writes
-    the last and a third hashes it (for `hasher`) at the same time: each byte is read from memory by both while it
-    is fresh, and never read back from the output.
+    An item is a tensor (written from memory), `Segments` (byte ranges of source files, copied), `Chunks` (row
+    blocks computed one after another) or `Filled` (rows the producer writes into the writer's buffers). A second
+    thread reads or computes the next pieces while this one writes the last and a third hashes it (for `hasher`) at
+    the same time: each byte is read from memory by both while it is fresh, and never read back from the output.
     """
     shards = plan_shards(entries, max_shard_bytes)
     names = shard_names(stem, len(shards))
