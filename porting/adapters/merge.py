@@ -14,6 +14,7 @@ import math
 import os
 import threading
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -170,6 +171,8 @@ class Placement:
         only move rows (renames, splits, the final-layer swap) are merged a block of rows at a time, straight into
         the writer's buffers."""
         files = _Files()
+        helper = ThreadPoolExecutor(1, thread_name_prefix="flux-port-merge", initializer=_one_thread) \
+            if _cores() > 1 else None
         try:
             for ps in plan.steps:
                 if not any(s in self for s in ps.step.sources):
@@ -182,13 +185,15 @@ class Placement:
                 if ranges is None:
                     yield from self._whole(ckpt, ps)
                     continue
-                rows = [_MergedRows(info, param, self, files) if param in self else _StoredRows(info, files)
+                rows = [_MergedRows(info, param, self, files, helper) if param in self else _StoredRows(info, files)
                         for param, info in zip(ps.step.sources, infos)]
                 for parts in ranges:
                     yield _filled(rows, parts, ", ".join(ps.stored_sources))
                 del rows  # every row of this group was written before the next group is asked for
         finally:
             files.close()
+            if helper is not None:
+                helper.shutdown()
 
     def _whole(self, ckpt: Checkpoint, ps: PlannedStep) -> Iterator[torch.Tensor]:
         """A rule group whose operation needs whole tensors, or whose dtype changes: merged in memory."""
@@ -296,7 +301,8 @@ class _MergedRows(_StoredRows):
     """Rows of a base tensor plus every delta that lands on it: the stored rows are read into the output buffer,
     then each block is summed in float32 (weight, then each delta in order), checked and rounded back in place."""
 
-    def __init__(self, info: TensorInfo, param: str, placement: Placement, files: _Files):
+    def __init__(self, info: TensorInfo, param: str, placement: Placement, files: _Files,
+                 helper: ThreadPoolExecutor | None):
         super().__init__(info, files)
         self.what = f"{info.name} plus the delta of {placement.names(param)}"
         self.deltas = placement._deltas(param, placement.pop(param))
@@ -304,28 +310,51 @@ class _MergedRows(_StoredRows):
         self.inner = tuple(info.shape[1:])
         self.step = max(1, BLOCK_ELEMENTS // max(math.prod(self.inner), 1))
         self.path = placement.path
+        self.helper = helper
 
     def write(self, view: memoryview, a: int, b: int) -> None:
         super().write(view, a, b)
         stored = torch.frombuffer(view, dtype=self.info.torch_dtype).view(b - a, *self.inner)
-        for i in range(0, b - a, self.step):
-            j = min(i + self.step, b - a)
+        blocks = [(i, min(i + self.step, b - a)) for i in range(0, b - a, self.step)]
+        half = (len(blocks) + 1) // 2
+        if half < len(blocks) and self.helper is not None:  # the second half of the blocks on the other core
+            other = self.helper.submit(self._blocks, stored, a, blocks[half:])
+            try:
+                self._blocks(stored, a, blocks[:half])
+            finally:
+                other.result()
+        else:
+            self._blocks(stored, a, blocks)
+
+    def _blocks(self, stored: torch.Tensor, a: int, blocks: list[tuple[int, int]]) -> None:
+        for i, j in blocks:
             base = stored[i:j]
-            total = _buffer("sum", base.shape)
-            for n, one in enumerate(self.deltas):
-                d = one.rows(a + i, a + j, _buffer("delta", base.shape))
+            total: torch.Tensor | None = None
+            for one in self.deltas:
+                buf = _buffer("delta" if total is not None else "sum", base.shape)
+                d = one.rows(a + i, a + j, buf)
                 # here `base` (the stored weight, these rows) and `d` (this adapter's float32 delta) are both at hand
-                if n == 0:
-                    torch.add(base, d, out=total)  # base widened to float32 exactly, then the first delta
+                if total is None:  # the float32 sum starts as this delta plus the stored weight (widened exactly)
+                    total = d.add_(base) if d is buf else torch.add(d, base, out=buf)
                 else:
                     total.add_(d)
-            lo, hi = torch.aminmax(total)
-            if not max(-float(lo), float(hi)) <= self.limit:  # NaN, Inf, or beyond the base dtype: say which
-                check_tensor(total, self.what, self.path, into=self.info.torch_dtype, hint=SUM_HINT)
+            assert total is not None
             base.copy_(total)  # one rounding to the base dtype, into the output buffer
+            lo, hi = torch.aminmax(base)
+            if not max(-float(lo), float(hi)) < self.limit:  # NaN, Inf or the dtype's largest: the sum decides
+                check_tensor(total, self.what, self.path, into=self.info.torch_dtype, hint=SUM_HINT)
 
 
 _buffers = threading.local()
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _one_thread() -> None:
+    """The helper computes its half of the blocks on one core: torch's own worker threads would spin against it."""
+    torch.set_num_threads(1)
 
 
 def _buffer(name: str, shape: tuple[int, ...]) -> torch.Tensor:
