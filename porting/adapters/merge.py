@@ -171,8 +171,8 @@ class Placement:
         only move rows (renames, splits, the final-layer swap) are merged a block of rows at a time, straight into
         the writer's buffers."""
         files = _Files()
-        helper = ThreadPoolExecutor(1, thread_name_prefix="flux-port-merge", initializer=_one_thread) \
-            if _cores() > 1 else None
+        helper = ThreadPoolExecutor(HELPERS or _cores() - 1, thread_name_prefix="flux-port-merge",
+                                    initializer=_one_thread) if (HELPERS or _cores() - 1) > 0 else None
         try:
             for ps in plan.steps:
                 if not any(s in self for s in ps.step.sources):
@@ -219,6 +219,7 @@ class Placement:
 
 
 SUM_HINT = "Lower the adapter's strength, or merge into a bf16 / fp32 copy of the base."
+HELPERS = 0  # threads computing blocks beside the producer's (0: one per further core)
 BLOCK_ELEMENTS = 2**20  # float32 values per block of the merge arithmetic (4 MiB): its passes stay in the cache
 
 
@@ -316,15 +317,15 @@ class _MergedRows(_StoredRows):
         super().write(view, a, b)
         stored = torch.frombuffer(view, dtype=self.info.torch_dtype).view(b - a, *self.inner)
         blocks = [(i, min(i + self.step, b - a)) for i in range(0, b - a, self.step)]
-        half = (len(blocks) + 1) // 2
-        if half < len(blocks) and self.helper is not None:  # the second half of the blocks on the other core
-            other = self.helper.submit(self._blocks, stored, a, blocks[half:])
-            try:
-                self._blocks(stored, a, blocks[:half])
-            finally:
+        n = 1 + (self.helper._max_workers if self.helper is not None else 0)
+        shares = [blocks[k::n] for k in range(n)]  # this thread takes the first share, the helpers the others
+        others = [self.helper.submit(self._blocks, stored, a, share) for share in shares[1:] if share] \
+            if self.helper is not None else []
+        try:
+            self._blocks(stored, a, shares[0])
+        finally:
+            for other in others:
                 other.result()
-        else:
-            self._blocks(stored, a, blocks)
 
     def _blocks(self, stored: torch.Tensor, a: int, blocks: list[tuple[int, int]]) -> None:
         for i, j in blocks:
