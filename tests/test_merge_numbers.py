@@ -121,3 +121,22 @@ def test_a_copy_error_other_than_unsupported_is_raised_and_nothing_is_written(wo
         convert(world["base"], tmp_path / "out", strict=True)
     assert not (tmp_path / "out").exists()
     assert os.listdir(tmp_path) == []
+
+
+def test_a_quantized_base_is_merged_whole_with_the_same_arithmetic(world, tmp_path, tiny_blocks):
+    """Into a ComfyUI scaled-fp8 base (its block linears are computed, so they take the whole-tensor path): each
+    merged weight is bf16(dequantized W + s * (B @ A)), W dequantized by comfy-kitchen's own code."""
+    from .quantfiles import comfy_scaled_fp8
+
+    stored, oracle = comfy_scaled_fp8(world["state"])
+    base = tmp_path / "fp8.safetensors"
+    save_file(stored, str(base))
+    merge(base, [(world["root"] / "one.safetensors", 0.7)], tmp_path / "m")
+    got = load_file(str(tmp_path / "m" / "model.safetensors"))
+    scale = 0.7 * 3.0 / 4
+    for key, w in oracle.items():
+        module = key[: -len(".weight")]
+        if key.endswith(".weight") and module in world["one"]:
+            up, down = world["one"][module]
+            w = w + scale * (up @ down)
+        assert torch.equal(got[key], w.bfloat16()), key  # written without the ComfyUI prefix
