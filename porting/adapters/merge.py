@@ -231,6 +231,7 @@ class _Delta:
     """
 
     def __init__(self, part: Contribution | _Group, param: str):
+        self.part, self.param = part, param  # which adapter module (or table-step group) this delta comes from
         self.lora: tuple[torch.Tensor, torch.Tensor, float] | None = None
         self.full: torch.Tensor | None = None
         if isinstance(part, _Group):
@@ -334,7 +335,8 @@ class _MergedRows(_StoredRows):
             for one in self.deltas:
                 buf = _buffer("delta" if total is not None else "sum", base.shape)
                 d = one.rows(a + i, a + j, buf)
-                # here `base` (the stored weight, these rows) and `d` (this adapter's float32 delta) are both at hand
+                # here `base` (the stored weight, rows a+i..a+j) and `d` (the float32 delta of `one.part`, same rows)
+                # are both at hand; blocks run on several threads at once
                 if total is None:  # the float32 sum starts as this delta plus the stored weight (widened exactly)
                     total = d.add_(base) if d is buf else torch.add(d, base, out=buf)
                 else:
