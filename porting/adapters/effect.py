@@ -23,6 +23,7 @@ manifest before the tensors are read.
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING, Any, Iterable
 
 if TYPE_CHECKING:
@@ -70,10 +71,47 @@ def measure(weight: torch.Tensor, merged: torch.Tensor | None = None,
         ref = w if weight.dtype == torch.bfloat16 else w16[: w.numel()].view(w.shape).copy_(w)
         # bit patterns compared and counted by numpy: several times faster than torch's count_nonzero here
         changed += int(np.count_nonzero(y.view(torch.int16).numpy() != ref.view(torch.int16).numpy()))
+    return _status(d_sq, w_sq, peak, changed, weight.numel())
+
+
+def _status(d_sq: float, w_sq: float, peak: float, changed: int, elements: int) -> dict[str, Any]:
     w_norm = w_sq ** 0.5
     status = ZERO if peak == 0.0 else NO_EFFECT if changed == 0 else OK
     return {"rel_norm": (d_sq ** 0.5 / w_norm) if w_norm > 0 else None, "max_abs": peak,
-            "weight_norm": w_norm, "changed": changed, "elements": weight.numel(), "status": status}
+            "weight_norm": w_norm, "changed": changed, "elements": elements, "status": status}
+
+
+class BlockMeasure:
+    """`measure` of one base tensor fed a block of rows at a time, from several threads (merge's block path): the
+    stored rows and the float32 sum W + d of the same rows, before the sum is rounded back. The row it keeps current
+    is the one `Effect.rows` holds."""
+
+    def __init__(self, row: dict[str, Any]) -> None:
+        self.row = row
+        self.lock = threading.Lock()
+        self.sums = [0.0, 0.0, 0.0, 0, 0]  # d_sq, w_sq, peak, changed, elements
+
+    def add(self, weight: torch.Tensor, total: torch.Tensor, scratch: torch.Tensor, b16: torch.Tensor,
+            w16: torch.Tensor) -> None:
+        """`scratch` (float32), `b16` and `w16` (bfloat16): buffers of the block's shape the caller reuses."""
+        import numpy as np
+        import torch
+
+        d = torch.sub(total, weight, out=scratch)
+        d_sq = float(torch.linalg.vector_norm(d)) ** 2
+        w_sq = float(torch.linalg.vector_norm(weight, dtype=torch.float32)) ** 2
+        lo, hi = torch.aminmax(d)
+        b16.copy_(total)
+        ref = weight if weight.dtype == torch.bfloat16 else w16.copy_(weight)
+        changed = int(np.count_nonzero(b16.view(torch.int16).numpy() != ref.view(torch.int16).numpy()))
+        with self.lock:
+            s = self.sums
+            s[0] += d_sq
+            s[1] += w_sq
+            s[2] = max(s[2], -float(lo), float(hi))
+            s[3] += changed
+            s[4] += weight.numel()
+            self.row.update(_status(s[0], s[1], s[2], s[3], self.row["elements"]))
 
 
 class Effect:
@@ -98,9 +136,22 @@ class Effect:
         self._count()
         return row
 
+    def blockwise(self, module: str, elements: int, adapters: str = "") -> BlockMeasure:
+        """A row for one base tensor measured block by block (`BlockMeasure.add`); zero until its blocks come."""
+        row: dict[str, Any] = {"module": module, **_status(0.0, 0.0, 0.0, 0, elements)}
+        if adapters:
+            row["adapters"] = adapters
+        self.rows.append(row)
+        self._count()
+        return BlockMeasure(row)
+
     def land_nowhere(self, leftovers: Iterable[tuple[str, str]]) -> None:
         """Adapter keys that land on no base tensor (or on one of another shape), with why."""
         self.unplaced += [{"keys": k, "why": why} for k, why in leftovers]
+        self._count()
+
+    def recount(self) -> None:
+        """Counts again (rows measured block by block change after they are added)."""
         self._count()
 
     def _count(self) -> None:

@@ -10,7 +10,11 @@ is written by `port convert`'s engine (strict plan, shards, manifest), in the ba
 from __future__ import annotations
 
 import fnmatch
+import math
+import os
+import threading
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -20,11 +24,13 @@ import torch
 from porting.engine.convert import ConvertResult, convert, iter_tensors
 from porting.engine.detect import Detection, detect
 from porting.engine.mapping import Naming, Step
-from porting.engine.plan import Plan
-from porting.errors import PlanError, UsageError
+from porting.engine.plan import Plan, PlannedStep
+from porting.errors import InputError, PlanError, UsageError
 from porting.finite import check_number, check_tensor
 from porting.tensors.checkpoint import ST_TO_TORCH, Checkpoint, open_checkpoint
-from porting.tensors.writer import Segments
+from porting.tensors.dtypes import itemsize
+from porting.tensors.reader import TensorInfo
+from porting.tensors.writer import Filled, Segments
 from porting.text import one_line
 
 from .delta import Shape, delta, delta_shape, multiplier, read32
@@ -80,6 +86,7 @@ class Placement:
 
     def __init__(self, ckpt: Checkpoint, detection: Detection, adapters: list[tuple[Adapter, float]]):
         self.detection = detection
+        self.path = ckpt.path
         prefix = detection.prefix
         self.base_shapes = {k[len(prefix):]: ckpt.tensors[k].shape for k in ckpt.tensors if k.startswith(prefix)}
         self.direct: dict[str, list[Contribution]] = {}
@@ -150,42 +157,240 @@ class Placement:
 
     def add_into(self, param: str, weight: torch.Tensor) -> None:
         """Add every delta that lands on `param` to its float32 weight, in place (each delta used once)."""
-        for adapter, m, strength in self.direct.pop(param, []):
-            if m.kind == "lora":  # W += s * B @ A in one BLAS call, no separate delta buffer
-                weight.addmm_(read32(adapter, m, "up"), read32(adapter, m, "down"),
-                              alpha=multiplier(adapter, m, strength))
-            else:
-                weight.add_(delta(adapter, m, strength))
-        if param in self.via:
-            weight.add_(self.via.pop(param).compute().pop(param))
+        for d in self._deltas(param, self.pop(param)):
+            weight.add_(d.whole())
 
-    def tensors(self, ckpt: Checkpoint, plan: Plan) -> Iterator[torch.Tensor | Segments]:
-        """`iter_tensors` with the deltas added: untouched rule groups still go file to file."""
-        for ps in plan.steps:
-            if not any(s in self for s in ps.step.sources):
-                yield from iter_tensors(ckpt, replace(plan, steps=[ps]))
-                continue
-            inputs = []
-            for param, stored in zip(ps.step.sources, ps.stored_sources):
-                weight = ckpt.read(stored)
-                if param in self:
-                    dtype = weight.dtype
-                    merged = weight.to(torch.float32, copy=True)  # the base weight is measured against the sum
-                    names = self.names(param)
-                    self.add_into(param, merged)
-                    # the sum must be finite and fit the dtype it is written in (the base's, then the output's)
-                    narrowest = min((dtype, ST_TO_TORCH[ps.out_dtype]), key=lambda d: torch.finfo(d).max)
-                    check_tensor(merged, f"{stored} plus the delta of {names}", ckpt.path, into=narrowest,
-                                 hint="Lower the adapter's strength, or merge into a bf16 / fp32 copy of the base.")
-                    self.effect.observe(param, weight, merged=merged, adapters=names)
-                    del weight  # peak memory: the float32 sum and its cast, not the read as well
-                    weight = merged.to(dtype)  # one rounding to the base dtype
-                    del merged
-                inputs.append(weight)
-            outputs = ps.step.op.apply(inputs)
-            del inputs, weight
-            while outputs:  # hand each tensor over; nothing of this group stays referenced here
-                yield outputs.pop(0).to(ST_TO_TORCH[ps.out_dtype]).contiguous()
+    def pop(self, param: str) -> list[Contribution | _Group]:
+        """What lands on `param`, in the order it is added; taken out (each delta is used once)."""
+        return [*self.direct.pop(param, []), *([self.via.pop(param)] if param in self.via else [])]
+
+    @staticmethod
+    def _deltas(param: str, parts: list[Contribution | _Group]) -> list[_Delta]:
+        return [_Delta(p, param) for p in parts]
+
+    def tensors(self, ckpt: Checkpoint, plan: Plan) -> Iterator[torch.Tensor | Segments | Filled]:
+        """`iter_tensors` with the deltas added: untouched rule groups still go file to file, and rule groups that
+        only move rows (renames, splits, the final-layer swap) are merged a block of rows at a time, straight into
+        the writer's buffers."""
+        files = _Files()
+        helper = ThreadPoolExecutor(HELPERS or _cores() - 1, thread_name_prefix="flux-port-merge",
+                                    initializer=_one_thread) if (HELPERS or _cores() - 1) > 0 else None
+        try:
+            for ps in plan.steps:
+                if not any(s in self for s in ps.step.sources):
+                    yield from iter_tensors(ckpt, replace(plan, steps=[ps]))
+                    continue
+                infos = [ckpt.tensors[k] for k in ps.stored_sources]
+                ranges = None
+                if all(not i.computed and i.dtype == ps.out_dtype and i.shape and i.shape[0] for i in infos):
+                    ranges = ps.step.op.byte_ranges([i.shape for i in infos], itemsize(ps.out_dtype))
+                if ranges is None:
+                    yield from self._whole(ckpt, ps)
+                    continue
+                rows = [_MergedRows(info, param, self, files, helper) if param in self else _StoredRows(info, files)
+                        for param, info in zip(ps.step.sources, infos)]
+                for parts in ranges:
+                    yield _filled(rows, parts, ", ".join(ps.stored_sources))
+                del rows  # every row of this group was written before the next group is asked for
+            self.effect.recount()  # the block-measured rows are final now, before the manifest is written
+        finally:
+            files.close()
+            if helper is not None:
+                helper.shutdown()
+
+    def _whole(self, ckpt: Checkpoint, ps: PlannedStep) -> Iterator[torch.Tensor]:
+        """A rule group whose operation needs whole tensors, or whose dtype changes: merged in memory."""
+        inputs = []
+        for param, stored in zip(ps.step.sources, ps.stored_sources):
+            weight = ckpt.read(stored)
+            if param in self:
+                dtype = weight.dtype
+                merged = weight.to(torch.float32, copy=True)  # the base weight is measured against the sum
+                names = self.names(param)
+                self.add_into(param, merged)
+                # the sum must be finite and fit the dtype it is written in (the base's, then the output's)
+                narrowest = min((dtype, ST_TO_TORCH[ps.out_dtype]), key=lambda d: torch.finfo(d).max)
+                check_tensor(merged, f"{stored} plus the delta of {names}", ckpt.path, into=narrowest, hint=SUM_HINT)
+                self.effect.observe(param, weight, merged=merged, adapters=names)
+                del weight  # peak memory: the float32 sum and its cast, not the read as well
+                weight = merged.to(dtype)  # one rounding to the base dtype
+                del merged
+            inputs.append(weight)
+        outputs = ps.step.op.apply(inputs)
+        del inputs, weight
+        while outputs:  # hand each tensor over; nothing of this group stays referenced here
+            yield outputs.pop(0).to(ST_TO_TORCH[ps.out_dtype]).contiguous()
+
+
+SUM_HINT = "Lower the adapter's strength, or merge into a bf16 / fp32 copy of the base."
+HELPERS = 0  # threads computing blocks beside the producer's (0: one per further core)
+BLOCK_ELEMENTS = 2**20  # float32 values per block of the merge arithmetic (4 MiB): its passes stay in the cache
+
+
+class _Delta:
+    """One delta landing on a parameter, handed out a block of rows at a time.
+
+    A LoRA is multiplied out per block (B[rows] @ A, then times the multiplier: the same float32 values as the whole
+    product); other kinds (LoKr, LoHa, diff, and deltas carried through a table step) are computed whole, once.
+    """
+
+    def __init__(self, part: Contribution | _Group, param: str):
+        self.part, self.param = part, param  # which adapter module (or table-step group) this delta comes from
+        self.lora: tuple[torch.Tensor, torch.Tensor, float] | None = None
+        self.full: torch.Tensor | None = None
+        if isinstance(part, _Group):
+            self.full = part.compute().pop(param)
+            return
+        adapter, m, strength = part
+        if m.kind == "lora":
+            self.lora = (read32(adapter, m, "up"), read32(adapter, m, "down"), multiplier(adapter, m, strength))
+        else:
+            self.full = delta(adapter, m, strength)
+
+    def rows(self, a: int, b: int, out: torch.Tensor) -> torch.Tensor:
+        """The float32 delta of rows [a, b): in `out` (a buffer of that shape) or a view of the whole delta."""
+        if self.lora is None:
+            assert self.full is not None
+            return self.full[a:b]
+        up, down, s = self.lora
+        torch.matmul(up[a:b], down, out=out)
+        if s != 1.0:
+            out.mul_(s)
+        return out
+
+    def whole(self) -> torch.Tensor:
+        if self.lora is None:
+            assert self.full is not None
+            return self.full
+        up, down, _ = self.lora
+        return self.rows(0, up.shape[0], torch.empty(up.shape[0], down.shape[1], dtype=torch.float32))
+
+
+class _Files:
+    """Source files opened once per merge (descriptors for positioned reads)."""
+
+    def __init__(self) -> None:
+        self._fds: dict[Path, int] = {}
+
+    def read_into(self, view: memoryview, info: TensorInfo, offset: int) -> None:
+        """Fill `view` with the bytes of `info` from byte `offset` of its data on."""
+        fd = self._fds.get(info.file)
+        if fd is None:
+            fd = self._fds[info.file] = os.open(info.file, os.O_RDONLY)
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        done = 0
+        while done < view.nbytes:
+            n = os.preadv(fd, [view[done:]], info.start + offset + done)
+            if n == 0:
+                raise InputError(f"{info.file}: unexpected end of file while reading tensor {info.name!r}.")
+            done += n
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+class _StoredRows:
+    """Rows of a base tensor no delta lands on (the other inputs of a rule group that has one), as stored."""
+
+    def __init__(self, info: TensorInfo, files: _Files):
+        self.info, self.files = info, files
+        self.row_bytes = info.nbytes // info.shape[0]
+
+    def write(self, view: memoryview, a: int, b: int) -> None:
+        self.files.read_into(view, self.info, a * self.row_bytes)
+
+
+class _MergedRows(_StoredRows):
+    """Rows of a base tensor plus every delta that lands on it: the stored rows are read into the output buffer,
+    then each block is summed in float32 (weight, then each delta in order), checked and rounded back in place."""
+
+    def __init__(self, info: TensorInfo, param: str, placement: Placement, files: _Files,
+                 helper: ThreadPoolExecutor | None):
+        super().__init__(info, files)
+        names = placement.names(param)
+        self.what = f"{info.name} plus the delta of {names}"
+        self.effect = placement.effect.blockwise(param, math.prod(info.shape), names)
+        self.deltas = placement._deltas(param, placement.pop(param))
+        self.limit = torch.finfo(info.torch_dtype).max
+        self.inner = tuple(info.shape[1:])
+        self.step = max(1, BLOCK_ELEMENTS // max(math.prod(self.inner), 1))
+        self.path = placement.path
+        self.helper = helper
+
+    def write(self, view: memoryview, a: int, b: int) -> None:
+        super().write(view, a, b)
+        stored = torch.frombuffer(view, dtype=self.info.torch_dtype).view(b - a, *self.inner)
+        blocks = [(i, min(i + self.step, b - a)) for i in range(0, b - a, self.step)]
+        n = 1 + (self.helper._max_workers if self.helper is not None else 0)
+        shares = [blocks[k::n] for k in range(n)]  # this thread takes the first share, the helpers the others
+        others = [self.helper.submit(self._blocks, stored, a, share) for share in shares[1:] if share] \
+            if self.helper is not None else []
+        try:
+            self._blocks(stored, a, shares[0])
+        finally:
+            for other in others:
+                other.result()
+
+    def _blocks(self, stored: torch.Tensor, a: int, blocks: list[tuple[int, int]]) -> None:
+        for i, j in blocks:
+            base = stored[i:j]
+            total: torch.Tensor | None = None
+            for one in self.deltas:
+                buf = _buffer("delta" if total is not None else "sum", base.shape)
+                d = one.rows(a + i, a + j, buf)
+                if total is None:  # the float32 sum starts as this delta plus the stored weight (widened exactly)
+                    total = d.add_(base) if d is buf else torch.add(d, base, out=buf)
+                else:
+                    total.add_(d)
+            assert total is not None
+            self.effect.add(base, total, _buffer("effect", base.shape), _buffer("effect16", base.shape, torch.bfloat16),
+                            _buffer("weight16", base.shape, torch.bfloat16))
+            base.copy_(total)  # one rounding to the base dtype, into the output buffer
+            lo, hi = torch.aminmax(base)
+            if not max(-float(lo), float(hi)) < self.limit:  # NaN, Inf or the dtype's largest: the sum decides
+                check_tensor(total, self.what, self.path, into=self.info.torch_dtype, hint=SUM_HINT)
+
+
+_buffers = threading.local()
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _one_thread() -> None:
+    """The helper computes its half of the blocks on one core: torch's own worker threads would spin against it."""
+    torch.set_num_threads(1)
+
+
+def _buffer(name: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A scratch tensor of `shape` (float32 unless said), reused (grown when needed) across blocks and tensors of
+    this thread."""
+    size = math.prod(shape)
+    flat = getattr(_buffers, name, None)
+    if flat is None or flat.numel() < size:
+        flat = torch.empty(size, dtype=dtype)
+        setattr(_buffers, name, flat)
+    return flat[:size].view(shape)
+
+
+def _filled(rows: list[_StoredRows], parts: list[tuple[int, int, int]], key: str) -> Filled:
+    """The output tensor made of `parts` ((input, byte offset, byte length) of whole rows) of the inputs `rows`."""
+    row_bytes = rows[parts[0][0]].row_bytes
+    spans = [(rows[i], off // row_bytes, n // row_bytes) for i, off, n in parts]
+
+    def fill(view: memoryview, a: int, b: int) -> None:
+        start = 0  # first output row of the current span
+        for source, first, count in spans:
+            lo, hi = max(a, start), min(b, start + count)
+            if lo < hi:
+                source.write(view[(lo - a) * row_bytes:(hi - a) * row_bytes], first + lo - start, first + hi - start)
+            start += count
+
+    return Filled(sum(n for _, _, n in spans), row_bytes, fill, key)
 
 
 def mismatch_error(base: str | Path, leftovers: list[tuple[str, str]]) -> AdapterMismatchError:

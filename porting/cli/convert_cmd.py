@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import sys
 from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
@@ -170,7 +173,20 @@ def convert(
     if not result.plan.ok:
         for row in result.plan.problems()[:20]:
             output.warning(f"{row['kind']}: {row['key']}")
-    if result.out and to == Direction.diffusers:
+    if result.out and to == Direction.diffusers and not output.quiet:
+        output.hint(f"validate it next: port validate {result.out} --device {suggested_device()}")
+
+
+def suggested_device() -> str:
+    """The device a hint names: `validate_device()` when torch is loaded already; otherwise read off the system
+    (torch_npu installed, a GPU driver's device files), since importing torch for one line of hint took longer than
+    converting a small file from the page cache."""
+    if "torch" in sys.modules:
         from porting.devices import validate_device
 
-        output.hint(f"validate it next: port validate {result.out} --device {validate_device()}")
+        return validate_device()
+    if importlib.util.find_spec("torch_npu") is not None:
+        return "npu:0"
+    if any(os.path.exists(p) for p in ("/dev/nvidiactl", "/proc/driver/nvidia/version", "/dev/kfd")):
+        return "cuda"
+    return "cpu"

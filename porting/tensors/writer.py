@@ -6,6 +6,8 @@ tensor bytes streamed after it, which the format allows because every shape and 
 
 from __future__ import annotations
 
+import collections
+import errno
 import hashlib
 import json
 import math
@@ -13,7 +15,8 @@ import mmap
 import os
 import struct
 import sys
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator
@@ -29,8 +32,8 @@ from .dtypes import torch_dtype
 from .identity import WeightsHasher, tensor_bytes
 from .prefetch import ByteBudget, prefetched
 
-__all__ = ["Entry", "Segments", "Chunks", "WeightsHasher", "write_shards", "plan_shards", "shard_names", "parse_size",
-           "atomic_folder"]
+__all__ = ["Entry", "Segments", "Chunks", "Filled", "WeightsHasher", "write_shards", "plan_shards", "shard_names",
+           "parse_size", "atomic_folder"]
 
 ALIGN = 8  # header padded so tensor data starts 8-byte aligned, as safetensors itself does
 
@@ -127,13 +130,35 @@ class Chunks:
     source_key: str  # for error messages
 
 
-READ_PIECE = 16 * 2**20  # bytes per read of a copied tensor
-READ_AHEAD = 96 * 2**20  # bytes read (or computed) ahead of the writer at most, beyond one piece
+@dataclass(frozen=True)
+class Filled:
+    """An output tensor of `rows` rows of `row_bytes` bytes that the producer writes straight into the writer's
+    buffers: `fill(view, a, b)` puts the bytes of rows [a, b) into `view`, a buffer the writer reuses once written.
+
+    For tensors computed a few rows at a time (merged weights): no allocation per tensor or per block, and the
+    bytes are written and hashed from the same buffers as copied tensors.
+    """
+
+    rows: int
+    row_bytes: int
+    fill: Callable[[memoryview, int, int], None]
+    source_key: str  # for error messages
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.row_bytes
+
+
+READ_PIECE = 16 * 2**20  # bytes per buffer of a tensor computed or filled in memory
+READ_AHEAD = 96 * 2**20  # bytes computed ahead of the writer at most, beyond one piece
 HASH_ASIDE = 2**20  # pieces this large are hashed on a third thread while being written; smaller ones inline
+HASH_PIECE = 2**20  # bytes per read of a copied tensor's hash: small enough to stay in the CPU cache while hashed
+HASH_BEHIND = 512 * 2**20  # copied bytes whose hash may still be pending before the copying waits for it
+COPY_MAX = 2**30  # bytes per copy_file_range call (the kernel copies at most about 2 GiB per call)
 
 
 class _Sources:
-    """Open source files, read with a larger read-ahead (what cp asks for)."""
+    """Source files opened once each, read sequentially with a larger read-ahead (what cp asks for)."""
 
     def __init__(self) -> None:
         self._fds: dict[Path, int] = {}
@@ -145,6 +170,12 @@ class _Sources:
                 os.posix_fadvise(self._fds[path], 0, 0, os.POSIX_FADV_SEQUENTIAL)
         return self._fds[path]
 
+    def read_into(self, view: memoryview, path: Path, offset: int, key: str) -> int:
+        n = os.preadv(self.fd(path), [view], offset)
+        if n == 0:
+            raise InputError(f"{path}: unexpected end of file while reading tensor {key!r}.")
+        return n
+
     def close(self) -> None:
         for fd in self._fds.values():
             os.close(fd)
@@ -154,14 +185,106 @@ class _Sources:
 Piece = tuple[memoryview, "mmap.mmap | None"]  # bytes of a tensor, and the read buffer they live in (if any)
 
 
-def _pieces(entries: list[Entry], items: Iterable[torch.Tensor | Segments | Chunks], budget: ByteBudget,
-            pool: list[mmap.mmap]) -> Iterator[Piece | None]:
+class _Copier:
+    """Copies `Segments` into the output inside the kernel (`copy_file_range`, what cp does): the bytes go page cache
+    to page cache, never out to this process and back, which made a convert from a warm page cache several times
+    slower than cp. Where the kernel cannot (another file system, an old kernel) the bytes are read and written."""
+
+    UNSUPPORTED = {errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP}
+
+    def __init__(self) -> None:
+        self.sources = _Sources()
+        self.kernel = hasattr(os, "copy_file_range")
+        self._buffer: memoryview | None = None
+
+    def copy(self, out_fd: int, item: Segments) -> None:
+        for path, offset, length in item.parts:
+            done = 0
+            while self.kernel and done < length:
+                try:
+                    n = os.copy_file_range(self.sources.fd(path), out_fd, min(length - done, COPY_MAX), offset + done)
+                except OSError as e:
+                    if e.errno not in self.UNSUPPORTED:
+                        raise
+                    self.kernel = False
+                    break
+                if n == 0:
+                    raise InputError(f"{path}: unexpected end of file while reading tensor {item.source_key!r}.")
+                done += n
+            while done < length:
+                if self._buffer is None:
+                    self._buffer = memoryview(mmap.mmap(-1, READ_PIECE))
+                n = self.sources.read_into(self._buffer[:min(READ_PIECE, length - done)], path, offset + done,
+                                           item.source_key)
+                _write_all(out_fd, self._buffer[:n])
+                done += n
+
+    def close(self) -> None:
+        self.sources.close()
+
+
+class _SideHashes:
+    """The sha256 of copied tensors, read back from their source ranges (in the page cache: the copy just read them,
+    or is about to) on two threads: tensors are hashed in parallel while later ones are copied."""
+
+    def __init__(self, hasher: WeightsHasher | None) -> None:
+        self.hasher = hasher
+        self.pool = ThreadPoolExecutor(2, thread_name_prefix="flux-port-hash") if hasher else None
+        self.local = threading.local()
+        self.opened: list[_Sources] = []
+        self.pending: collections.deque[tuple[Future, int]] = collections.deque()
+        self.bytes_pending = 0
+
+    def submit(self, e: Entry, item: Segments) -> None:
+        if self.pool is None:
+            return
+        while self.pending and self.bytes_pending + item.nbytes > HASH_BEHIND:
+            self._wait_one()
+        self.pending.append((self.pool.submit(self._hash, e, item), item.nbytes))
+        self.bytes_pending += item.nbytes
+
+    def _hash(self, e: Entry, item: Segments) -> None:
+        sources, buf = getattr(self.local, "state", (None, None))
+        if sources is None:
+            sources, buf = _Sources(), memoryview(bytearray(HASH_PIECE))
+            self.local.state = (sources, buf)
+            self.opened.append(sources)
+        digest = hashlib.sha256()
+        for path, offset, length in item.parts:
+            done = 0
+            while done < length:
+                n = sources.read_into(buf[:min(HASH_PIECE, length - done)], path, offset + done, item.source_key)
+                digest.update(buf[:n])
+                done += n
+        assert self.hasher is not None
+        self.hasher.add(e.key, e.dtype, e.shape, digest.hexdigest())
+
+    def _wait_one(self) -> None:
+        future, nbytes = self.pending.popleft()
+        self.bytes_pending -= nbytes
+        future.result()
+
+    def finish(self) -> None:
+        while self.pending:
+            self._wait_one()
+
+    def close(self) -> None:
+        if self.pool is not None:
+            for future, _ in self.pending:
+                future.cancel()
+            self.pool.shutdown()
+        for sources in self.opened:
+            sources.close()
+
+
+def _pieces(entries: list[Entry], items: Iterable[torch.Tensor | Segments | Chunks | Filled], budget: ByteBudget,
+            pool: list[mmap.mmap]) -> Iterator[Piece | Segments | None]:
     """The bytes of every planned tensor in order, checked against the plan; None after each tensor.
 
-    Runs on the writer's second thread. Copied tensors are read through reusable buffers from `pool`; every piece
-    is taken from `budget` first, so memory ahead of the writer stays bounded.
+    Runs on the writer's second thread. Copied tensors (`Segments`) are handed on for the writer to copy; tensors
+    filled in memory use reusable buffers from `pool`; every piece is taken from `budget` first, so memory ahead of
+    the writer stays bounded.
     """
-    sources = _Sources()
     it = iter(items)
     try:
         for e in entries:
@@ -170,7 +293,11 @@ def _pieces(entries: list[Entry], items: Iterable[torch.Tensor | Segments | Chun
             if item is None:
                 raise InternalError(f"the tensors ran out before {e.key!r}, which the plan has.")
             if isinstance(item, Segments):
-                yield from _copied_pieces(e, item, sources, budget, pool)
+                if item.nbytes != e.nbytes:
+                    raise InternalError(f"tensor {e.key!r} came out as {item.nbytes} bytes, planned {e.nbytes}.")
+                yield item
+            elif isinstance(item, Filled):
+                yield from _filled_pieces(e, item, budget, pool)
             elif isinstance(item, Chunks):
                 yield from _computed_pieces(e, item.blocks, budget, whole=False)
             else:
@@ -179,26 +306,27 @@ def _pieces(entries: list[Entry], items: Iterable[torch.Tensor | Segments | Chun
                 return
             yield None
     finally:
-        sources.close()
+        close = getattr(it, "close", None)
+        if close is not None:  # the tensors' producer (merge's open files) ends on this thread
+            close()
 
 
-def _copied_pieces(e: Entry, item: Segments, sources: _Sources, budget: ByteBudget,
-                   pool: list[mmap.mmap]) -> Iterator[Piece]:
+def _filled_pieces(e: Entry, item: Filled, budget: ByteBudget, pool: list[mmap.mmap]) -> Iterator[Piece]:
     if item.nbytes != e.nbytes:
         raise InternalError(f"tensor {e.key!r} came out as {item.nbytes} bytes, planned {e.nbytes}.")
-    for path, offset, length in item.parts:
-        done = 0
-        while done < length:
-            buf = pool.pop() if pool else mmap.mmap(-1, READ_PIECE)
-            want = min(READ_PIECE, length - done)
-            if not budget.take(want):
-                return
-            n = os.preadv(sources.fd(path), [memoryview(buf)[:want]], offset + done)
-            if n == 0:
-                raise InputError(f"{path}: unexpected end of file while reading tensor {item.source_key!r}.")
-            yield memoryview(buf)[:n], buf
-            budget.give(want - n)
-            done += n
+    step = max(1, READ_PIECE // max(item.row_bytes, 1))
+    for a in range(0, item.rows, step):
+        b = min(a + step, item.rows)
+        want = (b - a) * item.row_bytes
+        buf = pool.pop() if pool else mmap.mmap(-1, max(READ_PIECE, want))
+        if len(buf) < want:  # a row larger than a piece (none in these models): a buffer of its own
+            pool.append(buf)
+            buf = mmap.mmap(-1, want)
+        if not budget.take(want):
+            return
+        view = memoryview(buf)[:want]
+        item.fill(view, a, b)
+        yield view, buf
 
 
 def _computed_pieces(e: Entry, blocks: Iterable[torch.Tensor], budget: ByteBudget, whole: bool) -> Iterator[Piece]:
@@ -240,16 +368,19 @@ def _write_all(fd: int, data: memoryview | bytes) -> None:
         view = view[n:]
 
 
-def write_shards(folder: Path, stem: str, entries: list[Entry], tensors: Iterable[torch.Tensor | Segments | Chunks],
+def write_shards(folder: Path, stem: str, entries: list[Entry],
+                 tensors: Iterable[torch.Tensor | Segments | Chunks | Filled],
                  max_shard_bytes: int, metadata: dict[str, str] | None = None,
                  on_bytes: Callable[[int], None] | None = None,
                  hasher: WeightsHasher | None = None) -> list[str]:
     """Write `tensors` (yielded in the order of `entries`) as one file or shards plus the standard index.
 
-    An item is a tensor (written from memory), `Segments` (byte ranges of source files, copied) or `Chunks` (row
-    blocks computed one after another). A second thread reads or computes the next pieces while this one writes
-    the last and a third hashes it (for `hasher`) at the same time: each byte is read from memory by both while it
-    is fresh, and never read back from the output.
+    An item is a tensor (written from memory), `Segments` (byte ranges of source files, copied), `Chunks` (row
+    blocks computed one after another) or `Filled` (rows the producer writes into the writer's buffers).
+
+    `Segments` are copied file to file by the kernel while two side threads hash the same source ranges (from the
+    page cache). Tensors in memory are computed on a second thread while this one writes the last pieces and a third
+    hashes them (for `hasher`) at the same time. Nothing is read back from the output.
     """
     shards = plan_shards(entries, max_shard_bytes)
     names = shard_names(stem, len(shards))
@@ -258,6 +389,7 @@ def write_shards(folder: Path, stem: str, entries: list[Entry], tensors: Iterabl
     pool: list[mmap.mmap] = []
     stream = prefetched(_pieces(entries, tensors, budget, pool), depth=64)
     hashing = ThreadPoolExecutor(1, thread_name_prefix="flux-port-hash")
+    copier, side = _Copier(), _SideHashes(hasher)
     try:
         for name, shard in zip(names, shards):
             with open(folder / name, "wb", buffering=0) as f:
@@ -266,6 +398,11 @@ def write_shards(folder: Path, stem: str, entries: list[Entry], tensors: Iterabl
                 for e in shard:
                     digest = hashlib.sha256() if hasher else None
                     while (piece := next(stream)) is not None:
+                        if isinstance(piece, Segments):  # copied by the kernel, hashed on the side
+                            side.submit(e, piece)
+                            copier.copy(out_fd, piece)
+                            digest = None
+                            continue
                         data, buf = piece
                         hashed = None
                         if digest and data.nbytes >= HASH_ASIDE:  # the hash runs on a third thread as we write
@@ -284,10 +421,13 @@ def write_shards(folder: Path, stem: str, entries: list[Entry], tensors: Iterabl
                     if on_bytes:
                         on_bytes(e.nbytes)
                     weight_map[e.key] = name
+            side.finish()  # every hash of this shard is taken before the next shard (and before returning)
     finally:
         budget.close()  # a producer waiting for room returns, so closing the stream can join it
         stream.close()
         hashing.shutdown()
+        side.close()
+        copier.close()
     if len(names) > 1:
         index = {"metadata": {"total_size": sum(e.nbytes for e in entries)}, "weight_map": weight_map}
         (folder / f"{stem}.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
