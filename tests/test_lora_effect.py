@@ -163,3 +163,28 @@ def test_strength_is_checked_and_needs_a_base(base, tiny2_file, tmp_path, capsys
     assert run.code == 2 and "--strength" in run.msg and "Traceback" not in run.err
     run = run_port(capsys, "inspect", tiny2_file, "--strength", "0.5")
     assert run.code == 2 and "--strength is for an adapter" in run.msg
+
+
+def test_merge_measures_two_adapters_summed_as_merge_adds_them(base, tiny2_file, tmp_path, capsys) -> None:
+    """Merge's block path (the measure fed per block on the merge threads): with two adapters on one module the
+    row is the summed delta's, equal to the test's own torch arithmetic."""
+    one, parts1 = adapter_for(tmp_path / "one.safetensors", BY_NAME["kohya"], base, seed=3)
+    two, parts2 = adapter_for(tmp_path / "two.safetensors", BY_NAME["kohya"], base, seed=4,
+                              modules=["double_blocks.0.img_attn.qkv", "single_blocks.1.linear1"])
+    state = {k: v.float() for k, v in base.items()}
+    d1 = bfl_deltas(parts1, state, False, strength=0.7)
+    d2 = bfl_deltas(parts2, state, False, strength=-1.3)
+    run = run_port(capsys, "merge", tiny2_file, f"{one}:0.7", f"{two}:-1.3", "--out", tmp_path / "m", "--json")
+    assert run.code == 0, run.err
+    rows = {r["module"]: r for r in json.loads(run.out)["adapter_effect"]["modules"]}
+    assert set(rows) == set(d1) | set(d2) and set(d1) & set(d2)
+    for key in rows:
+        w = base[key]
+        merged = w.float()
+        for d in (d1, d2):  # in merge's order: W + d1, then + d2
+            merged = merged + d[key] if key in d else merged
+        total = merged - w.float()
+        r = rows[key]
+        assert r["rel_norm"] == pytest.approx(float(total.norm() / w.float().norm()), rel=1e-4), key
+        assert r["max_abs"] == pytest.approx(float(total.abs().max()), rel=1e-4), key
+        assert r["changed"] == int((merged.bfloat16() != w).sum()), key

@@ -82,36 +82,50 @@ def _status(d_sq: float, w_sq: float, peak: float, changed: int, elements: int) 
 
 
 class BlockMeasure:
-    """`measure` of one base tensor fed a block of rows at a time, from several threads (merge's block path): the
-    stored rows and the float32 sum W + d of the same rows, before the sum is rounded back. The row it keeps current
-    is the one `Effect.rows` holds."""
+    """`measure` of one base tensor fed a block of rows at a time, from several threads (merge's block path, which
+    hands over what its arithmetic has at hand anyway: the delta before the sum, the widened weight, the sum rounded
+    into the output). The row it keeps current is the one `Effect.rows` holds."""
 
     def __init__(self, row: dict[str, Any]) -> None:
         self.row = row
         self.lock = threading.Lock()
-        self.sums = [0.0, 0.0, 0.0, 0, 0]  # d_sq, w_sq, peak, changed, elements
+        self.sums = {"d_sq": 0.0, "w_sq": 0.0, "peak": 0.0, "changed": 0}
 
-    def add(self, weight: torch.Tensor, total: torch.Tensor, scratch: torch.Tensor, b16: torch.Tensor,
-            w16: torch.Tensor) -> None:
-        """`scratch` (float32), `b16` and `w16` (bfloat16): buffers of the block's shape the caller reuses."""
+    def delta(self, d: torch.Tensor) -> None:
+        """A block of the float32 delta (every adapter's, summed)."""
+        import torch
+
+        flat = d.reshape(-1)
+        d_sq = float(torch.dot(flat, flat))
+        lo, hi = torch.aminmax(flat)
+        self._add(d_sq=d_sq, peak=max(-float(lo), float(hi)))
+
+    def weight(self, w: torch.Tensor) -> None:
+        """The same block of the base weight, widened to float32."""
+        import torch
+
+        flat = w.reshape(-1)
+        self._add(w_sq=float(torch.dot(flat, flat)))
+
+    def rounded(self, before: torch.Tensor, after: torch.Tensor, total: torch.Tensor) -> None:
+        """The block as stored (`before`) and as written (`after`: the float32 sum `total` rounded to the base's
+        dtype): counts the bf16 elements that change."""
         import numpy as np
         import torch
 
-        d = torch.sub(total, weight, out=scratch)
-        d_sq = float(torch.linalg.vector_norm(d)) ** 2
-        w_sq = float(torch.linalg.vector_norm(weight, dtype=torch.float32)) ** 2
-        lo, hi = torch.aminmax(d)
-        b16.copy_(total)
-        ref = weight if weight.dtype == torch.bfloat16 else w16.copy_(weight)
-        changed = int(np.count_nonzero(b16.view(torch.int16).numpy() != ref.view(torch.int16).numpy()))
+        if after.dtype != torch.bfloat16:  # bf16 is the yardstick whatever the base's dtype
+            before, after = before.to(torch.bfloat16), total.to(torch.bfloat16)
+        n = int(np.count_nonzero(after.view(torch.int16).numpy() != before.view(torch.int16).numpy()))
+        self._add(changed=n)
+
+    def _add(self, d_sq: float = 0.0, w_sq: float = 0.0, peak: float = 0.0, changed: int = 0) -> None:
         with self.lock:
             s = self.sums
-            s[0] += d_sq
-            s[1] += w_sq
-            s[2] = max(s[2], -float(lo), float(hi))
-            s[3] += changed
-            s[4] += weight.numel()
-            self.row.update(_status(s[0], s[1], s[2], s[3], self.row["elements"]))
+            s["d_sq"] += d_sq
+            s["w_sq"] += w_sq
+            s["peak"] = max(s["peak"], peak)
+            s["changed"] += changed
+            self.row.update(_status(s["d_sq"], s["w_sq"], s["peak"], s["changed"], self.row["elements"]))
 
 
 class Effect:

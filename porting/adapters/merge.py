@@ -337,18 +337,24 @@ class _MergedRows(_StoredRows):
     def _blocks(self, stored: torch.Tensor, a: int, blocks: list[tuple[int, int]]) -> None:
         for i, j in blocks:
             base = stored[i:j]
+            weight = _buffer("weight", base.shape).copy_(base)  # widened exactly, once
             total: torch.Tensor | None = None
             for one in self.deltas:
                 buf = _buffer("delta" if total is not None else "sum", base.shape)
                 d = one.rows(a + i, a + j, buf)
-                if total is None:  # the float32 sum starts as this delta plus the stored weight (widened exactly)
-                    total = d.add_(base) if d is buf else torch.add(d, base, out=buf)
+                if total is None:  # the float32 sum starts as this delta plus the stored weight
+                    if len(self.deltas) == 1:
+                        self.effect.delta(d)  # before the sum takes its buffer
+                    total = d.add_(weight) if d is buf else torch.add(d, weight, out=buf)
                 else:
                     total.add_(d)
             assert total is not None
-            self.effect.add(base, total, _buffer("effect", base.shape), _buffer("effect16", base.shape, torch.bfloat16),
-                            _buffer("weight16", base.shape, torch.bfloat16))
+            if len(self.deltas) > 1:
+                self.effect.delta(torch.sub(total, weight, out=_buffer("delta", base.shape)))
+            self.effect.weight(weight)
+            before = _buffer("before", base.shape, base.dtype).copy_(base)
             base.copy_(total)  # one rounding to the base dtype, into the output buffer
+            self.effect.rounded(before, base, total)
             lo, hi = torch.aminmax(base)
             if not max(-float(lo), float(hi)) < self.limit:  # NaN, Inf or the dtype's largest: the sum decides
                 check_tensor(total, self.what, self.path, into=self.info.torch_dtype, hint=SUM_HINT)
@@ -370,6 +376,7 @@ def _buffer(name: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float3
     """A scratch tensor of `shape` (float32 unless said), reused (grown when needed) across blocks and tensors of
     this thread."""
     size = math.prod(shape)
+    name = f"{name}-{dtype}"
     flat = getattr(_buffers, name, None)
     if flat is None or flat.numel() < size:
         flat = torch.empty(size, dtype=dtype)
