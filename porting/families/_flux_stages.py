@@ -3,6 +3,7 @@ and the inputs-state keys. Imports torch: loaded only through `Family.stages()`.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -17,7 +18,7 @@ DOUBLE, SINGLE = "transformer_blocks", "single_transformer_blocks"
 VAE_SCALE = 8  # both FLUX VAEs downsample by 8; the pipelines then pack 2x2 patches into tokens
 
 
-class FluxStages:
+class FluxStages(ABC):
     embed_modules: tuple[str, ...] = ()
     embed_judged: tuple[str, ...] = ()  # state keys the embed stage is judged by
     final_modules: tuple[str, ...] = ("norm_out", "proj_out")
@@ -51,17 +52,21 @@ class FluxStages:
             return self.single(block, state)
         raise KeyError(f"no stage {stage!r}")
 
+    @abstractmethod
     def embed(self, model: nn.Module, s: State) -> State:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def double(self, block: nn.Module, s: State) -> State:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def single(self, block: nn.Module, s: State) -> State:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def final(self, model: nn.Module, s: State) -> State:
-        raise NotImplementedError
+        ...
 
     @staticmethod
     def stream(s: State) -> torch.Tensor:
