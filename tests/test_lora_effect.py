@@ -188,3 +188,14 @@ def test_merge_measures_two_adapters_summed_as_merge_adds_them(base, tiny2_file,
         assert r["rel_norm"] == pytest.approx(float(total.norm() / w.float().norm()), rel=1e-4), key
         assert r["max_abs"] == pytest.approx(float(total.abs().max()), rel=1e-4), key
         assert r["changed"] == int((merged.bfloat16() != w).sum()), key
+
+
+def test_a_huge_finite_delta_gets_its_true_norm_not_an_infinity() -> None:
+    """Squares of 2e30 overflow float32; the norm is the delta's own, so rel_norm is a number (not null)."""
+    weight = torch.ones(4, 8, dtype=torch.bfloat16)
+    row = E.measure(weight, delta=torch.full((4, 8), 2e30))
+    assert row["rel_norm"] == pytest.approx(2e30, rel=1e-6) and row["status"] == "ok"
+    block = E.Effect().blockwise("m", 32)
+    block.delta(torch.full((4, 8), 2e30))
+    block.weight(weight.float())
+    assert block.row["rel_norm"] == pytest.approx(2e30, rel=1e-6)

@@ -58,20 +58,33 @@ def measure(weight: torch.Tensor, merged: torch.Tensor | None = None,
         w, o = w2[a:a + step], o2[a:a + step]
         x, y = f32[: w.numel()].view(w.shape), b16[: w.numel()].view(w.shape)
         x.copy_(w)
-        w_sq += float(torch.linalg.vector_norm(x)) ** 2
+        w_sq += _squares(x)
         if merged is not None:
             d = x.sub_(o)  # W - (W + d): the delta's negative, same norm and largest magnitude
             y.copy_(o)
         else:
             d = o
             y.copy_(x.add_(o))
-        d_sq += float(torch.linalg.vector_norm(d)) ** 2
+        d_sq += _squares(d)
         lo, hi = torch.aminmax(d)  # several times faster than an inf-norm here
         peak = max(peak, -float(lo), float(hi))
         ref = w if weight.dtype == torch.bfloat16 else w16[: w.numel()].view(w.shape).copy_(w)
         # bit patterns compared and counted by numpy: several times faster than torch's count_nonzero here
         changed += int(np.count_nonzero(y.view(torch.int16).numpy() != ref.view(torch.int16).numpy()))
     return _status(d_sq, w_sq, peak, changed, weight.numel())
+
+
+def _squares(t: torch.Tensor) -> float:
+    """The sum of squares of a float32 tensor; in float64 where float32 overflows (|values| above ~1.8e19), so a
+    huge but finite delta gets its true norm, not an infinity."""
+    import torch
+
+    flat = t.reshape(-1)
+    total = float(torch.dot(flat, flat))
+    if total == float("inf"):
+        wide = flat.double()
+        total = float(torch.dot(wide, wide))
+    return total
 
 
 def _status(d_sq: float, w_sq: float, peak: float, changed: int, elements: int) -> dict[str, Any]:
@@ -96,16 +109,15 @@ class BlockMeasure:
         import torch
 
         flat = d.reshape(-1)
-        d_sq = float(torch.dot(flat, flat))
+        d_sq = _squares(flat)
         lo, hi = torch.aminmax(flat)
         self._add(d_sq=d_sq, peak=max(-float(lo), float(hi)))
 
     def weight(self, w: torch.Tensor) -> None:
         """The same block of the base weight, widened to float32."""
-        import torch
 
         flat = w.reshape(-1)
-        self._add(w_sq=float(torch.dot(flat, flat)))
+        self._add(w_sq=_squares(flat))
 
     def rounded(self, before: torch.Tensor, after: torch.Tensor, total: torch.Tensor) -> None:
         """The block as stored (`before`) and as written (`after`: the float32 sum `total` rounded to the base's
