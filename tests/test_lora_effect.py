@@ -176,8 +176,10 @@ def test_merge_measures_two_adapters_summed_as_merge_adds_them(base, tiny2_file,
     d2 = bfl_deltas(parts2, state, False, strength=-1.3)
     run = run_port(capsys, "merge", tiny2_file, f"{one}:0.7", f"{two}:-1.3", "--out", tmp_path / "m", "--json")
     assert run.code == 0, run.err
-    rows = {r["module"]: r for r in json.loads(run.out)["adapter_effect"]["modules"]}
+    doc = json.loads(run.out)["adapter_effect"]
+    rows = {r["module"]: r for r in doc["modules"]}
     assert set(rows) == set(d1) | set(d2) and set(d1) & set(d2)
+    assert doc["counts"]["ok"] == len(rows)  # the counts follow the rows measured block by block
     for key in rows:
         w = base[key]
         merged = w.float()

@@ -114,3 +114,29 @@ def test_a_lora_both_flux_tables_read_goes_to_the_family_declaring_the_higher_pr
     assert read_adapter(path).table.name == "flux2"
     monkeypatch.setattr(type(get_family("flux1")), "adapter_priority", 5)
     assert read_adapter(path).table.name == "flux1"
+
+
+def test_a_lora_on_modules_both_flux_tables_know_merges_into_a_flux1_base(tmp_path: Path, capsys) -> None:
+    """With a base, its family reads what several tables know equally: a FLUX.1 LoRA on the fused qkv lands on a
+    FLUX.1 base (without the base, the declared priority still says FLUX.2)."""
+    import json
+
+    from porting.demo.tiny import write_random_checkpoint
+    from porting.families import get_family
+
+    from .helpers import run_port
+
+    flux1 = get_family("flux1")
+    base = write_random_checkpoint(tmp_path / "base.safetensors", flux1.tiny_config, table="flux1")
+    inner = flux1.tiny_config["num_attention_heads"] * flux1.tiny_config["attention_head_dim"]
+    path = tmp_path / "qkv.safetensors"
+    save_file({"lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight": torch.ones(2, inner),
+               "lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight": torch.ones(3 * inner, 2)}, str(path))
+    run = run_port(capsys, "inspect", path, "--base", base, "--json")
+    assert run.code == 0, run.err
+    effect = json.loads(run.out)["effect"]
+    assert [r["module"] for r in effect["modules"]] == ["double_blocks.0.img_attn.qkv.weight"]
+    assert effect["unplaced"] == []
+    run = run_port(capsys, "merge", base, path, "--out", tmp_path / "merged", "--json")
+    assert run.code == 0, run.err
+    assert json.loads(run.out)["adapter_effect"]["counts"]["ok"] == 1

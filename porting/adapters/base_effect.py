@@ -25,7 +25,7 @@ def effect_on_base(adapter_path: str | Path, base: str | Path, strength: float =
     check_number(float(strength), "strength", adapter_path)
     ckpt = open_checkpoint(base)
     detection = detect(ckpt)
-    adapter = read_adapter(adapter_path)
+    adapter = read_adapter(adapter_path, prefer=detection.table.name)
     placement = Placement(ckpt, detection, [(adapter, float(strength))])
     effect = Effect(strength=float(strength))
     effect.land_nowhere(placement.leftovers)

@@ -99,9 +99,8 @@ class BlockMeasure:
     hands over what its arithmetic has at hand anyway: the delta before the sum, the widened weight, the sum rounded
     into the output). The row it keeps current is the one `Effect.rows` holds."""
 
-    def __init__(self, row: dict[str, Any]) -> None:
-        self.row = row
-        self.lock = threading.Lock()
+    def __init__(self, row: dict[str, Any], effect: Effect) -> None:
+        self.row, self.effect = row, effect
         self.sums = {"d_sq": 0.0, "w_sq": 0.0, "peak": 0.0, "changed": 0}
 
     def delta(self, d: torch.Tensor) -> None:
@@ -131,19 +130,21 @@ class BlockMeasure:
         self._add(changed=n)
 
     def _add(self, d_sq: float = 0.0, w_sq: float = 0.0, peak: float = 0.0, changed: int = 0) -> None:
-        with self.lock:
+        with self.effect.lock:  # one lock for every row: the counts are kept current with them
             s = self.sums
             s["d_sq"] += d_sq
             s["w_sq"] += w_sq
             s["peak"] = max(s["peak"], peak)
             s["changed"] += changed
             self.row.update(_status(s["d_sq"], s["w_sq"], s["peak"], s["changed"], self.row["elements"]))
+            self.effect._count()
 
 
 class Effect:
     """Rows of `measure`, one per base tensor, and the keys that landed nowhere; `doc` is kept current."""
 
     def __init__(self, strength: float | None = None) -> None:
+        self.lock = threading.Lock()
         self.rows: list[dict[str, Any]] = []
         self.unplaced: list[dict[str, str]] = []
         self.doc: dict[str, Any] = {"definition": DEFINITION, "reference_dtype": "bf16", "modules": self.rows,
@@ -158,8 +159,9 @@ class Effect:
         row = {"module": module, **measure(weight, merged, delta)}
         if adapters:
             row["adapters"] = adapters
-        self.rows.append(row)
-        self._count()
+        with self.lock:
+            self.rows.append(row)
+            self._count()
         return row
 
     def blockwise(self, module: str, elements: int, adapters: str = "") -> BlockMeasure:
@@ -167,18 +169,16 @@ class Effect:
         row: dict[str, Any] = {"module": module, **_status(0.0, 0.0, 0.0, 0, elements)}
         if adapters:
             row["adapters"] = adapters
-        self.rows.append(row)
-        self._count()
-        return BlockMeasure(row)
+        with self.lock:
+            self.rows.append(row)
+            self._count()
+        return BlockMeasure(row, self)
 
     def land_nowhere(self, leftovers: Iterable[tuple[str, str]]) -> None:
         """Adapter keys that land on no base tensor (or on one of another shape), with why."""
-        self.unplaced += [{"keys": k, "why": why} for k, why in leftovers]
-        self._count()
-
-    def recount(self) -> None:
-        """Counts again (rows measured block by block change after they are added)."""
-        self._count()
+        with self.lock:
+            self.unplaced += [{"keys": k, "why": why} for k, why in leftovers]
+            self._count()
 
     def _count(self) -> None:
         counts = {"modules": len(self.rows), OK: 0, NO_EFFECT: 0, ZERO: 0, "unplaced": len(self.unplaced)}

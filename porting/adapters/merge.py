@@ -192,7 +192,6 @@ class Placement:
                 for parts in ranges:
                     yield _filled(rows, parts, ", ".join(ps.stored_sources))
                 del rows  # every row of this group was written before the next group is asked for
-            self.effect.recount()  # the block-measured rows are final now, before the manifest is written
         finally:
             files.close()
             if helper is not None:
@@ -427,17 +426,21 @@ def skip_keys(adapter: Adapter, patterns: Sequence[str]) -> list[str]:
     return sorted(skipped)
 
 
-def adapter_width(adapter: Adapter) -> int | None:
-    """The model width the adapter was trained at: the most common dimension of its full-size deltas."""
+def adapter_width(adapter: Adapter, prefer: int | None = None) -> int | None:
+    """The model width the adapter was trained at: the most common dimension of its full-size deltas; of several
+    equally common ones (a LoRA on the fused qkv alone: 3 x width and width), `prefer` if it is one of them."""
     dims = Counter(d for m in adapter.modules.values() for d in delta_shape(adapter, m))
-    return dims.most_common(1)[0][0] if dims else None
+    if not dims:
+        return None
+    top = max(dims.values())
+    return prefer if prefer is not None and dims.get(prefer) == top else dims.most_common(1)[0][0]
 
 
 def check_width(adapter: Adapter, detection: Detection, base: str | Path) -> None:
     """A LoRA made for another size of the model (a klein-4B LoRA on a klein-9B base) is refused up front with both
     widths, instead of one shape error per module."""
     base_width = detection.config.get("num_attention_heads", 0) * detection.config.get("attention_head_dim", 0)
-    width = adapter_width(adapter)
+    width = adapter_width(adapter, prefer=base_width)
     if not base_width or width is None or width == base_width:
         return
     made_for = [name for name, cfg in variant_configs(adapter.table.name).items()
@@ -462,7 +465,7 @@ def merge(base: str | Path, adapters: list[tuple[str | Path, float]], out: str |
         check_number(float(strength), "strength", path)
     ckpt = open_checkpoint(base)
     detection = detect(ckpt)
-    read = [(read_adapter(path), float(strength)) for path, strength in adapters]
+    read = [(read_adapter(path, prefer=detection.table.name), float(strength)) for path, strength in adapters]
     skipped = {str(a.path): skip_keys(a, skip) for a, _ in read}
     for pattern in skip:
         if not any(fnmatch.fnmatchcase(k, pattern) for keys in skipped.values() for k in keys):

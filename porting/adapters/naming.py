@@ -218,9 +218,10 @@ def _check_rank(ckpt: Checkpoint, m: ModuleAdapter, path: Path) -> None:
                                 "written.", hint="The adapter is damaged; export it again from the trainer.")
 
 
-def _best_table(keys: list[str]) -> ModuleIndex:
-    """The table naming the most keys; a tie goes to the family that declares the higher adapter priority."""
-    ranked = sorted(families(), key=lambda f: (-f.adapter_priority, f.name))
+def _best_table(keys: list[str], prefer: str | None = None) -> ModuleIndex:
+    """The table naming the most keys; a tie goes to `prefer` (the family of the base it is meant for), else to the
+    family that declares the higher adapter priority."""
+    ranked = sorted(families(), key=lambda f: (f.name != prefer, -f.adapter_priority, f.name))
     scored = []
     for order, family in enumerate(ranked):
         index = module_index(family.name)
@@ -229,13 +230,14 @@ def _best_table(keys: list[str]) -> ModuleIndex:
     return max(scored, key=lambda t: (t[0], t[1]))[2]
 
 
-def read_adapter(path: str | Path, table: MappingTable | None = None) -> Adapter:
-    """Open an adapter file (headers, plus its scalar alphas) and sort its keys into modules."""
+def read_adapter(path: str | Path, table: MappingTable | None = None, prefer: str | None = None) -> Adapter:
+    """Open an adapter file (headers, plus its scalar alphas) and sort its keys into modules; `prefer`: the family
+    that reads keys several tables know equally (the base's, when there is one)."""
     path = Path(path)
     ckpt = open_checkpoint(path)
     keys = sorted(ckpt.tensors)
     if table is None:
-        index = _best_table(keys)
+        index = _best_table(keys, prefer)
     elif builtin_tables().get(table.name) is table:
         index = module_index(table.name)
     else:
