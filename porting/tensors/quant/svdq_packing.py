@@ -1,0 +1,86 @@
+"""Nunchaku's packed SVDQuant layouts, undone: 4-bit MMA tiles, permuted scales and vectors, low-rank tiles, AWQ.
+
+Each function is the inverse of one of deepcompressor's packers (`NunchakuWeightPacker.pack_weight`,
+`pack_scale`, `pack_micro_scale`, `pack_lowrank_weight`; TinyChat's `pack_w4` for the AWQ W4A16 layers); the
+permutations are written as the inverse index orders of the packers' (`../shared/svdquant.md` section 3). The tests
+hold them to deepcompressor's own packers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+TILE_N = 128  # output rows per packed tile (warp_n)
+TILE_K = 64  # input columns per packed tile (insn_k for 4 bits)
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 bytes -> their two 4-bit codes, low nibble first (int16 0..15, one more trailing axis of 2)."""
+    b = packed.view(torch.uint8).to(torch.int16)
+    return torch.stack((b & 0xF, b >> 4), dim=-1)
+
+
+def unpack_codes(qweight: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """`qweight` (n, k/2) int8 in MMA tile order -> the 4-bit codes (n, k) in row-major order (int16 0..15).
+
+    `n` may be a band of whole 128-row tiles: the tiles are stored n-tile outer, so a row band is contiguous.
+    """
+    codes = nibbles(qweight.reshape(-1)).reshape(n // TILE_N, k // TILE_K, 1, 8, 8, 4, 2, 2, 1, 8)
+    return codes.permute(0, 3, 6, 4, 8, 1, 2, 7, 5, 9).reshape(n, k)
+
+
+def signed_int4(codes: torch.Tensor) -> torch.Tensor:
+    """Two's complement nibbles: 8..15 are -8..-1."""
+    return torch.where(codes >= 8, codes - 16, codes)
+
+
+def e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """E2M1 nibbles (bit 3 the sign) -> their float32 values."""
+    return torch.tensor(E2M1, dtype=torch.float32)[codes.long()]
+
+
+def unpack_scales(wscales: torch.Tensor, n: int, groups: int) -> torch.Tensor:
+    """int4 group scales stored (groups, n) in 128-channel permuted tiles -> (n, groups)."""
+    t = wscales.reshape(n // TILE_N, groups, 1, 8, 4, 2, 2)
+    return t.permute(0, 2, 3, 5, 4, 6, 1).reshape(n, groups)
+
+
+def unpack_vector(vector: torch.Tensor) -> torch.Tensor:
+    """A per-channel vector (bias, smooth, wcscales) stored in the scales' channel order -> logical order."""
+    n = vector.numel()
+    return unpack_scales(vector.reshape(1, n), n, 1).reshape(n)
+
+
+def unpack_micro_scales(wscales: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """nvfp4 fp8 micro-scales (one per 16 inputs) stored (k/16, n) permuted -> (n, k/16) float8_e4m3fn."""
+    t = wscales.view(torch.uint8).reshape(n // TILE_N, k // TILE_K, 1, 8, 4, 4, 4)
+    return t.permute(0, 2, 5, 4, 3, 1, 6).reshape(n, k // 16).view(torch.float8_e4m3fn)
+
+
+def unpack_lowrank(weight: torch.Tensor, down: bool) -> torch.Tensor:
+    """`proj_down` (k, r) -> D (r, k); `proj_up` (n, r) -> U (n, r), from 16x16 register tiles."""
+    c, r = weight.shape
+    t = weight.reshape(c // 16, r // 16, 8, 4, 2, 2, 1, 2).permute(0, 1, 4, 2, 6, 5, 3, 7)
+    t = t.reshape(c // 16, r // 16, 16, 16)
+    if down:
+        return t.permute(1, 2, 0, 3).reshape(r, c)
+    return t.permute(0, 2, 1, 3).reshape(c, r)
+
+
+def unpack_awq_codes(qweight: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """TinyChat W4A16 `qweight` (n/4, k/2) int32 -> unsigned codes (n, k) int16 0..15."""
+    words = qweight.view(torch.int16).reshape(n // 4, k // 64, 4, 16).permute(0, 2, 1, 3).reshape(n, k // 4)
+    w = words.to(torch.int32) & 0xFFFF
+    codes = torch.stack([(w >> (4 * i)) & 0xF for i in range(4)], dim=-1)  # (n, k/4, nibble)
+    return codes.reshape(n, k // 32, 8, 4).permute(0, 1, 3, 2).reshape(n, k).to(torch.int16)
+
+
+def deinterleave_rows(t: torch.Tensor, splits: int) -> torch.Tensor:
+    """Stored row d*S + j is logical row j*(n/S) + d (Nunchaku's adaLN layers): back to logical order."""
+    n = t.shape[0]
+    return t.reshape(n // splits, splits, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+
+
+__all__ = ["TILE_N", "TILE_K", "E2M1", "nibbles", "unpack_codes", "signed_int4", "e2m1", "unpack_scales",
+           "unpack_vector", "unpack_micro_scales", "unpack_lowrank", "unpack_awq_codes", "deinterleave_rows"]
