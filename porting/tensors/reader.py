@@ -70,6 +70,7 @@ class Quantization:
     dropped: list[str] = field(default_factory=list)  # sidecar tensors with no meaning for plain weights
     dropped_why: str = ""
     notes: list[str] = field(default_factory=list)
+    details: dict[str, Any] = field(default_factory=dict)  # layout-specific facts (precision, rank, ...)
 
     @property
     def label(self) -> str:
@@ -83,7 +84,7 @@ class Quantization:
     def to_dict(self) -> dict[str, Any]:
         return {"format": self.format, "label": self.label, "layers": dict(sorted(self.layers.items())),
                 "dequantized_tensors": self.tensor_count, "folded": len(self.folded), "dropped": self.dropped,
-                "dropped_why": self.dropped_why, "notes": self.notes}
+                "dropped_why": self.dropped_why, "notes": self.notes, **({"details": self.details} if self.details else {})}
 
 
 @dataclass

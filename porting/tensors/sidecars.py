@@ -10,7 +10,7 @@ from typing import Iterable, Mapping
 
 SIDECAR_NAMES = ("scale_weight", "scale_input", "weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale",
                  "comfy_quant", "scaled_fp8", "qweight", "qzeros", "wscales", "wzeros", "smooth_factor",
-                 "smooth_orig", "proj_down", "proj_up", "wtscale")
+                 "smooth_orig", "smooth_factor_orig", "proj_down", "proj_up", "wtscale", "wcscales")
 METADATA_KEYS = ("_quantization_metadata",)  # ComfyUI's header-level layer configs
 
 

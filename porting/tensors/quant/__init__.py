@@ -13,16 +13,16 @@ from types import ModuleType
 from porting.errors import InputError, UnsupportedQuantizationError
 
 from ..reader import Checkpoint
-from . import bfl_scheme, comfy_mixed, comfy_scaled_fp8, modelopt_int8
+from . import bfl_scheme, comfy_mixed, comfy_scaled_fp8, modelopt_int8, nunchaku
 from .base import is_sidecar, rewrite
 
-DECLARED: tuple[ModuleType, ...] = (comfy_mixed, comfy_scaled_fp8)  # a marker in the file says which layout
+# a marker in the file says which layout (nunchaku: its metadata, or packed `qweight` with `wscales` and a low-rank
+# or smoothing part)
+DECLARED: tuple[ModuleType, ...] = (comfy_mixed, comfy_scaled_fp8, nunchaku)
 BY_SIDECARS: tuple[ModuleType, ...] = (bfl_scheme, modelopt_int8)  # no marker: `weight_scale` next to the weight
 
 # stored-key endings of layouts flux-port recognises and refuses (no exact way to plain weights)
 REFUSED_KEYS = {
-    ("qweight", "wscales"): "SVDQuant / Nunchaku (packed 4-bit weights plus a low-rank branch; needs nunchaku's "
-                            "kernels)",
     ("qweight", "qzeros"): "AWQ / GPTQ (packed int4 with zero points)",
 }
 
@@ -49,7 +49,9 @@ def decode(ckpt: Checkpoint) -> Checkpoint:
         raise InputError(f"{ckpt.path}: the header fits two quantized layouts ({names}); flux-port will not guess "
                          "which one the producer meant.", hint="Report the file's origin; the layouts differ in "
                          "nibble order and scale layout, so reading it the wrong way gives wrong weights silently.")
-    return rewrite(ckpt, claimed[0].find(ckpt))
+    layout = claimed[0]
+    # a layout whose plain tensors are not its stored ones (renamed, split, joined) builds its own view
+    return layout.view(ckpt) if hasattr(layout, "view") else rewrite(ckpt, layout.find(ckpt))
 
 
 __all__ = ["decode", "is_sidecar", "DECLARED", "BY_SIDECARS"]
