@@ -115,7 +115,8 @@ def test_svdquant_keys_are_refused_by_name(state, tmp_path, capsys):
     tensors["double_blocks.0.img_attn.qkv.wscales"] = torch.ones(w.shape[1] // 64, w.shape[0])
     src = qf.save(tmp_path / "svdq_r32-klein.safetensors", tensors)
     run = run_port(capsys, "convert", src, "--out", tmp_path / "out")
-    assert run.code == 1 and "SVDQuant / Nunchaku" in run.msg and "Nothing was written" in run.msg
+    assert run.code == 1 and "Nunchaku SVDQuant" in run.msg and "Nothing was written" in run.msg
+    assert "double_blocks.0.img_attn.qkv" in run.msg
     assert leftovers(tmp_path / "out") == []
 
 

@@ -162,11 +162,31 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
         if pickles:
             read_header(path / pickles[0])  # raises the pickle refusal
         raise InputError(f"{path}: no .safetensors file in this folder.")
+    if {f.name for f in files} == set(SPLIT_PAIR):
+        return _decode(_open_split_pair(path, files, config))
     if len(files) > 1:
         raise InputError(f"{path}: {len(files)} .safetensors files and no index.json; pass the file to use.",
                          hint="Files: " + ", ".join(p.name for p in files))
     tensors, metadata = read_header(files[0])
     return _decode(Checkpoint(path, tensors, files, config=config, metadata=metadata))
+
+
+# Nunchaku's older FLUX.1 release: the quantized blocks and the 16-bit rest in two files, no index
+SPLIT_PAIR = ("transformer_blocks.safetensors", "unquantized_layers.safetensors")
+
+
+def _open_split_pair(folder: Path, files: list[Path], config: dict | None) -> Checkpoint:
+    tensors: dict[str, TensorInfo] = {}
+    metadata: dict[str, str] = {}
+    for file in files:
+        part, part_metadata = read_header(file)
+        metadata.update(part_metadata)
+        for key, info in part.items():
+            if key in tensors:
+                raise InputError(f"{folder}: tensor {key!r} is stored in both {tensors[key].file.name} and "
+                                 f"{file.name}.")
+            tensors[key] = info
+    return Checkpoint(folder, tensors, files, config=config, metadata=metadata)
 
 
 def _magic(path: Path) -> bytes:

@@ -84,7 +84,8 @@ class Quantization:
     def to_dict(self) -> dict[str, Any]:
         return {"format": self.format, "label": self.label, "layers": dict(sorted(self.layers.items())),
                 "dequantized_tensors": self.tensor_count, "folded": len(self.folded), "dropped": self.dropped,
-                "dropped_why": self.dropped_why, "notes": self.notes, **({"details": self.details} if self.details else {})}
+                "dropped_why": self.dropped_why, "notes": self.notes,
+                **({"details": self.details} if self.details else {})}
 
 
 @dataclass

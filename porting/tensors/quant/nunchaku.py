@@ -121,10 +121,8 @@ class SvdqFile:
 def claims(ckpt: Checkpoint) -> bool:
     if _declared_method(ckpt) == "svdquant":
         return True
-    roles = _roles_by_spelling()
     endings = {k.rsplit(".", 1)[-1] for k in ckpt.tensors}
-    return "qweight" in endings and "wscales" in endings and bool(
-        endings & (set(roles["lora_down"]) | set(roles["smooth"])))
+    return "qweight" in endings and "wscales" in endings
 
 
 def _declared_method(ckpt: Checkpoint) -> str | None:
@@ -163,6 +161,12 @@ def read(ckpt: Checkpoint) -> SvdqFile:
     layers = _stored_layers(ckpt)
     if not layers:
         raise InputError(f"{ckpt.path}: declared as SVDQuant but holds no `qweight` tensor.")
+    for prefix in layers:
+        if not _BLOCK_KEY.match(prefix + "x"):
+            raise UnsupportedQuantizationError(
+                f"{ckpt.path}: packed 4-bit layer {prefix[:-1]!r} (qweight, wscales) is not in a Nunchaku SVDQuant "
+                "layout flux-port reads: SVDQuant files quantize the diffusers-named transformer blocks only. "
+                "Nothing was written.", hint="Use the Nunchaku release as published, or a bf16, fp8 or GGUF release.")
     precision, group = _precision(ckpt, doc, layers)
     family = _family(ckpt)
     fam = table()[family]
@@ -257,9 +261,6 @@ def _map_blocks(ckpt: Checkpoint, fam: Mapping[str, Any], stored: Mapping[str, d
     found_blocks: dict[tuple[str, int], set[str]] = {}
     for prefix in stored:
         m = _BLOCK_KEY.match(prefix + "x")
-        if not m:
-            raise InputError(f"{ckpt.path}: quantized layer {prefix[:-1]!r} is outside the transformer blocks; "
-                             "flux-port knows no SVDQuant file that quantizes it.")
         found_blocks.setdefault((m.group(1), int(m.group(2))), set()).add(m.group(3)[:-2])
     spellings: set[int] = set()
     for (blocks, index), local_layers in sorted(found_blocks.items()):
