@@ -85,6 +85,12 @@ def inspect(path: Annotated[Path, typer.Argument(
                                        f"{quant['dropped_why']}")
         for note in quant["notes"]:
             table.add_row("  note", note)
+        details = quant.get("details") or {}
+        if "w4a4_layers" in details:
+            table.add_row("  layers", f"{details['w4a4_layers']} W4A4 ({details['precision']}), "
+                                      f"{details['w4a16_layers']} W4A16 (AWQ int4), "
+                                      f"{details['plain_16bit_linears']} 16-bit linear(s)")
+            table.add_row("  names", f"{details['family']}, {details['spelling']} spelling")
         table.add_row("  convert", "writes the dequantized weights (bf16 unless --dtype says otherwise)")
     if info["spelling"]:
         old, new = info["spelling"]["example"]

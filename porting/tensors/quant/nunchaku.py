@@ -454,15 +454,28 @@ def view(ckpt: Checkpoint) -> Checkpoint:
         name = info.renamed.get(key, key)
         tensors[name] = stored if name == key else TensorInfo(name, stored.dtype, stored.shape, stored.file,
                                                                stored.start, stored.nbytes)
-    from .svdq_decode import SvdqDecoder
-
-    quant = Quantization(f"{NAME} {info.precision}", info.counts(),
+    quant = Quantization(f"{NAME} {info.precision}, rank {info.rank}, group {info.group_size}", info.counts(),
                          folded=sorted(info.consumed - set(info.dropped)), dropped=sorted(info.dropped),
                          dropped_why="zero biases of layers that have no bias in the model", notes=_notes(info),
                          details=describe(info))
     config = ckpt.config if ckpt.config is not None else info.config
     return Checkpoint(ckpt.path, tensors, ckpt.files, config, ckpt.metadata, stored=ckpt.tensors,
-                      quantization=quant, decoder=SvdqDecoder(info), container=ckpt.container)
+                      quantization=quant, decoder=LazyDecoder(info), container=ckpt.container)
+
+
+class LazyDecoder:
+    """The SVDQuant decoder, imported (with torch) on the first tensor computed: opening a file stays torch-free."""
+
+    def __init__(self, info: SvdqFile) -> None:
+        self.info = info
+        self._decoder: Any = None
+
+    def dequantize(self, key: str, rows: tuple[int, int] | None = None, dtype: Any = None) -> Any:
+        if self._decoder is None:
+            from .svdq_decode import SvdqDecoder
+
+            self._decoder = SvdqDecoder(self.info)
+        return self._decoder.dequantize(key, rows, dtype)
 
 
 def _notes(info: SvdqFile) -> list[str]:
