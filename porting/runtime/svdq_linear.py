@@ -1,0 +1,226 @@
+"""`SvdqLinear`: one diffusers linear computed from Nunchaku SVDQuant parts kept packed, in plain torch.
+
+A diffusers linear is made of pieces (`porting.tensors.quant.nunchaku.Target`): rows [a, b) of a stored layer (q, k
+or v of a fused qkv), several layers whose outputs are stacked (FLUX.2's single-block qkv + mlp), or several layers
+that read consecutive input columns and whose outputs add (the single block's out + mlp down-projection). Each
+piece keeps its part of the file packed (`PackedPiece`): 4-bit codes two per byte in plain row-major order (the
+MMA tile permutation is undone once, at load), the group scales as stored (bf16 per 64 inputs, or e4m3 per 16 plus
+the per-tensor `wtscale` and per-channel `wcscales`), the smoothing s, the low-rank factors D (r, k) and U (n, r),
+the bias. That is about a third of the bf16 weight.
+
+`compute="w4a4"` runs what the Nunchaku kernel computes (`../shared/svdquant.md` 10.7, `svdq_act`): the low-rank
+branch on the raw input, the 4-bit branch on the input divided by s and rounded to 4 bits per group, multiplied by
+the 4-bit weights and accumulated in float32 (the kernel accumulates int4 groups in T: about 1 % apart for bf16),
+then the bias, then the low-rank output. `compute="w4a16"` multiplies the full-precision input by the dequantized
+weight R/s + U·D (what `port convert` writes). Either way a weight is dequantized a band of rows at a time while the
+forward runs: memory stays packed. AWQ W4A16 layers (FLUX.1 adaLN) are plain linears with dequantized weights.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from porting.tensors.quant import svdq_packing as P
+from porting.tensors.quant.nunchaku import SvdqLayer, Target
+from porting.tensors.quant.svdq_decode import SvdqDecoder, _awq_bias
+from porting.tensors.reader import read_stored
+
+from .svdq_act import SHIFT_GELU, int4_activations, nvfp4_activations, round_to, smoothed
+
+COMPUTES = ("w4a4", "w4a16")
+BAND_ELEMENTS = 1 << 24  # float32 elements of weight dequantized at once (64 MiB)
+FP16_MAX = 65504.0
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """(rows, k) 4-bit codes 0..15 -> (rows, k/2) uint8, column 2j in the low nibble, 2j+1 in the high one."""
+    c = codes.to(torch.uint8)
+    return c[:, 0::2] | (c[:, 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of `pack_nibbles`: (rows, k/2) uint8 -> (rows, k) uint8 codes."""
+    return torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
+
+
+class PackedPiece(nn.Module):
+    """Rows [a, b) of one stored layer, packed; `forward(x, compute)` maps (tokens, k) to (tokens, b - a)."""
+
+    def __init__(self, layer: SvdqLayer, rows: tuple[int, int], decoder: SvdqDecoder, with_bias: bool) -> None:
+        super().__init__()
+        a, b = rows
+        self.prefix, self.kind, self.precision = layer.prefix, layer.kind, layer.precision
+        self.k, self.n = layer.k, b - a
+        self.gelu_shift = layer.gelu_shift
+        self.alpha = 1.0
+        buf = self._buffer
+        for name in ("wcscales", "e2m1", "zeros", "bias_w4a16"):
+            buf(name, None)
+        if layer.kind == "awq":
+            self._load_awq(layer, rows, with_bias)
+            return
+        unpacked = decoder.unpacked(layer)
+        t0, t1 = a // P.TILE_N, -(-b // P.TILE_N)
+        stored = read_stored(layer.parts["qweight"], (t0 * P.TILE_N, t1 * P.TILE_N))
+        codes = P.unpack_codes(stored, (t1 - t0) * P.TILE_N, layer.k)[a - t0 * P.TILE_N:b - t0 * P.TILE_N]
+        buf("codes", pack_nibbles(codes))
+        if layer.precision == "nvfp4":
+            buf("scales", unpacked.scales[a:b].to(torch.float8_e4m3fn).view(torch.uint8))  # e4m3 bits
+            if "wtscale" in layer.parts:
+                self.alpha = float(read_stored(layer.parts["wtscale"]).float().reshape(-1)[0])
+            buf("wcscales", P.unpack_vector(read_stored(layer.parts["wcscales"]))[a:b]
+                if "wcscales" in layer.parts else None)
+            buf("e2m1", torch.tensor(P.E2M1, dtype=torch.float32))
+        else:
+            buf("scales", unpacked.scales[a:b].to(layer.parts["wscales"].torch_dtype))
+        stored_dtype = layer.parts["smooth"].torch_dtype if "smooth" in layer.parts else torch.bfloat16
+        buf("smooth", unpacked.smooth.to(stored_dtype))
+        if unpacked.down is not None:
+            buf("down", unpacked.down.to(layer.parts["lora_down"].torch_dtype))
+            buf("up", unpacked.up[a:b].to(layer.parts["lora_up"].torch_dtype))
+        else:
+            buf("down", None)
+            buf("up", None)
+        buf("bias", unpacked.file_bias[a:b].clone() if with_bias else None)
+        # w4a16 multiplies u, not u + shift: its bias carries the kernel's shift correction (svdq_decode)
+        buf("bias_w4a16", unpacked.bias[a:b].clone() if with_bias and layer.gelu_shift else None)
+
+    def _buffer(self, name: str, value: torch.Tensor | None) -> None:
+        self.register_buffer(name, value, persistent=False)  # not weights a state dict could save or load
+
+    def _load_awq(self, layer: SvdqLayer, rows: tuple[int, int], with_bias: bool) -> None:
+        a, b = rows
+        n, k, splits = layer.n, layer.k, layer.awq_splits
+        groups = k // 64
+        codes = P.deinterleave_rows(P.unpack_awq_codes(read_stored(layer.parts["qweight"]), n, k), splits)
+        self._buffer("codes", pack_nibbles(codes[a:b]))
+        for role, name in (("wscales", "scales"), ("wzeros", "zeros")):
+            t = read_stored(layer.parts[role])[:groups].t()
+            self._buffer(name, P.deinterleave_rows(t, splits)[a:b].contiguous())
+        self._buffer("bias", _awq_bias(layer)[a:b].clone() if with_bias else None)
+        for name in ("smooth", "down", "up", "wcscales", "bias_w4a16"):
+            self._buffer(name, None)
+
+    # -- the weight, a band of rows at a time ---------------------------------------------------------------------
+
+    def values(self, r0: int, r1: int) -> torch.Tensor:
+        """Rows [r0, r1) of the 4-bit weight times its group scales, float32 (no wtscale, wcscales, s or U·D)."""
+        codes = unpack_nibbles(self.codes[r0:r1])
+        if self.kind == "awq":
+            return (codes.float() * self.scales[r0:r1].float().repeat_interleave(64, dim=1)
+                    + self.zeros[r0:r1].float().repeat_interleave(64, dim=1))
+        if self.precision == "nvfp4":
+            scales = self.scales[r0:r1].view(torch.float8_e4m3fn).float().repeat_interleave(16, dim=1)
+            return self.e2m1[codes.long()] * scales
+        signed = (codes ^ 8).float() - 8  # two's complement nibbles: 8..15 are -8..-1
+        return signed * self.scales[r0:r1].float().repeat_interleave(64, dim=1)
+
+    def weight(self, r0: int, r1: int) -> torch.Tensor:
+        """Rows [r0, r1) of the effective weight R/s + U·D, float32 (what svdq_decode dequantizes)."""
+        w = self.values(r0, r1)
+        if self.kind == "awq":
+            return w
+        if self.precision == "nvfp4":
+            w = w * self.alpha
+            if self.wcscales is not None:
+                w = w * self.wcscales[r0:r1, None].float()
+        w = w / self.smooth.float()
+        if self.up is not None:
+            w = w + self.up[r0:r1].float() @ self.down.float()
+        return w
+
+    def bands(self) -> list[tuple[int, int]]:
+        step = max(1, BAND_ELEMENTS // self.k)
+        return [(r, min(r + step, self.n)) for r in range(0, self.n, step)]
+
+    # -- forward --------------------------------------------------------------------------------------------------
+
+    def forward(self, x: torch.Tensor, compute: str = "w4a4") -> torch.Tensor:
+        if compute == "w4a16" or self.kind == "awq":
+            return self._w4a16(x)
+        return self._w4a4(x)
+
+    def _w4a16(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias_w4a16 if self.bias_w4a16 is not None else self.bias
+        out = torch.empty(*x.shape[:-1], self.n, dtype=x.dtype, device=x.device)
+        for r0, r1 in self.bands():
+            b = bias[r0:r1].to(x.dtype) if bias is not None else None
+            out[..., r0:r1] = F.linear(x, self.weight(r0, r1).to(x.dtype), b)
+        return out
+
+    def _w4a4(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.dtype
+        lora = x.float() @ self.down.float().t() if self.down is not None else None  # raw input, before s and shift
+        h = smoothed(x, self.smooth, SHIFT_GELU if self.gelu_shift else 0.0)
+        act = nvfp4_activations(h) if self.precision == "nvfp4" else int4_activations(h, t, self.gelu_shift)
+        acc = torch.empty(*x.shape[:-1], self.n, dtype=torch.float32, device=x.device)
+        for r0, r1 in self.bands():
+            acc[..., r0:r1] = act @ self.values(r0, r1).t()
+        if self.alpha != 1.0:
+            acc = acc * self.alpha
+        acc = round_to(acc, t)
+        if self.wcscales is not None or self.bias is not None:  # one rounding of acc·wc + b (EpilogueBias)
+            if self.wcscales is not None:
+                acc = acc * self.wcscales.float()
+            if self.bias is not None:
+                acc = acc + self.bias.float()
+            acc = round_to(acc, t)
+        if lora is not None:
+            acc = acc + round_to(lora, t) @ self.up.float().t()
+        if t == torch.float16:
+            acc = acc.clamp(-FP16_MAX, FP16_MAX)
+        return acc.to(t)
+
+    def packed_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for name, b in self.named_buffers() if name != "e2m1")
+
+    def extra_repr(self) -> str:
+        shift = ", GELU-shifted unsigned input" if self.gelu_shift else ""
+        return f"{self.prefix[:-1]}: {self.n} x {self.k}, {self.kind} {self.precision}{shift}"
+
+
+class SvdqLinear(nn.Module):
+    """A diffusers nn.Linear made of packed SVDQuant pieces; `compute` is "w4a4" (the kernel's) or "w4a16"."""
+
+    def __init__(self, pieces: Sequence[PackedPiece], join: str, compute: str = "w4a4") -> None:
+        super().__init__()
+        if compute not in COMPUTES:
+            raise ValueError(f"compute {compute!r}: one of {', '.join(COMPUTES)}")
+        self.pieces = nn.ModuleList(pieces)
+        self.join = join
+        self.compute = compute
+        if join == "columns":
+            self.in_features, self.out_features = sum(p.k for p in pieces), pieces[0].n
+        else:
+            self.in_features, self.out_features = pieces[0].k, sum(p.n for p in pieces)
+
+    @classmethod
+    def from_target(cls, weight: Target, bias: Target | None, decoder: SvdqDecoder,
+                    compute: str = "w4a4") -> SvdqLinear:
+        pieces = [PackedPiece(p.layer, p.rows, decoder, with_bias=bias is not None) for p in weight.pieces]
+        return cls(pieces, weight.join, compute)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        if self.join == "columns":  # each layer reads its own input columns; the outputs add (in T)
+            out, start = None, 0
+            for p in self.pieces:
+                y = p(flat[:, start:start + p.k], self.compute)
+                out, start = (y if out is None else out + y), start + p.k
+        else:
+            outs = [p(flat, self.compute) for p in self.pieces]
+            out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def packed_bytes(self) -> int:
+        return sum(p.packed_bytes() for p in self.pieces)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, compute={self.compute}"
+
+
+__all__ = ["COMPUTES", "PackedPiece", "SvdqLinear", "pack_nibbles", "unpack_nibbles"]
