@@ -107,8 +107,8 @@ def _awq_bias(layer: SvdqLayer) -> torch.Tensor:
     if "bias" not in layer.parts:
         return torch.zeros(layer.n)
     b = read_stored(layer.parts["bias"]).float().reshape(layer.n // s, s).clone()
-    b[:, 1] -= 1  # the scale slots: Nunchaku runs adaLN with scale_shift 0 and folded the 1 into the bias
-    b[:, s - 2] -= 1
+    for slot in {1, s - 2}:  # the scale slots (one slot when s = 3): Nunchaku runs adaLN with scale_shift 0
+        b[:, slot] -= 1
     return b.t().reshape(layer.n)
 
 
