@@ -42,14 +42,20 @@ def _groups(h: torch.Tensor, size: int) -> torch.Tensor:
     return h.reshape(*h.shape[:-1], h.shape[-1] // size, size)
 
 
-def int4_activations(h: torch.Tensor, dtype: torch.dtype, unsigned: bool = False) -> torch.Tensor:
-    """Dequantized int4 activations q·T(σ), float32, same shape as h (groups of 64 along the last axis)."""
+def int4_codes(h: torch.Tensor, unsigned: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, σ): integer-valued float32 codes shaped (..., k/64, 64) and the unrounded scales (..., k/64, 1)."""
     g = _groups(h, 64)
     amax = g.abs().amax(dim=-1, keepdim=True)
     sigma = amax * torch.tensor(1.0 / 15.0 if unsigned else 1.0 / 7.0, dtype=torch.float32)
     q = torch.round(g * torch.reciprocal(sigma))
     q = q.clamp_(0, 15) if unsigned else q.clamp_(-8, 7)
     q = torch.where(sigma > 0, q, torch.zeros((), dtype=q.dtype, device=q.device))  # σ = 0: 0·inf is NaN; stored 0
+    return q, sigma
+
+
+def int4_activations(h: torch.Tensor, dtype: torch.dtype, unsigned: bool = False) -> torch.Tensor:
+    """Dequantized int4 activations q·T(σ), float32, same shape as h (groups of 64 along the last axis)."""
+    q, sigma = int4_codes(h, unsigned)
     return (q * round_to(sigma, dtype)).reshape(h.shape)
 
 
@@ -79,7 +85,7 @@ def int4_groups_accumulated(act_codes: torch.Tensor, act_scales: torch.Tensor, w
 
     act_codes (tokens, k) and w_codes (n, k) integer-valued float32; act_scales (tokens, k/64) = T(σ);
     w_scales (n, k/64). Per group g in order: acc = T(T(P_g)·T(sa_g·sw_g) + acc), P_g the exact integer dot
-    product (the fused multiply-add is emulated in float64, then rounded once to T).
+    product (the fused multiply-add is emulated in float64, then rounded to T through float32).
     """
     tokens, k = act_codes.shape
     acc = torch.zeros(tokens, w_codes.shape[0], dtype=torch.float64, device=act_codes.device)
@@ -91,5 +97,5 @@ def int4_groups_accumulated(act_codes: torch.Tensor, act_scales: torch.Tensor, w
     return acc.float()
 
 
-__all__ = ["SHIFT_GELU", "round_to", "smoothed", "int4_activations", "nvfp4_activations", "e2m1_round",
+__all__ = ["SHIFT_GELU", "round_to", "smoothed", "int4_codes", "int4_activations", "nvfp4_activations", "e2m1_round",
            "int4_groups_accumulated"]

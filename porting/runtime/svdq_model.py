@@ -29,17 +29,17 @@ def svdq_info(ckpt: Checkpoint) -> SvdqFile | None:
     return getattr(ckpt.decoder, "info", None)
 
 
-def model_class(info: SvdqFile, config: dict[str, Any]) -> Any:
+def model_class(family: str, config: dict[str, Any]) -> Any:
     """The diffusers class the file's family converts to (the config's `_class_name` must agree)."""
     import diffusers
 
     from porting.families import families
 
     by_name = {f.name: f.diffusers_class for f in families()}
-    name = by_name.get(info.family)
+    name = by_name.get(family)
     given = config.get("_class_name")
     if name is None or (given and given != name and not str(given).startswith("Nunchaku")):
-        raise InputError(f"SVDQuant file of family {info.family!r} with config class {given!r}: flux-port runs "
+        raise InputError(f"SVDQuant file of family {family!r} with config class {given!r}: flux-port runs "
                          f"{', '.join(sorted(by_name.values()))}.")
     return getattr(diffusers, name)
 
@@ -57,7 +57,7 @@ def load_svdq_transformer(path: str | Path, dtype: torch.dtype, compute: str = "
         raise InputError(f"{path}: an SVDQuant file without a model config (header metadata 'config', or a "
                          "config.json next to it); the transformer's sizes cannot be known.",
                          hint="Put the diffusers config.json of the model next to the file.")
-    cls = model_class(info, config)
+    cls = model_class(info.family, config)
     with torch.device("meta"):
         model = cls.from_config({k: v for k, v in config.items() if not k.startswith("_")})
     decoder = SvdqDecoder(info)
