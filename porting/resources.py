@@ -130,11 +130,12 @@ def check_validate_memory(config: Mapping[str, Any], shapes: Iterable[tuple[str,
 
 def check_pipeline_memory(verb: str, components: Mapping[str, Path], config: Mapping[str, Any], *, width: int,
                           height: int, dtype: str, on_cpu: bool, batch: int = 1, extra_tokens: int = 0,
-                          available: int | None = None) -> int:
+                          available: int | None = None, extra_weight_bytes: int = 0) -> int:
     """A pipeline run (`port compare` side, `port generate`): the weights of `components` in `dtype` on the host
-    (from_pretrained loads them there first), plus on the CPU the transformer's activations and the VAE decode."""
+    (from_pretrained loads them there first), plus on the CPU the transformer's activations and the VAE decode.
+    `extra_weight_bytes`: weights whose size in memory is known in bytes (an SVDQuant transformer, held packed)."""
     params = {name: folder_params(path) for name, path in components.items() if path is not None}
-    weights = sum(params.values()) * itemsize(dtype)
+    weights = sum(params.values()) * itemsize(dtype) + extra_weight_bytes
     acts = vae = 0
     tokens = image_tokens(width, height) + TEXT_TOKENS + extra_tokens
     if on_cpu:

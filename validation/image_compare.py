@@ -24,7 +24,6 @@ import numpy as np
 import torch
 
 from porting import __version__
-from porting._files import read_config
 from porting.errors import DeviceError, InputError, PortError
 from porting.outputs import InputPaths, atomic_folder, check_output
 from porting.pipeline import pipeload
@@ -62,6 +61,7 @@ class Side:
     transformer: Path | None = None
     device: str = "cpu"
     dtype: str | None = None  # default: fp32 on CPU, bf16 on accelerators
+    svdq_compute: str = "w4a4"  # an SVDQuant transformer: the kernel's arithmetic (w4a4) or dequantized (w4a16)
 
 
 @dataclass
@@ -126,11 +126,13 @@ class _Prepared:
     dtype_name: str
     weights: str = ""
     pipeline: str = ""
+    svdq_compute: str | None = None  # set when the transformer is an SVDQuant file run packed
 
     def describe(self) -> dict[str, Any]:
-        return {"folder": str(self.folder.resolve()), "transformer": str(self.transformer.resolve()),
-                "transformer_swapped": self.swapped, "weights_sha256": self.weights, "pipeline": self.pipeline,
-                "device": str(self.device), "dtype": self.dtype_name}
+        doc = {"folder": str(self.folder.resolve()), "transformer": str(self.transformer.resolve()),
+               "transformer_swapped": self.swapped, "weights_sha256": self.weights, "pipeline": self.pipeline,
+               "device": str(self.device), "dtype": self.dtype_name}
+        return {**doc, "svdq_compute": self.svdq_compute} if self.svdq_compute else doc
 
 
 def _prepare(side: Side, what: str) -> _Prepared:
@@ -141,7 +143,9 @@ def _prepare(side: Side, what: str) -> _Prepared:
     dtype_name = side.dtype or ("fp32" if dev.type == "cpu" else "bf16")
     if dtype_name not in DTYPES:
         raise PortError(f"{what} dtype {dtype_name!r}: choose one of {', '.join(DTYPES)}.")
-    return _Prepared(folder, transformer, side.transformer is not None, dev, dtype_name)
+    packed = pipeload.transformer_source(transformer).svdq
+    return _Prepared(folder, transformer, side.transformer is not None, dev, dtype_name,
+                     svdq_compute=side.svdq_compute if packed else None)
 
 
 def _call_kwargs(pipe: Any, guidance_scale: float | None, images: Sequence[Any] = ()) -> dict[str, Any]:
@@ -360,8 +364,7 @@ def compare(reference: Side, candidate: Side, *, prompts: Sequence[str] | None =
     steps = default_steps(read_model_index(ref.folder), ref.folder) if steps is None else steps
     if steps < 1:
         raise PortError(f"--steps {steps}: needs at least 1.")
-    dims = [read_config(side.transformer / "config.json", "the transformer's config").get("joint_attention_dim")
-            for side in (ref, cand)]
+    dims = [pipeload.transformer_config(side.transformer).get("joint_attention_dim") for side in (ref, cand)]
     if dims[0] != dims[1]:
         raise InputError(f"the transformers take different text embeddings (joint_attention_dim {dims[0]} in "
                          f"{ref.transformer}, {dims[1]} in {cand.transformer}).",
@@ -396,7 +399,8 @@ def compare(reference: Side, candidate: Side, *, prompts: Sequence[str] | None =
         say(f"loading the reference from {ref.folder} on {ref.device} ({ref.dtype_name})")
         t0 = time.perf_counter()
         pipe = pipeload.load(ref.folder, ref.device, DTYPES[ref.dtype_name],
-                             transformer=ref.transformer if ref.swapped else None)
+                             transformer=ref.transformer if ref.swapped else None,
+                             svdq_compute=reference.svdq_compute)
         ref.pipeline = type(pipe).__name__
         pipeload.check_size(pipe, width, height)
         kwargs = _call_kwargs(pipe, guidance_scale, references)
@@ -416,7 +420,8 @@ def compare(reference: Side, candidate: Side, *, prompts: Sequence[str] | None =
         say(f"loading the candidate from {cand.folder} on {cand.device} ({cand.dtype_name}), no text encoder")
         t0 = time.perf_counter()
         pipe = pipeload.load(cand.folder, cand.device, DTYPES[cand.dtype_name],
-                             transformer=cand.transformer if cand.swapped else None, text_encoder=False)
+                             transformer=cand.transformer if cand.swapped else None, text_encoder=False,
+                             svdq_compute=candidate.svdq_compute)
         cand.pipeline = type(pipe).__name__
         if cand.pipeline != ref.pipeline:
             say(f"note: the pipelines differ ({ref.pipeline} vs {cand.pipeline})")

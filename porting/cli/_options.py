@@ -46,6 +46,18 @@ OutDirOpt = Annotated[Path, out_option("--out", "-o", help="Output folder (writt
 OptionalOutDirOpt = Annotated[Optional[Path], out_option("--out", "-o", help="Output folder (written atomically).")]
 
 
+class SvdqCompute(str, Enum):
+    """How a Nunchaku SVDQuant transformer, kept packed, computes its linears."""
+    w4a4 = "w4a4"
+    w4a16 = "w4a16"
+
+
+SvdqComputeOpt = Annotated[SvdqCompute, typer.Option(
+    "--svdq-compute", help="For an SVDQuant transformer file (kept packed, run in plain torch): w4a4 computes what "
+                           "the Nunchaku kernel does (inputs rounded to 4 bits per group); w4a16 multiplies "
+                           "full-precision inputs by the dequantized weights.")]
+
+
 class Direction(str, Enum):
     diffusers = "diffusers"
     original = "original"

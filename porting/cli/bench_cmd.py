@@ -9,13 +9,14 @@ from typing import Annotated, Optional
 import typer
 
 from . import _output
-from ._options import ForceOpt, JsonOpt, QuietOpt, StepsOpt, out_option
+from ._options import ForceOpt, JsonOpt, QuietOpt, StepsOpt, SvdqCompute, SvdqComputeOpt, out_option
 
 BENCH_EXAMPLES = """\b
 Examples:
   port bench ./my-klein-ft --device cuda --size 1024 --steps 4
   port bench ./my-klein-ft --device npu:0 --offload none,model --task t2i --runs 5
   port bench ./FLUX.2-klein-9B --transformer ./transformer --device cuda --json
+  port bench ./FLUX.2-klein-9B --transformer svdq-int4_r32-flux.2-klein-9b.safetensors --offload none,model
   port bench ./my-klein-ft      (CPU: the no-offload row with peak RSS; offload rows need an accelerator)
 """
 
@@ -29,7 +30,9 @@ class RunDtype(str, Enum):
 def bench(
     folder: Annotated[Path, typer.Argument(help="Pipeline folder (published, or a base with --transformer).")],
     transformer: Annotated[Optional[Path], typer.Option(
-        "--transformer", help="Run with this transformer folder instead of the folder's own.")] = None,
+        "--transformer", help="Run with this transformer folder (or SVDQuant file, kept packed) instead of the "
+                              "folder's own.")] = None,
+    svdq_compute: SvdqComputeOpt = SvdqCompute.w4a4,
     device: Annotated[str, typer.Option("--device", help="cpu, cuda[:N] or npu[:N].")] = "cpu",
     dtype: Annotated[Optional[RunDtype], typer.Option("--dtype", help="Default bf16 on accelerators, fp32 on "
                                                       "cpu (CPUs have no fast bf16 kernels).")] = None,
@@ -74,7 +77,7 @@ def bench(
                        modes=parse_list(offload, "--offload"), tasks=parse_list(task, "--task"), size=size,
                        steps=steps, runs=runs, warmup=warmup, prompt=prompt or DEFAULT_PROMPT,
                        image=image, guidance_scale=guidance_scale, out=out, force=force, on_status=output.status,
-                       on_row=on_row)
+                       on_row=on_row, svdq_compute=svdq_compute.value)
     doc = result.doc
     if not output.json_mode:
         header, rows, notes = table_cells(doc)

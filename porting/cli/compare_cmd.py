@@ -11,13 +11,14 @@ import typer
 from porting.errors import CheckFailed, PortError
 
 from . import _output
-from ._options import ForceOpt, JsonOpt, QuietOpt, StepsOpt, out_option
+from ._options import ForceOpt, JsonOpt, QuietOpt, StepsOpt, SvdqCompute, SvdqComputeOpt, out_option
 
 COMPARE_EXAMPLES = """\b
 Examples:
   port compare ./FLUX.2-klein-4B ./my-klein-ft --device cuda --steps 4      (base vs published port)
   port compare ./published ./published --reference-device cpu --device npu:0 --max-lpips 0.05   (CPU vs NPU)
   port compare ./base ./base --reference-transformer ./bf16 --candidate-transformer ./fp8-dequant --device cuda
+  port compare ./base ./base --candidate-transformer svdq-int4_r32-flux.2-klein-9b.safetensors   (packed, w4a4)
   port compare ./base ./ft --prompt "a red fox in the snow" --prompt "a neon street" --seeds 0 --out cmp/ --json
 """
 
@@ -40,9 +41,12 @@ def compare(
     candidate: Annotated[Path, typer.Argument(help="Candidate pipeline folder (the port); may be the same folder "
                                               "as REFERENCE with another transformer or device.")],
     reference_transformer: Annotated[Optional[Path], typer.Option(
-        "--reference-transformer", help="Run the reference with this transformer folder instead of its own.")] = None,
+        "--reference-transformer", help="Run the reference with this transformer folder (or SVDQuant file) instead of "
+                                        "its own.")] = None,
     candidate_transformer: Annotated[Optional[Path], typer.Option(
-        "--candidate-transformer", help="Run the candidate with this transformer folder instead of its own.")] = None,
+        "--candidate-transformer", help="Run the candidate with this transformer folder (or SVDQuant file) instead "
+                                        "of its own.")] = None,
+    svdq_compute: SvdqComputeOpt = SvdqCompute.w4a4,
     reference_device: Annotated[str, typer.Option("--reference-device", help="Where the reference runs.")] = "cpu",
     device: Annotated[str, typer.Option("--device", help="Where the candidate runs: cpu, cuda[:N], npu[:N].")] = "cpu",
     reference_dtype: Annotated[Optional[RunDtype], typer.Option(
@@ -117,8 +121,8 @@ def compare(
     try:
         result = run_compare(
             Side(reference, reference_transformer, reference_device,
-                 reference_dtype.value if reference_dtype else None),
-            Side(candidate, candidate_transformer, device, dtype.value if dtype else None),
+                 reference_dtype.value if reference_dtype else None, svdq_compute.value),
+            Side(candidate, candidate_transformer, device, dtype.value if dtype else None, svdq_compute.value),
             prompts=prompt_list, seeds=_seeds(seeds), steps=steps, size=size, out=out, force=force,
             lpips_weights=lpips_weights, guidance_scale=guidance_scale, min_psnr=min_psnr, max_lpips=max_lpips,
             diff_gain=diff_gain, images=image or [], on_status=say, on_image=on_image, inputs={"--prompts": prompts},

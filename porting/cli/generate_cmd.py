@@ -10,7 +10,7 @@ import typer
 from rich.table import Table
 
 from . import _output
-from ._options import JsonOpt, QuietOpt, StepsOpt, out_option
+from ._options import JsonOpt, QuietOpt, StepsOpt, SvdqCompute, SvdqComputeOpt, out_option
 
 if TYPE_CHECKING:
     from porting.pipeline.generate import GenerateResult
@@ -21,6 +21,7 @@ Examples:
   port generate ./my-klein-ft --prompt "a red fox" --device cuda --size 768x1024 --cpu-offload model
   port generate ./my-klein-ft --prompt "make it winter" --image ref.png --device cuda --output edit.png
   port generate ./my-klein-ft-onnx --prompt "a red fox" --provider CPUExecutionProvider   (port export's folder)
+  port generate ./FLUX.2-klein-9B --transformer svdq-int4_r32-flux.2-klein-9b.safetensors --prompt "a red fox"
 """
 
 
@@ -73,6 +74,10 @@ def generate(
                                                       "cpu (CPUs have no fast bf16 kernels).")] = None,
     guidance_scale: Annotated[Optional[float], typer.Option("--guidance-scale", help="CFG scale (base and dev "
                                                             "models; distilled models ignore it).")] = None,
+    transformer: Annotated[Optional[Path], typer.Option(
+        "--transformer", help="Run with this transformer folder (or SVDQuant file, kept packed) instead of the "
+                              "folder's own.")] = None,
+    svdq_compute: SvdqComputeOpt = SvdqCompute.w4a4,
     provider: Annotated[str, typer.Option("--provider", help="onnxruntime execution provider, for an ONNX export "
                                           "folder (port export).")] = "CPUExecutionProvider",
     force: Annotated[bool, typer.Option("--force", help="Replace --output if it exists (only an image flux-port "
@@ -105,7 +110,7 @@ def generate(
                               cpu_offload=cpu_offload.value if cpu_offload else None, images=image or [],
                               dtype=dtype.value if dtype else None, guidance_scale=guidance_scale,
                               progress=not out.quiet, on_status=out.status, provider=provider, force=force,
-                              on_step=on_step)
+                              on_step=on_step, transformer=transformer, svdq_compute=svdq_compute.value)
     finally:
         if bar is not None:
             bar.stop()

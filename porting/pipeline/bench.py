@@ -287,11 +287,12 @@ def bench(folder: str | Path, *, transformer: str | Path | None = None, device: 
           steps: int | None = None, runs: int = 3, warmup: int = 1, prompt: str = DEFAULT_PROMPT,
           edit_prompt: str = EDIT_PROMPT, image: str | Path | None = None, guidance_scale: float | None = None,
           out: str | Path | None = None, force: bool = False, on_status: Callable[[str], None] | None = None,
-          on_row: Callable[[Row], None] | None = None) -> BenchResult:
+          on_row: Callable[[Row], None] | None = None, svdq_compute: str = "w4a4") -> BenchResult:
     """Benchmark `folder` (optionally with `transformer` swapped in) and write bench.json / bench.md into `out`.
 
     `size` defaults to 1024 on an accelerator and 256 on a CPU; compute is float32 on a CPU unless `dtype` says
-    otherwise. After the first timed denoising step, a run whose estimate passes a minute says so."""
+    otherwise. After the first timed denoising step, a run whose estimate passes a minute says so. An SVDQuant
+    `transformer` file stays packed and computes its linears as `svdq_compute` (w4a4 or w4a16)."""
     say = on_status or (lambda text: None)
     folder = Path(folder)
     swap = Path(transformer) if transformer is not None else None
@@ -328,6 +329,7 @@ def bench(folder: str | Path, *, transformer: str | Path | None = None, device: 
     check_output(out, force=force, verb="bench", inputs=read_paths)  # before the runs, not after them
     say(f"hashing the transformer weights in {transformer_dir}")
     weights = pipeload.weights_sha256(transformer_dir)
+    source = pipeload.transformer_source(transformer_dir)
     memory = _Memory(dev)
 
     rows: list[Row] = []
@@ -355,7 +357,8 @@ def bench(folder: str | Path, *, transformer: str | Path | None = None, device: 
         say(f"loading {pipeline_name} on {dev} ({dtype_name}, offload {mode})")
         started = time.perf_counter()
         try:
-            pipe = pipeload.load(folder, dev, DTYPES[dtype_name], transformer=swap, offload=mode)
+            pipe = pipeload.load(folder, dev, DTYPES[dtype_name], transformer=swap, offload=mode,
+                                 svdq_compute=svdq_compute)
         except Exception as e:
             if not _is_oom(e):
                 raise
@@ -409,6 +412,8 @@ def bench(folder: str | Path, *, transformer: str | Path | None = None, device: 
                      "prompt": prompt, "edit_prompt": edit_prompt,
                      "edit_image": str(image) if image is not None else "synthetic (porting.pipeline.bench.edit_image)",
                      "seed": 0, "statistic": "median"},
+        **({"svdq": {"compute": svdq_compute, "format": source.label, "packed_bytes": source.stored_bytes()}}
+           if source.svdq else {}),
         "baseline": baselines,
         "rows": [r.to_dict() for r in rows],
         "torch": torch.__version__,

@@ -210,13 +210,20 @@ def _accelerator(device: torch.device) -> Any | None:
             "xpu": getattr(torch, "xpu", None)}.get(device.type)
 
 
-def load_pipeline(folder: Path, device: torch.device, dtype: torch.dtype, cpu_offload: str | None = None) -> Any:
-    """The folder's pipeline, on `device` (or offloaded to it), quiet about its own progress bars."""
+def load_pipeline(folder: Path, device: torch.device, dtype: torch.dtype, cpu_offload: str | None = None,
+                  transformer: Path | None = None, svdq_compute: str = "w4a4") -> Any:
+    """The folder's pipeline, on `device` (or offloaded to it), quiet about its own progress bars; `transformer`
+    (a transformer folder or an SVDQuant file, kept packed and computed as `svdq_compute`) replaces its own."""
     from diffusers import DiffusionPipeline
 
+    overrides: dict[str, Any] = {}
+    if transformer is not None:
+        from .transformer_source import transformer_source
+
+        overrides["transformer"] = transformer_source(transformer).load(dtype, svdq_compute)
     with warnings.catch_warnings():  # diffusers 0.42 renamed torch_dtype to dtype; older ones know torch_dtype only
         warnings.filterwarnings("ignore", message=".*torch_dtype.*", category=FutureWarning)
-        pipe = DiffusionPipeline.from_pretrained(folder, local_files_only=True, torch_dtype=dtype)
+        pipe = DiffusionPipeline.from_pretrained(folder, local_files_only=True, torch_dtype=dtype, **overrides)
     if cpu_offload == "model":
         pipe.enable_model_cpu_offload(device=device)
     elif cpu_offload == "sequential":
@@ -287,7 +294,8 @@ def generate(folder: str | Path, prompt: str, *, device: str = "cpu", steps: int
              images: Sequence[str | Path] = (), dtype: str | None = None, guidance_scale: float | None = None,
              progress: bool = True, on_status: Callable[[str], None] | None = None,
              provider: str = "CPUExecutionProvider", force: bool = False,
-             on_step: Callable[[int, int, float], None] | None = None) -> GenerateResult:
+             on_step: Callable[[int, int, float], None] | None = None, transformer: str | Path | None = None,
+             svdq_compute: str = "w4a4") -> GenerateResult:
     """Generate one image from a published folder and write it as PNG to `output`.
 
     `size` defaults to 1024 on an accelerator and CPU_DEFAULT_SIZE on a CPU; compute is float32 on a CPU unless
@@ -296,6 +304,9 @@ def generate(folder: str | Path, prompt: str, *, device: str = "cpu", steps: int
 
     An ONNX export folder (`port export`) runs its transformer in onnxruntime with `provider`; the other components
     come from the source pipeline folder its manifest names and run in torch.
+
+    `transformer` replaces the folder's own: a transformer folder, or a Nunchaku SVDQuant file kept packed and
+    computed as `svdq_compute` (w4a4: the kernel's 4-bit activations; w4a16: the dequantized weights).
     """
     from porting.export.ort_pipeline import export_source
 
@@ -321,14 +332,21 @@ def generate(folder: str | Path, prompt: str, *, device: str = "cpu", steps: int
     steps = default_steps(index, onnx_source or folder) if steps is None else steps
     if steps < 1:
         raise PortError(f"--steps {steps}: needs at least 1.")
+    swap = Path(transformer) if transformer is not None else None
+    if swap is not None and onnx_source is not None:
+        raise PortError("--transformer swaps a torch transformer; this folder's transformer is an ONNX export.")
     if onnx_source is None:
-        from porting.pipeline.pipeload import check_memory
+        from porting.pipeline.pipeload import check_memory, check_swap_fits
 
-        check_memory("generating", folder, dev, dtype_name, width, height, extra_tokens=reference_tokens(sizes))
+        if swap is not None:
+            check_swap_fits(folder, swap)
+        check_memory("generating", folder, dev, dtype_name, width, height, transformer=swap,
+                     extra_tokens=reference_tokens(sizes))
     references = load_references([Path(p) for p in images])
     if output.suffix.lower() != ".png":
         raise PortError(f"--output {output}: flux-port writes PNG; name the file *.png.")
-    check_disjoint(output, {"pipeline folder": folder, "source pipeline": onnx_source, "--image": list(images)})
+    check_disjoint(output, {"pipeline folder": folder, "source pipeline": onnx_source, "--image": list(images),
+                            "--transformer": swap})
     check_image_replaceable(output, force)
 
     acc = _accelerator(dev)
@@ -343,7 +361,7 @@ def generate(folder: str | Path, prompt: str, *, device: str = "cpu", steps: int
         say(f"transformer: onnxruntime {provider} on {folder / 'transformer'}; the rest: torch from {onnx_source}")
         pipe = load_onnx_pipeline(folder, DTYPES[dtype_name], provider).to(dev)
     else:
-        pipe = load_pipeline(folder, dev, DTYPES[dtype_name], cpu_offload)
+        pipe = load_pipeline(folder, dev, DTYPES[dtype_name], cpu_offload, swap, svdq_compute)
     pipe.set_progress_bar_config(disable=not (progress and debug()))
     load_s = time.perf_counter() - started
 

@@ -12,18 +12,22 @@ import torch
 from porting._files import read_config
 from porting.errors import InputError, PortError
 from porting.progress import debug
-from porting.tensors.checkpoint import hash_checkpoint, open_checkpoint
+
+from .transformer_source import transformer_source
 
 OFFLOADS = ("none", "model", "sequential", "group")
 
 
 def transformer_folder(folder: Path, transformer: Path | None) -> Path:
-    """The transformer folder that runs: the swap if given, else the pipeline folder's own transformer/."""
+    """The transformer that runs: the swap if given (a transformer folder, or an SVDQuant file or a folder holding
+    one), else the pipeline folder's own transformer/."""
     path = transformer if transformer is not None else folder / "transformer"
-    if not (path / "config.json").is_file():
-        raise InputError(f"{path}: no config.json; not a diffusers transformer folder.",
-                         hint="Point at a converted transformer folder (port convert ... --out DIR).")
-    return path
+    return transformer_source(path).path
+
+
+def transformer_config(transformer: Path) -> dict[str, Any]:
+    """The config of a transformer folder or SVDQuant file."""
+    return transformer_source(transformer).config()
 
 
 # what the rest of the pipeline (text encoder, VAE) fixes about the transformer it can run
@@ -33,11 +37,11 @@ PIPELINE_GEOMETRY = ("joint_attention_dim", "pooled_projection_dim", "in_channel
 def check_swap_fits(folder: Path, transformer: Path) -> None:
     """A transformer swapped into `folder`'s pipeline takes the same text features and latents as the folder's own
     (joint_attention_dim, in_channels, ...): another geometry is refused by name, before anything loads."""
-    own_path, swap_path = Path(folder) / "transformer" / "config.json", Path(transformer) / "config.json"
+    own_path = Path(folder) / "transformer" / "config.json"
     if not own_path.is_file():
         return
     own = read_config(own_path, "the pipeline's transformer config")
-    swap = read_config(swap_path, "a transformer config")
+    swap = transformer_config(transformer)
     for field in PIPELINE_GEOMETRY:
         if own.get(field) != swap.get(field):
             raise InputError(f"--transformer {transformer}: {field} is {swap.get(field)!r}, the pipeline {folder} "
@@ -46,17 +50,9 @@ def check_swap_fits(folder: Path, transformer: Path) -> None:
 
 
 def transformer_class(transformer: Path) -> Any:
-    """The diffusers class of a transformer folder: its config's `_class_name`, if a registered family has it."""
-    import diffusers
-
-    from porting.families import families
-
-    name = read_config(Path(transformer) / "config.json", "a transformer config").get("_class_name")
-    known = {f.diffusers_class for f in families()}
-    if name not in known:
-        raise InputError(f"{transformer}: config.json _class_name is {name!r}; flux-port runs "
-                         f"{', '.join(sorted(known))}.", hint="Swap in a transformer port convert wrote.")
-    return getattr(diffusers, str(name))
+    """The diffusers class of a transformer folder (its config's `_class_name`, if a registered family has it) or of
+    an SVDQuant file (its family's)."""
+    return transformer_source(transformer).model_class()
 
 
 def text_components(folder: Path) -> list[str]:
@@ -68,17 +64,19 @@ def text_components(folder: Path) -> list[str]:
 
 
 def weights_sha256(transformer: Path) -> str:
-    """The weights identity convert and publish record, recomputed from the files."""
-    return hash_checkpoint(open_checkpoint(transformer))
+    """The weights identity convert and publish record, recomputed from the files (an SVDQuant file's: over its
+    packed tensors)."""
+    return transformer_source(transformer).weights_sha256()
 
 
 def load(folder: Path, device: torch.device, dtype: torch.dtype, *, transformer: Path | None = None,
-         text_encoder: bool = True, offload: str = "none") -> Any:
+         text_encoder: bool = True, offload: str = "none", svdq_compute: str = "w4a4") -> Any:
     """The folder's pipeline in `dtype`, on `device` or offloaded to it, with its progress bars off.
 
     `transformer` replaces the folder's transformer (its class from its config.json, one a registered family
     converts); `text_encoder=False` leaves every text encoder and tokenizer unloaded (the caller passes prompt
-    embeddings).
+    embeddings). An SVDQuant `transformer` keeps its linears packed and computes them as `svdq_compute` (w4a4: the
+    Nunchaku kernel's arithmetic; w4a16: the dequantized weights).
     """
     from diffusers import DiffusionPipeline
 
@@ -88,7 +86,7 @@ def load(folder: Path, device: torch.device, dtype: torch.dtype, *, transformer:
     with warnings.catch_warnings():  # diffusers 0.42 renamed torch_dtype to dtype; older ones know torch_dtype only
         warnings.filterwarnings("ignore", message=".*torch_dtype.*", category=FutureWarning)
         if transformer is not None:
-            overrides["transformer"] = transformer_class(transformer).from_pretrained(transformer, torch_dtype=dtype)
+            overrides["transformer"] = transformer_source(transformer).load(dtype, svdq_compute)
         if not text_encoder:
             overrides.update({name: None for name in text_components(folder)})
         pipe = DiffusionPipeline.from_pretrained(folder, local_files_only=True, torch_dtype=dtype, **overrides)
@@ -114,13 +112,23 @@ def check_memory(verb: str, folder: Path, device: torch.device, dtype: str, widt
     from porting.resources import check_pipeline_memory
 
     folder = Path(folder)
-    tr = Path(transformer) if transformer is not None else folder / "transformer"
-    components = {"transformer": tr, "vae": folder / "vae"}
+    source = transformer_source(transformer) if transformer is not None else None
+    tr = source.path if source is not None else folder / "transformer"
+    components = {"vae": folder / "vae"}
+    packed = 0
+    if source is not None and source.svdq:  # held packed: its stored bytes, not parameters times the dtype
+        packed = source.stored_bytes()
+    else:
+        components["transformer"] = tr
     if text_encoder:  # every text encoder: FLUX.1 has CLIP and T5 (text_encoder_2)
         components.update({p.name: p for p in sorted(folder.glob("text_encoder*"))})
-    config = read_config(tr / "config.json", "the transformer's config") if (tr / "config.json").is_file() else {}
+    if source is not None:
+        config = source.config()
+    else:
+        config = read_config(tr / "config.json", "the transformer's config") if (tr / "config.json").is_file() else {}
     return check_pipeline_memory(verb, {k: v for k, v in components.items() if v.is_dir()}, config, width=width,
-                                 height=height, dtype=dtype, on_cpu=device.type == "cpu", extra_tokens=extra_tokens)
+                                 height=height, dtype=dtype, on_cpu=device.type == "cpu", extra_tokens=extra_tokens,
+                                 extra_weight_bytes=packed)
 
 
 def initial_latents(pipe: Any, width: int, height: int, seed: int) -> torch.Tensor:

@@ -1,0 +1,129 @@
+"""What runs as a pipeline's transformer: a diffusers transformer folder, or a Nunchaku SVDQuant file kept packed.
+
+`transformer_source(path)` tells them apart once (header only); everything `pipeload` does with a transformer
+(its config, its class, loading it, its weights identity, its memory) asks the returned object, so an SVDQuant
+file goes wherever a transformer folder goes. An SVDQuant transformer is a `.safetensors` file, or a folder holding
+exactly one (or Nunchaku's older FLUX.1 pair `transformer_blocks.safetensors` + `unquantized_layers.safetensors`),
+with or without a config.json next to it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from porting._files import read_config
+from porting.errors import InputError
+
+SVDQ_COMPUTES = ("w4a4", "w4a16")
+
+
+@dataclass(frozen=True)
+class TransformerSource:
+    path: Path
+    svdq: bool = False
+    _config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    label: str = ""  # e.g. "SVDQuant int4, rank 32, group 64" (empty for a diffusers folder)
+    family: str = ""
+
+    def config(self) -> dict[str, Any]:
+        if self.svdq:
+            return dict(self._config)
+        return read_config(self.path / "config.json", "a transformer config")
+
+    def model_class(self) -> Any:
+        """The diffusers class, one a registered family converts."""
+        import diffusers
+
+        from porting.families import families
+
+        known = {f.diffusers_class for f in families()}
+        if self.svdq:
+            from porting.runtime.svdq_model import model_class
+
+            return model_class(self.family, self._config)
+        name = self.config().get("_class_name")
+        if name not in known:
+            raise InputError(f"{self.path}: config.json _class_name is {name!r}; flux-port runs "
+                             f"{', '.join(sorted(known))}.", hint="Swap in a transformer port convert wrote.")
+        return getattr(diffusers, str(name))
+
+    def load(self, dtype: Any, svdq_compute: str = "w4a4") -> Any:
+        """The model on the CPU in `dtype`; an SVDQuant file's linears stay packed and compute as `svdq_compute`."""
+        if self.svdq:
+            from porting.runtime.svdq_model import load_svdq_transformer
+
+            return load_svdq_transformer(self.path, dtype, svdq_compute)
+        return self.model_class().from_pretrained(self.path, torch_dtype=dtype)
+
+    def weights_sha256(self) -> str:
+        """The weights identity. An SVDQuant file's is taken over its stored (packed) tensors: what runs."""
+        from porting.tensors.checkpoint import hash_checkpoint, open_checkpoint
+
+        ckpt = open_checkpoint(self.path)
+        if not self.svdq:
+            return hash_checkpoint(ckpt)
+        from porting.tensors.identity import WeightsHasher
+        from porting.tensors.reader import read_stored
+
+        hasher = WeightsHasher()
+        for key, info in (ckpt.stored or ckpt.tensors).items():
+            hasher.update(key, read_stored(info), info.dtype)
+        return hasher.hexdigest()
+
+    def stored_bytes(self) -> int:
+        """Bytes of the tensors as stored (an SVDQuant file's packed size)."""
+        from porting.tensors.checkpoint import open_checkpoint
+
+        ckpt = open_checkpoint(self.path)
+        return sum(t.nbytes for t in (ckpt.stored or ckpt.tensors).values())
+
+
+def _svdq(path: Path) -> Any:
+    """The SvdqFile of `path`, or None when it is not an SVDQuant checkpoint (headers only, no torch)."""
+    from porting.tensors.checkpoint import open_checkpoint
+    from porting.tensors.quant.nunchaku import NAME
+
+    ckpt = open_checkpoint(path)
+    if ckpt.quantization is None or not ckpt.quantization.format.startswith(NAME):
+        return None
+    return getattr(ckpt.decoder, "info", None)
+
+
+def _svdq_config(path: Path) -> dict[str, Any]:
+    from porting.tensors.checkpoint import open_checkpoint
+
+    config = open_checkpoint(path).config
+    if not config:
+        raise InputError(f"{path}: an SVDQuant file without a model config (header metadata 'config', or a "
+                         "config.json next to it); its sizes cannot be known.",
+                         hint="Put the diffusers config.json of the model in a folder with the file.")
+    return dict(config)
+
+
+def _may_be_svdq_folder(path: Path) -> bool:
+    names = [p.name for p in path.glob("*.safetensors")]
+    return bool(names) and not any(n.startswith("diffusion_pytorch_model") for n in names) \
+        and not any(path.glob("*.safetensors.index.json"))
+
+
+def transformer_source(path: str | Path) -> TransformerSource:
+    """A transformer folder (config.json + diffusers weights) or an SVDQuant file (or a folder holding one)."""
+    path = Path(path)
+    if path.is_file() or (path.is_dir() and _may_be_svdq_folder(path)):
+        info = _svdq(path)
+        if info is not None:
+            return TransformerSource(path, True, _svdq_config(path), info.label, info.family)
+        if path.is_file():
+            raise InputError(f"{path}: neither a diffusers transformer folder nor a Nunchaku SVDQuant file.",
+                             hint="Point at a converted transformer folder (port convert ... --out DIR) or an "
+                                  "SVDQuant .safetensors file.")
+    if not (path / "config.json").is_file():
+        raise InputError(f"{path}: no config.json; not a diffusers transformer folder.",
+                         hint="Point at a converted transformer folder (port convert ... --out DIR) or an SVDQuant "
+                              ".safetensors file.")
+    return TransformerSource(path)
+
+
+__all__ = ["SVDQ_COMPUTES", "TransformerSource", "transformer_source"]
