@@ -61,10 +61,9 @@ class UnpackedLayer:
         layer = self.layer
         t0, t1 = a // P.TILE_N, -(-b // P.TILE_N)
         packed = read_stored(layer.parts["qweight"], (t0 * P.TILE_N, t1 * P.TILE_N))
-        codes = P.unpack_codes(packed, (t1 - t0) * P.TILE_N, layer.k)[a - t0 * P.TILE_N:b - t0 * P.TILE_N]
-        values = P.e2m1(codes) if layer.precision == "nvfp4" else P.signed_int4(codes).float()
-        scales = self.scales[a:b].repeat_interleave(self.group, dim=1)
-        r = values.mul_(scales)
+        lo = a - t0 * P.TILE_N
+        values = P.decode_values(packed, (t1 - t0) * P.TILE_N, layer.k, layer.precision)[lo:lo + b - a]
+        r = values.view(b - a, -1, self.group).mul_(self.scales[a:b, :, None]).view(b - a, layer.k)
         if self.row_scale is not None:
             r.mul_(self.row_scale[a:b, None])
         return r.div_(self.smooth)

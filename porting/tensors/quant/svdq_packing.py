@@ -21,13 +21,31 @@ def nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((b & 0xF, b >> 4), dim=-1)
 
 
-def unpack_codes(qweight: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """`qweight` (n, k/2) int8 in MMA tile order -> the 4-bit codes (n, k) in row-major order (int16 0..15).
+def unpack_code_bytes(qweight: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """`qweight` (n, k/2) int8 in MMA tile order -> the same bytes in row-major order (uint8 (n, k/2), column 2j in
+    the low nibble of byte j).
 
-    `n` may be a band of whole 128-row tiles: the tiles are stored n-tile outer, so a row band is contiguous.
+    The tile permutation keeps each 32-bit word's eight codes together, so it moves whole bytes: 1 byte per two
+    codes, not a tensor of codes. `n` may be a band of whole 128-row tiles (stored n-tile outer, so contiguous).
     """
-    codes = nibbles(qweight.reshape(-1)).reshape(n // TILE_N, k // TILE_K, 1, 8, 8, 4, 2, 2, 1, 8)
-    return codes.permute(0, 3, 6, 4, 8, 1, 2, 7, 5, 9).reshape(n, k)
+    t = qweight.view(torch.uint8).reshape(n // TILE_N, k // TILE_K, 1, 8, 8, 4, 2, 2, 1, 4)
+    return t.permute(0, 3, 6, 4, 8, 1, 2, 7, 5, 9).reshape(n, k // 2)
+
+
+def unpack_codes(qweight: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """`qweight` (n, k/2) int8 in MMA tile order -> the 4-bit codes (n, k) in row-major order (int16 0..15)."""
+    return nibbles(unpack_code_bytes(qweight, n, k)).reshape(n, k)
+
+
+def byte_values(precision: str) -> torch.Tensor:
+    """float32 (256, 2): the values of a byte's low and high code (int4 two's complement, or nvfp4 E2M1)."""
+    codes = nibbles(torch.arange(256, dtype=torch.uint8))
+    return e2m1(codes) if precision == "nvfp4" else signed_int4(codes).float()
+
+
+def decode_values(qweight: torch.Tensor, n: int, k: int, precision: str) -> torch.Tensor:
+    """`qweight` -> float32 (n, k) code values, by one table lookup per byte."""
+    return byte_values(precision)[unpack_code_bytes(qweight, n, k).long()].reshape(n, k)
 
 
 def signed_int4(codes: torch.Tensor) -> torch.Tensor:
@@ -82,5 +100,5 @@ def deinterleave_rows(t: torch.Tensor, splits: int) -> torch.Tensor:
     return t.reshape(n // splits, splits, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
 
 
-__all__ = ["TILE_N", "TILE_K", "E2M1", "nibbles", "unpack_codes", "signed_int4", "e2m1", "unpack_scales",
+__all__ = ["TILE_N", "TILE_K", "E2M1", "nibbles", "unpack_code_bytes", "unpack_codes", "byte_values", "decode_values", "signed_int4", "e2m1", "unpack_scales",
            "unpack_vector", "unpack_micro_scales", "unpack_lowrank", "unpack_awq_codes", "deinterleave_rows"]
