@@ -23,8 +23,8 @@ WeightTransform = Callable[[str, torch.Tensor], torch.Tensor]
 class WeightSource:
     def __init__(self, path: str | Path, config: str | Path | None = None) -> None:
         self.path = Path(path)
-        self.ckpt: Checkpoint = open_checkpoint(path)
-        self.detection: Detection = detect(self.ckpt, load_base_config(config) if config else None)
+        self.detection: Detection = detect(open_checkpoint(path), load_base_config(config) if config else None)
+        self.ckpt: Checkpoint = self.detection.ckpt
         family = self.detection.family
         if not family.has_stages:
             raise InputError(f"{path}: port validate has no staged runner for {family.title or family.name} "

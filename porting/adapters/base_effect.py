@@ -23,8 +23,8 @@ from .naming import read_adapter
 def effect_on_base(adapter_path: str | Path, base: str | Path, strength: float = 1.0) -> dict[str, Any]:
     """The `Effect` document of one adapter at `strength` on `base` (a file or folder, any naming)."""
     check_number(float(strength), "strength", adapter_path)
-    ckpt = open_checkpoint(base)
-    detection = detect(ckpt)
+    detection = detect(open_checkpoint(base))
+    ckpt = detection.ckpt
     adapter = read_adapter(adapter_path, prefer=detection.table.name)
     placement = Placement(ckpt, detection, [(adapter, float(strength))])
     effect = Effect(strength=float(strength))

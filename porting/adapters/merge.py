@@ -463,8 +463,8 @@ def merge(base: str | Path, adapters: list[tuple[str | Path, float]], out: str |
     """
     for path, strength in adapters:
         check_number(float(strength), "strength", path)
-    ckpt = open_checkpoint(base)
-    detection = detect(ckpt)
+    detection = detect(open_checkpoint(base))
+    ckpt = detection.ckpt
     read = [(read_adapter(path, prefer=detection.table.name), float(strength)) for path, strength in adapters]
     skipped = {str(a.path): skip_keys(a, skip) for a, _ in read}
     for pattern in skip:

@@ -27,8 +27,8 @@ def describe(path: Path, base: Path | None = None) -> dict[str, Any]:
     from porting.engine.detect import detect
     from porting.tensors.checkpoint import open_checkpoint
 
-    ckpt = open_checkpoint(path)
-    d = detect(ckpt)
+    d = detect(open_checkpoint(path))
+    ckpt = d.ckpt
     info = {
         "path": str(path), "files": [str(f) for f in ckpt.files], "family": d.table.name,
         "naming": d.naming, "prefix": d.prefix, "variant": d.variant, "diffusers_class": d.table.diffusers_class,

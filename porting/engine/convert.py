@@ -71,6 +71,7 @@ def prepare(src: str | Path, to: Naming = "diffusers", dtype: str = "keep",
     ckpt = open_checkpoint(src)
     base = load_base_config(config) if config else None
     detection = detect(ckpt, base, tables)
+    ckpt = detection.ckpt
     plan = build_plan(ckpt, detection, to, resolve_dtype(ckpt, dtype))
     return ckpt, detection, plan
 

@@ -56,8 +56,8 @@ def _write(target: str, path: Path, specs: list[tuple[str, tuple[int, ...]]], te
 
 def reread_error(path: Path, ckpt: Checkpoint, plan: Plan, kinds: Mapping[str, str]) -> dict[str, Any]:
     """Open what was written, check it is the same model, and measure dequantized vs meant (relative L2)."""
-    written = open_checkpoint(path)
-    detection = detect(written)
+    detection = detect(open_checkpoint(path))
+    written = detection.ckpt
     source_config = plan.detection.config
     differ = [f for f in plan.detection.family.structural_fields if source_config.get(f) != detection.config.get(f)]
     prefix = detection.prefix
