@@ -12,7 +12,6 @@ import torch
 from porting._files import read_config
 from porting.errors import InputError, PortError
 from porting.progress import debug
-from porting.tensors.checkpoint import hash_checkpoint, open_checkpoint
 
 OFFLOADS = ("none", "model", "sequential", "group")
 
@@ -69,7 +68,9 @@ def text_components(folder: Path) -> list[str]:
 
 def weights_sha256(transformer: Path) -> str:
     """The weights identity convert and publish record, recomputed from the files."""
-    return hash_checkpoint(open_checkpoint(transformer))
+    from porting.inputs import open_source
+
+    return open_source(transformer, kind="weights").weights_sha256
 
 
 def load(folder: Path, device: torch.device, dtype: torch.dtype, *, transformer: Path | None = None,
