@@ -80,8 +80,9 @@ class Source:
 
     def read_adapter(self, table: MappingTable | None = None, prefer: str | None = None) -> Adapter:
         """`adapter` sorted by `table`, or with ties going to `prefer`, from the same reading (only alphas are
-        read: they are tensors)."""
-        if table is None and prefer == self.prefer and self.kind == "adapter":
+        read: they are tensors). A preference for the family that won already changes nothing: the same modules."""
+        if table is None and self.kind == "adapter" and (
+                prefer == self.prefer or (prefer is not None and self.adapter.table.name == prefer)):
             return self.adapter
         return read_adapter(self.view, table, prefer)
 
