@@ -141,3 +141,17 @@ def test_a_source_replaced_after_it_was_opened_is_refused_at_the_end(files, tmp_
     with pytest.raises(InputError, match="the source changed while it was being converted"):
         convert(source, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_an_escaped_exception_past_the_open_names_the_source(files, capsys, monkeypatch, tmp_path):
+    """A failure past the open still names the file that was read, not every existing path on the command line
+    (the frames hold a `Source` where they held a path; the last-resort handler reads its path)."""
+    from porting.engine import convert as engine
+
+    def failing(*args, **kwargs):
+        raise ValueError("odd value")
+
+    monkeypatch.setattr(engine, "build_plan", failing)
+    (tmp_path / "out").mkdir()  # an existing path on the command line: argv alone would not say which is read
+    run = run_port(capsys, "convert", files["base"], "--out", tmp_path / "out", "--force", "--json")
+    assert run.code == 2 and f"{files['base']}: cannot be read (ValueError: odd value)" in run.msg, run.msg
