@@ -171,3 +171,41 @@ def test_inspect_of_quantized_files_never_imports_torch(tmp_path: Path, tiny2_st
     assert heavy == []
     assert len(layouts) == len(files) and all(layouts), layouts
     assert layouts[0] == "ComfyUI scaled fp8" and layouts[-1] == "GGUF"
+
+
+# Callers of `open_checkpoint` outside porting/tensors/ besides porting/inputs.py, each with why it may: none today.
+OPEN_CHECKPOINT_ALLOWED: dict[str, str] = {}
+
+
+def open_checkpoint_calls(path: Path) -> list[int]:
+    """Lines calling `open_checkpoint` by name or as an attribute (`checkpoint.open_checkpoint(...)`), or importing
+    it (an import is how a call starts; `import ... as` renames would hide it otherwise)."""
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call):
+            f = node.func
+            if (isinstance(f, ast.Name) and f.id == "open_checkpoint") or \
+                    (isinstance(f, ast.Attribute) and f.attr == "open_checkpoint"):
+                lines.append(node.lineno)
+        elif isinstance(node, ast.ImportFrom) and any(a.name == "open_checkpoint" for a in node.names):
+            lines.append(node.lineno)
+    return sorted(set(lines))
+
+
+def test_only_inputs_opens_checkpoints_outside_the_tensor_layer() -> None:
+    """A checkpoint is opened once, at the boundary, as a `porting.inputs.Source` handed down; no verb, engine or
+    validation module opens one again (outside porting/tensors/, only porting/inputs.py calls open_checkpoint)."""
+    found = {name: lines for name, path in project_modules().items()
+             if not name.startswith("porting.tensors") and name != "porting.inputs"
+             and (lines := open_checkpoint_calls(path))}
+    assert {n: ls for n, ls in found.items() if n not in OPEN_CHECKPOINT_ALLOWED} == {}
+    assert set(OPEN_CHECKPOINT_ALLOWED) <= set(found), "an allowed caller no longer opens checkpoints: drop it"
+    assert open_checkpoint_calls(ROOT / "porting" / "inputs.py")
+
+
+def test_the_open_checkpoint_rule_sees_each_spelling(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text("from porting.tensors.checkpoint import open_checkpoint\n"
+                     "import porting.tensors.checkpoint as c\n"
+                     "def f(p):\n    return open_checkpoint(p), c.open_checkpoint(p)\n")
+    assert open_checkpoint_calls(probe) == [1, 4]

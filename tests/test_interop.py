@@ -288,3 +288,20 @@ def test_a_damaged_companion_config_is_exit_2_naming_the_file_and_field(tmp_path
     run = run_port(capsys, "inspect", port["transformer"], "--base", base)
     assert run.code == 2 and "Traceback" not in run.err
     assert f"{te}: 'hidden_size' is 'abc'" in run.msg
+
+
+def test_detect_leaves_the_checkpoint_it_is_given_as_it_was(tmp_path):
+    """ComfyUI's spelling is read through a respelled view: the opened checkpoint keeps its stored keys, so one
+    opened file can be detected twice (another base config, other tables) and reads the same both times."""
+    from porting.engine.detect import detect
+    from porting.inputs import open_source
+
+    saved = comfy_saved(reference_model(TINY2, seed=3).state_dict())
+    source = open_source(save_state(tmp_path / "comfy-saved.safetensors", saved, torch.bfloat16))
+    stored = list(source.view.tensors)
+    first, second = detect(source.view), detect(source.view)
+    assert list(source.view.tensors) == stored and sorted(stored) == sorted(saved)
+    assert first.respelled == second.respelled and len(first.respelled) == 12
+    assert list(first.ckpt.tensors) == list(second.ckpt.tensors) != stored
+    old, new = next(iter(first.respelled.items()))
+    assert torch.equal(first.ckpt.read(new), source.view.read(old))

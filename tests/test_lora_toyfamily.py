@@ -107,13 +107,15 @@ def test_a_lora_both_flux_tables_read_goes_to_the_family_declaring_the_higher_pr
     """double_blocks.N.img_attn.qkv is a module of FLUX.1 and of FLUX.2: the families' declarations decide."""
     from porting.adapters.naming import read_adapter
     from porting.families import get_family
+    from porting.inputs import open_source
 
     path = tmp_path / "shared.safetensors"
     save_file({"lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight": torch.zeros(2, 64),
                "lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight": torch.zeros(192, 2)}, str(path))
-    assert read_adapter(path).table.name == "flux2"
+    source = open_source(path)
+    assert source.kind == "adapter" and source.family == "flux2"
     monkeypatch.setattr(type(get_family("flux1")), "adapter_priority", 5)
-    assert read_adapter(path).table.name == "flux1"
+    assert read_adapter(source.view).table.name == "flux1"  # the same reading, sorted again
 
 
 def test_a_lora_on_modules_both_flux_tables_know_merges_into_a_flux1_base(tmp_path: Path, capsys) -> None:

@@ -11,20 +11,24 @@ from typing import Any, Callable
 
 import torch
 
-from porting.engine.detect import Detection, detect, load_base_config
+from porting.engine.detect import Detection, load_base_config
 from porting.engine.plan import Plan, build_plan
 from porting.errors import InputError
 from porting.families.stages import TransformerStages
-from porting.tensors.checkpoint import Checkpoint, hash_checkpoint, open_checkpoint
+from porting.inputs import Source, SourceLike, as_source
+from porting.tensors.checkpoint import Checkpoint, hash_checkpoint
 
 WeightTransform = Callable[[str, torch.Tensor], torch.Tensor]
 
 
 class WeightSource:
-    def __init__(self, path: str | Path, config: str | Path | None = None) -> None:
-        self.path = Path(path)
-        self.ckpt: Checkpoint = open_checkpoint(path)
-        self.detection: Detection = detect(self.ckpt, load_base_config(config) if config else None)
+    def __init__(self, src: SourceLike, config: str | Path | None = None) -> None:
+        """`src`: a path, or its opened `Source`; `config`: the base config the weights must fit."""
+        source = as_source(src, kind="weights")
+        self.source: Source = as_source(source, base_config=load_base_config(config)) if config else source
+        self.path = path = self.source.path
+        self.detection: Detection = self.source.detection
+        self.ckpt: Checkpoint = self.detection.ckpt
         family = self.detection.family
         if not family.has_stages:
             raise InputError(f"{path}: port validate has no staged runner for {family.title or family.name} "

@@ -7,25 +7,29 @@ base tensor it lands on is read alone, measured, and dropped before the next one
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from porting.engine.detect import detect
 from porting.finite import check_number
-from porting.tensors.checkpoint import open_checkpoint
 
 from .delta import delta
 from .effect import Effect
 from .merge import Placement
-from .naming import read_adapter
+
+if TYPE_CHECKING:
+    from porting.inputs import SourceLike
 
 
-def effect_on_base(adapter_path: str | Path, base: str | Path, strength: float = 1.0) -> dict[str, Any]:
-    """The `Effect` document of one adapter at `strength` on `base` (a file or folder, any naming)."""
-    check_number(float(strength), "strength", adapter_path)
-    ckpt = open_checkpoint(base)
-    detection = detect(ckpt)
-    adapter = read_adapter(adapter_path, prefer=detection.table.name)
+def effect_on_base(adapter_src: SourceLike, base_src: SourceLike, strength: float = 1.0) -> dict[str, Any]:
+    """The `Effect` document of one adapter at `strength` on a base (a file or folder, any naming); each is a path
+    or its opened `Source`."""
+    from porting.inputs import as_source, shown
+
+    check_number(float(strength), "strength", shown(adapter_src))
+    base_source = as_source(base_src, kind="weights")
+    base = shown(base_src)
+    detection = base_source.detection
+    ckpt = detection.ckpt
+    adapter = as_source(adapter_src, kind="adapter").read_adapter(prefer=detection.table.name)
     placement = Placement(ckpt, detection, [(adapter, float(strength))])
     effect = Effect(strength=float(strength))
     effect.land_nowhere(placement.leftovers)

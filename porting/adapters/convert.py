@@ -23,11 +23,12 @@ from porting.engine.mapping import MappingTable, Naming
 from porting.errors import InternalError, PortError
 from porting.families import family_for
 from porting.finite import check_tensor, dumps
+from porting.inputs import SourceLike, as_source, shown
 from porting.outputs import InputPaths, atomic_folder
 from porting.text import one_line
 
 from . import LORA_FILE, MANIFEST
-from .naming import Adapter, naming_config, read_adapter
+from .naming import Adapter, naming_config
 from .transform import Factors, NotSplittable, as_full_rank_lora, baked, carry, materialised, unsized
 
 Style = Literal["diffusers", "bfl", "kohya"]
@@ -148,19 +149,20 @@ def key_tensors(f: Factors, style: Style) -> dict[str, torch.Tensor]:
     return out
 
 
-def convert_adapter(src: str | Path, out: str | Path | None, to: Naming = "diffusers", style: Style | None = None,
+def convert_adapter(src: SourceLike, out: str | Path | None, to: Naming = "diffusers", style: Style | None = None,
                     materialise: bool = False, config: Mapping[str, Any] | None = None,
                     force: bool = False, table: MappingTable | None = None,
                     inputs: InputPaths | None = None) -> AdapterConvertResult:
-    """Rewrite the adapter at `src` for `to` naming; `table` replaces the built-in mapping table of its family.
+    """Rewrite the adapter at `src` (a path, or its opened `Source`) for `to` naming; `table` replaces the built-in
+    mapping table of its family.
 
     `inputs` names further paths the caller read (the --config file), which `out` must keep clear of, as of `src`.
     """
     started = time.perf_counter()
-    adapter = read_adapter(src, table)
+    adapter = as_source(src, kind="adapter").read_adapter(table)
     if adapter.unknown:
         lines = "\n".join(one_line(f"  {k}: {why}") for k, why in adapter.unknown[:40])
-        raise PortError(f"{src}: {len(adapter.unknown)} adapter key(s) cannot be read; nothing was written.",
+        raise PortError(f"{shown(src)}: {len(adapter.unknown)} adapter key(s) cannot be read; nothing was written.",
                         hint="flux-port reads kohya, BFL / ai-toolkit, diffusers / peft, LyCORIS and ComfyUI diff "
                              "keys of transformer modules.", details=lines)
     style = style or ("diffusers" if to == "diffusers" else "bfl")

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from porting.families import family_for, get_family
 
 from .delta import delta_shape, rank, scale
-from .naming import Adapter, read_adapter
+from .naming import Adapter
+
+if TYPE_CHECKING:
+    from porting.inputs import SourceLike
 
 BLOCK_INDEX = re.compile(r"\.(\d+)\.")
 
@@ -38,8 +40,12 @@ def fits(adapter: Adapter) -> dict[str, str | None]:
     return out
 
 
-def describe_adapter(path: str | Path) -> dict[str, Any]:
-    adapter = read_adapter(path)
+def describe_adapter(src: SourceLike) -> dict[str, Any]:
+    """`port inspect ADAPTER` as a document; `src` is an adapter file or folder, or its opened `Source`."""
+    from porting.inputs import as_source, shown
+
+    adapter = as_source(src, kind="adapter").read_adapter()  # its own best table, whatever base it may meet
+    path = shown(src)
     ranks = Counter(str(rank(adapter, m)) if rank(adapter, m) is not None else "full"
                     for m in adapter.modules.values())
     alphas = Counter("none" if m.alpha is None else f"{m.alpha:g}" for m in adapter.modules.values())

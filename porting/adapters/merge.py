@@ -22,12 +22,13 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from porting.engine.convert import ConvertResult, convert, iter_tensors
-from porting.engine.detect import Detection, detect
+from porting.engine.detect import Detection
 from porting.engine.mapping import Naming, Step
 from porting.engine.plan import Plan, PlannedStep
 from porting.errors import InputError, PlanError, UsageError
 from porting.finite import check_number, check_tensor
-from porting.tensors.checkpoint import ST_TO_TORCH, Checkpoint, open_checkpoint
+from porting.inputs import SourceLike, as_source, shown
+from porting.tensors.checkpoint import ST_TO_TORCH, Checkpoint
 from porting.tensors.dtypes import itemsize
 from porting.tensors.reader import TensorInfo
 from porting.tensors.writer import Filled, Segments
@@ -36,7 +37,7 @@ from porting.text import one_line
 from .delta import Shape, delta, delta_shape, multiplier, read32
 from .describe import variant_configs
 from .effect import Effect
-from .naming import Adapter, ModuleAdapter, read_adapter
+from .naming import Adapter, ModuleAdapter
 
 
 class AdapterMismatchError(PlanError):
@@ -451,21 +452,24 @@ def check_width(adapter: Adapter, detection: Detection, base: str | Path) -> Non
         hint="Merge it into the base it was trained on, or use the adapter made for this base.")
 
 
-def merge(base: str | Path, adapters: list[tuple[str | Path, float]], out: str | Path, to: Naming | None = None,
+def merge(base: SourceLike, adapters: list[tuple[SourceLike, float]], out: str | Path, to: Naming | None = None,
           max_shard_size: str | int | None = None, force: bool = False, dry_run: bool = False,
           on_start: Callable[[int], None] | None = None,
           on_bytes: Callable[[int], None] | None = None,
           on_notice: Callable[[str], None] | None = None, skip: Sequence[str] = ()) -> ConvertResult:
-    """Merge `adapters` [(file, strength)] into `base`; write it in the base's naming, or `to`.
+    """Merge `adapters` [(file, strength)] into `base`; write it in the base's naming, or `to`. Each is a path or its
+    opened `Source`; the base's is the one `Checkpoint` placement checks and the writer reads.
 
     `skip`: glob patterns of adapter keys to drop on purpose (a dev LoRA's `guidance_in.*` on a klein base); what
     they drop is listed in the result and the manifest, never silently.
     """
     for path, strength in adapters:
-        check_number(float(strength), "strength", path)
-    ckpt = open_checkpoint(base)
-    detection = detect(ckpt)
-    read = [(read_adapter(path, prefer=detection.table.name), float(strength)) for path, strength in adapters]
+        check_number(float(strength), "strength", shown(path))
+    source = as_source(base, kind="weights")
+    detection = source.detection
+    ckpt = detection.ckpt
+    read = [(as_source(a, kind="adapter").read_adapter(prefer=detection.table.name), float(strength))
+            for a, strength in adapters]
     skipped = {str(a.path): skip_keys(a, skip) for a, _ in read}
     for pattern in skip:
         if not any(fnmatch.fnmatchcase(k, pattern) for keys in skipped.values() for k in keys):
@@ -473,14 +477,14 @@ def merge(base: str | Path, adapters: list[tuple[str | Path, float]], out: str |
                              hint="Patterns are globs on the keys as stored (see port inspect ADAPTER --json).")
     for adapter, _ in read:
         if adapter.table.name == detection.table.name:
-            check_width(adapter, detection, base)
+            check_width(adapter, detection, shown(base))
     placement = Placement(ckpt, detection, read)
     if placement.leftovers:
-        raise mismatch_error(base, placement.leftovers)
+        raise mismatch_error(shown(base), placement.leftovers)
     merged: list[dict[str, Any]] = [
         {"adapter": str(Path(a.path).resolve()), "strength": s, "format": a.format, "naming": a.naming,
          "modules": len(a.modules), "kinds": a.kinds, "skipped": skipped[str(a.path)]} for a, s in read]
-    result = convert(base, out, to=to or detection.naming, strict=True, max_shard_size=max_shard_size,
+    result = convert(source, out, to=to or detection.naming, strict=True, max_shard_size=max_shard_size,
                      dry_run=dry_run, force=force, on_start=on_start, on_bytes=on_bytes,
                      tensors=placement.tensors,
                      manifest_extra={"merged_adapters": merged, "adapter_effect": placement.effect.doc},

@@ -23,7 +23,7 @@ from porting.engine.mapping import MappingTable, Naming
 from porting.errors import InputError, UnsupportedFormatError
 from porting.families import builtin_tables, families
 from porting.finite import NotFinite, check_number
-from porting.tensors.checkpoint import Checkpoint, open_checkpoint
+from porting.tensors.checkpoint import Checkpoint
 
 # factor suffix -> (adapter kind, role). `alpha` belongs to whichever kind the module has.
 FACTORS: dict[str, tuple[str, str]] = {
@@ -230,11 +230,10 @@ def _best_table(keys: list[str], prefer: str | None = None) -> ModuleIndex:
     return max(scored, key=lambda t: (t[0], t[1]))[2]
 
 
-def read_adapter(path: str | Path, table: MappingTable | None = None, prefer: str | None = None) -> Adapter:
-    """Open an adapter file (headers, plus its scalar alphas) and sort its keys into modules; `prefer`: the family
-    that reads keys several tables know equally (the base's, when there is one)."""
-    path = Path(path)
-    ckpt = open_checkpoint(path)
+def read_adapter(ckpt: Checkpoint, table: MappingTable | None = None, prefer: str | None = None) -> Adapter:
+    """Sort an opened adapter's keys into modules (headers, plus its scalar alphas); `prefer`: the family that reads
+    keys several tables know equally (the base's, when there is one). A path is opened by `porting.inputs`."""
+    path = ckpt.path
     keys = sorted(ckpt.tensors)
     if table is None:
         index = _best_table(keys, prefer)

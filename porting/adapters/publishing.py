@@ -24,9 +24,9 @@ def adapter_name(folder: Path) -> str:
 def check_adapters(folders: Sequence[Path], transformer_cfg: Mapping[str, Any]) -> list[dict[str, Any]]:
     """The converted adapter folders' manifests, after checking each fits the transformer config."""
     from porting.families import get_family
+    from porting.inputs import open_source
 
     from .delta import delta_shape
-    from .naming import read_adapter
 
     out, names = [], set()
     for folder in folders:
@@ -42,7 +42,7 @@ def check_adapters(folders: Sequence[Path], transformer_cfg: Mapping[str, Any]) 
         if adapter_name(folder) in names:
             raise InputError(f"{folder}: two adapters are named {adapter_name(folder)!r}.")
         names.add(adapter_name(folder))
-        adapter = read_adapter(file)
+        adapter = open_source(file, kind="adapter").adapter
         shapes = get_family(adapter.table.name).expected_shapes(transformer_cfg, "diffusers")
         for m in adapter.modules.values():
             if shapes.get(m.param) != delta_shape(adapter, m):

@@ -3,28 +3,17 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from rich.table import Table
 
 from ._output import Output
 
-
-def is_adapter(path: Path) -> bool:
-    """True when `path` is a safetensors file (or folder) whose keys are mostly adapter factors (headers only)."""
-    from porting.adapters.naming import looks_like_adapter
-    from porting.errors import PortError
-    from porting.tensors.checkpoint import open_checkpoint
-
-    if not path.exists():
-        return False
-    try:
-        return looks_like_adapter(open_checkpoint(path))
-    except PortError:
-        return False  # the weights path reports what is wrong with the file
+if TYPE_CHECKING:
+    from porting.inputs import Source
 
 
-def convert(output: Output, src: Path, out: Optional[Path], to: str, style: Optional[str], materialise: bool,
+def convert(output: Output, src: Source, out: Optional[Path], to: str, style: Optional[str], materialise: bool,
             config: Optional[Path], dry_run: bool, force: bool) -> None:
     from porting.adapters.convert import convert_adapter
     from porting.engine.detect import load_base_config
@@ -51,7 +40,8 @@ def convert(output: Output, src: Path, out: Optional[Path], to: str, style: Opti
         output.hint(f"load it with pipe.load_lora_weights({str(result.out)!r})")
 
 
-def inspect(output: Output, path: Path, base: Optional[Path] = None, strength: Optional[float] = None) -> None:
+def inspect(output: Output, source: Source, base: Optional[Path] = None, strength: Optional[float] = None) -> None:
+    """`port inspect ADAPTER [--base BASE]`: `base` (resolved, not opened yet) is opened once, for the effect."""
     from porting.adapters.describe import describe_adapter
     from porting.compat import adapter_runtimes
     from porting.errors import UsageError
@@ -61,14 +51,16 @@ def inspect(output: Output, path: Path, base: Optional[Path] = None, strength: O
 
     if strength is not None and base is None:
         raise UsageError("--strength needs --base: the delta is measured against a base's weights.",
-                         hint=f"port inspect {path} --base BASE --strength {strength:g}")
+                         hint=f"port inspect {source.path} --base BASE --strength {strength:g}")
     strength = require_finite(1.0 if strength is None else strength, "--strength")
-    info = describe_adapter(path)
+    path = source.path
+    info = describe_adapter(source)
     info["compatibility"] = [v.to_dict() for v in adapter_runtimes(path, info)]
     if base is not None:
         from porting.adapters.base_effect import effect_on_base
+        from porting.inputs import open_source
 
-        info["effect"] = effect_on_base(path, base, strength)
+        info["effect"] = effect_on_base(source, open_source(base, kind="weights"), strength)
     output.document(info)
     table = Table(title=f"{path}", show_header=False)
     table.add_row("kind", f"adapter ({info['format']})")

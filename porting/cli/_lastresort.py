@@ -29,10 +29,14 @@ def _paths_in(tb: TracebackType | None, names: Sequence[str] = PATH_LOCALS, exis
     while tb is not None:
         frames.append(tb.tb_frame)
         tb = tb.tb_next
+    from porting.inputs import Source
+
     found: list[str] = []
     for frame in reversed(frames):  # innermost first: the reader (or writer) closest to the failure
         for name in names:
             value = frame.f_locals.get(name)
+            if isinstance(value, Source):  # an opened input names the path it was opened from
+                value = value.path
             if isinstance(value, (str, Path)) and str(value) and str(value) not in found:
                 try:
                     if not exist or Path(value).exists():

@@ -23,9 +23,9 @@ from ._options import (
     OptionalOutDirOpt,
     QuietOpt,
     WorkspaceOpt,
-    transformer_of,
 )
 from ._recipe import as_recipe, base_config, finetune_file, raise_unfetched_recipe
+from ._source import resolve
 
 if TYPE_CHECKING:
     from porting.engine.convert import ConvertResult
@@ -120,13 +120,15 @@ def convert(
     output = _output.use(json_mode=json_, quiet=quiet)
     recipe = as_recipe(src, workspace)
     if recipe is not None:
-        src = finetune_file(recipe)
+        source = resolve(src, output.status, path=finetune_file(recipe))
         out = out or recipe.transformer
         config = config or base_config(recipe)
-    elif not src.exists():
-        raise_unfetched_recipe(src)
-    src = transformer_of(src, output.status)
-    if _adapter.is_adapter(src):
+    else:
+        if not src.exists():
+            raise_unfetched_recipe(src)
+        source = resolve(src, output.status)
+    src = source.path
+    if source.kind == "adapter":
         if dtype != DtypeChoice.keep:
             raise PortError("--dtype applies to weights; a converted adapter keeps its factors' dtype.")
         if quantize is not None:
@@ -134,7 +136,7 @@ def convert(
                              "--quantize writes quantized transformer weights.",
                              hint="Merge the adapter into a base first (port merge), then quantize the result.")
         style = lora_style.value if lora_style else None
-        return _adapter.convert(output, src, out, to.value, style, materialise, config, dry_run, force)
+        return _adapter.convert(output, source, out, to.value, style, materialise, config, dry_run, force)
     if lora_style is not None or materialise:
         flag = f"--lora-style {lora_style.value}" if lora_style is not None else "--materialise"
         raise UsageError(f"{flag}: {src} is transformer weights, not an adapter; {flag} applies to adapters only.",
@@ -152,17 +154,17 @@ def convert(
         if quantize is not None and dry_run:  # the plan of the original-naming weights, and the file it would be
             from porting.engine.quantize import TARGETS
 
-            result = run_convert(src, None, to="original", dtype=dtype.value, config=config, strict=strict,
+            result = run_convert(source, None, to="original", dtype=dtype.value, config=config, strict=strict,
                                  dry_run=True, on_notice=output.warning)
             layout, name = TARGETS[quantize.value]
             result.extra.update(quantize_to=layout, planned_files=[name])
         elif quantize is not None:
             from porting.engine.quantize import convert_quantized
 
-            result = convert_quantized(src, out, quantize.value, dtype=dtype.value, config=config, strict=strict,
+            result = convert_quantized(source, out, quantize.value, dtype=dtype.value, config=config, strict=strict,
                                        force=force, on_start=on_start, on_bytes=on_bytes)
         else:
-            result = run_convert(src, out, to=to.value, dtype=dtype.value, config=config,
+            result = run_convert(source, out, to=to.value, dtype=dtype.value, config=config,
                                  max_shard_size=max_shard_size, strict=strict, dry_run=dry_run, force=force,
                                  on_start=on_start, on_bytes=on_bytes, on_notice=output.warning)
     if recipe is not None and result.out:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 from rich.table import Table
@@ -11,6 +11,10 @@ from rich.table import Table
 from . import _adapter, _output
 from ._compat import companions_table, compatibility_table
 from ._options import JsonOpt, transformer_of
+from ._source import resolve
+
+if TYPE_CHECKING:
+    from porting.inputs import Source
 
 INSPECT_EXAMPLES = """\b
 Examples:
@@ -22,13 +26,15 @@ Examples:
 """
 
 
-def describe(path: Path, base: Path | None = None) -> dict[str, Any]:
+def describe(src: Source | Path, base: Path | None = None) -> dict[str, Any]:
+    """`port inspect WEIGHTS` as a document: `src` a path or its opened `Source`, `base` a pipeline folder."""
     from porting.compat import companions, facts_of, runtimes
-    from porting.engine.detect import detect
-    from porting.tensors.checkpoint import open_checkpoint
+    from porting.inputs import as_source
 
-    ckpt = open_checkpoint(path)
-    d = detect(ckpt)
+    source = as_source(src, kind="weights")
+    path = source.path
+    d = source.detection
+    ckpt = d.ckpt
     info = {
         "path": str(path), "files": [str(f) for f in ckpt.files], "family": d.table.name,
         "naming": d.naming, "prefix": d.prefix, "variant": d.variant, "diffusers_class": d.table.diffusers_class,
@@ -58,14 +64,15 @@ def inspect(path: Annotated[Path, typer.Argument(
     """Show naming, family, variant, dtypes, counts, the inferred diffusers config and which runtimes load the file
     (reads headers only)."""
     out = _output.use(json_mode=json_)
-    path = transformer_of(path, out.status)
-    if _adapter.is_adapter(path):
-        return _adapter.inspect(out, path, transformer_of(base, out.status) if base else None, strength)
+    source = resolve(path, out.status)
+    path = source.path
+    if source.kind == "adapter":
+        return _adapter.inspect(out, source, transformer_of(base, out.status) if base else None, strength)
     if strength is not None:
         from porting.errors import UsageError
 
         raise UsageError("--strength is for an adapter measured against a base (port inspect ADAPTER --base BASE).")
-    info = describe(path, base)
+    info = describe(source, base)
     out.document(info)
     table = Table(title=f"{path}", show_header=False)
     for key in ("family", "naming", "prefix", "variant", "diffusers_class", "tensors"):

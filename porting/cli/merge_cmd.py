@@ -9,7 +9,8 @@ from typing import Annotated, Optional
 import typer
 
 from . import _output
-from ._options import ForceOpt, JsonOpt, OutDirOpt, QuietOpt, require_finite, transformer_of
+from ._options import ForceOpt, JsonOpt, OutDirOpt, QuietOpt, require_finite
+from ._source import resolve
 
 MERGE_EXAMPLES = """\b
 Examples:
@@ -55,12 +56,13 @@ def merge(
     from .convert_cmd import summary_table
 
     output = _output.use(json_mode=json_, quiet=quiet)
-    base = transformer_of(base, output.status)
     specs = [parse_strength(a) for a in adapters]
     for text, (_, strength) in zip(adapters, specs):
         require_finite(strength, f"ADAPTER:STRENGTH {text!r}: strength")
+    source = resolve(base, output.status, kind="weights")  # the one reading placement and writing share
+    base = source.path
     with output.bytes_progress("merging") as (on_start, on_bytes):
-        result = run_merge(base, specs, out, to=None if to == MergeTarget.keep else to.value,
+        result = run_merge(source, specs, out, to=None if to == MergeTarget.keep else to.value,
                            max_shard_size=max_shard_size, force=force, dry_run=dry_run,
                            on_start=on_start, on_bytes=on_bytes, on_notice=output.warning,
                            skip=skip or ())

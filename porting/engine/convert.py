@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -15,10 +14,11 @@ if TYPE_CHECKING:
     import torch
 
 from porting import __version__
-from porting.errors import InputError, PlanError
+from porting.errors import PlanError
 from porting.finite import check_tensor, dumps
+from porting.inputs import Source, SourceLike, as_source, shown
 from porting.outputs import InputPaths, atomic_folder, check_output
-from porting.tensors.checkpoint import Checkpoint, open_checkpoint
+from porting.tensors.checkpoint import Checkpoint
 from porting.tensors.dtypes import itemsize, torch_dtype
 from porting.tensors.sidecars import is_sidecar
 from porting.tensors.writer import (
@@ -33,7 +33,7 @@ from porting.tensors.writer import (
 )
 from porting.text import one_line
 
-from .detect import Detection, detect, load_base_config
+from .detect import Detection, load_base_config
 from .mapping import MappingTable, Naming
 from .plan import Plan, build_plan, torch_dtype_tag
 
@@ -61,16 +61,29 @@ class ConvertResult:
         return {**d, **self.extra}
 
 
-def prepare(src: str | Path, to: Naming = "diffusers", dtype: str = "keep",
+def prepare(src: SourceLike, to: Naming = "diffusers", dtype: str = "keep",
             config: str | Path | None = None,
             tables: Mapping[str, MappingTable] | None = None) -> tuple[Checkpoint, Detection, Plan]:
-    """Open headers, detect, and plan; nothing is read beyond headers.
+    """Open headers (a path; an opened `Source` is used as it is), detect, and plan; nothing is read beyond headers.
 
-    `tables` replaces the built-in mapping tables (by name), e.g. a table loaded with `load_table_file`.
+    `tables` replaces the built-in mapping tables (by name), e.g. a table loaded with `load_table_file`. The
+    checkpoint returned is the detected view (keys as the table spells them) that the plan addresses.
     """
-    ckpt = open_checkpoint(src)
-    base = load_base_config(config) if config else None
-    detection = detect(ckpt, base, tables)
+    return plan_source(weights_source(src, config, tables), to, dtype)
+
+
+def weights_source(src: SourceLike, config: str | Path | None = None,
+                   tables: Mapping[str, MappingTable] | None = None) -> Source:
+    """`src` opened (headers) as transformer weights, to be detected against `config` (a base folder or config.json)
+    and `tables`; the file is opened before the config is read, as its errors come first."""
+    source = as_source(src, kind="weights", tables=tables)
+    return as_source(source, base_config=load_base_config(config)) if config else source
+
+
+def plan_source(source: Source, to: Naming = "diffusers", dtype: str = "keep") -> tuple[Checkpoint, Detection, Plan]:
+    """Detect (once per source) and plan `source` for `to` naming and `dtype`."""
+    detection = source.detection
+    ckpt = detection.ckpt
     plan = build_plan(ckpt, detection, to, resolve_dtype(ckpt, dtype))
     return ckpt, detection, plan
 
@@ -97,7 +110,7 @@ def stranded_sidecars(plan: Plan) -> PlanError | None:
         details="\n".join(one_line(f"  {k}") for k in keys[:40]), report=plan.summary())
 
 
-def strict_error(plan: Plan, src: str | Path) -> PlanError:
+def strict_error(plan: Plan, src: SourceLike) -> PlanError:
     rows = plan.problems()
     lines = []
     for r in rows[:40]:
@@ -114,7 +127,7 @@ def strict_error(plan: Plan, src: str | Path) -> PlanError:
     if len(rows) > 40:
         lines.append(f"  ... and {len(rows) - 40} more (use --json for all)")
     return PlanError(
-        f"{src}: strict plan failed: {len(rows)} problem(s) converting {plan.detection.table.name} "
+        f"{shown(src)}: strict plan failed: {len(rows)} problem(s) converting {plan.detection.table.name} "
         f"{plan.source_naming} -> {plan.target_naming}; nothing was written.",
         hint="A fine-tune must have exactly the base architecture's tensors. Unexpected quantization keys "
              "(scale_weight, comfy_quant) need a dequantized file; missing blocks mean a truncated or pruned file.",
@@ -166,23 +179,6 @@ def check_cast(key: str, sources: tuple[str, ...], tensor: torch.Tensor, target:
                  target.is_floating_point else None)
 
 
-def source_stamps(ckpt: Checkpoint) -> dict[Path, tuple[int, int, int]]:
-    """(inode, size, mtime) of every source file: a writer replacing or rewriting one changes its stamp."""
-    stamps = {}
-    for f in ckpt.files:
-        st = os.stat(f)
-        stamps[Path(f)] = (st.st_ino, st.st_size, st.st_mtime_ns)
-    return stamps
-
-
-def check_unchanged(before: Mapping[Path, tuple[int, int, int]], after: Mapping[Path, tuple[int, int, int]]) -> None:
-    changed = [f for f in before if before[f] != after.get(f)]
-    if changed:
-        raise InputError(f"{changed[0]}: the source changed while it was being converted (size, time or file "
-                         "replaced); the output mixes two versions, so nothing was written.",
-                         hint="Convert again once nothing is writing to the source.")
-
-
 def _row_blocks(ckpt: Checkpoint, keys: tuple[str, ...], shapes: list[tuple[int, ...]],
                 parts: list[tuple[int, int, int]], target: torch.dtype) -> Iterator[torch.Tensor]:
     """The rows `parts` names ((input, element offset, element count) of whole rows), a block at a time."""
@@ -218,7 +214,7 @@ def planned_files(stem: str, entries: list[Entry], limit: int) -> list[dict[str,
             for name, shard in zip(shard_names(stem, len(shards)), shards)]
 
 
-def convert(src: str | Path, out: str | Path | None, to: Naming = "diffusers", dtype: str = "keep",
+def convert(src: SourceLike, out: str | Path | None, to: Naming = "diffusers", dtype: str = "keep",
             config: str | Path | None = None, max_shard_size: str | int | None = None, strict: bool = True,
             dry_run: bool = False, force: bool = False,
             on_start: Callable[[int], None] | None = None,
@@ -235,12 +231,17 @@ def convert(src: str | Path, out: str | Path | None, to: Naming = "diffusers", d
     load shards; given shard 1 ComfyUI silently detects a smaller model). An explicit size shards either naming,
     with a warning through `on_notice` for original naming.
 
+    `src` is a path, or its opened `Source` (`port merge` hands over the base it placed its adapters on: one
+    `Checkpoint` for placement and writing); the files are checked unchanged since their headers were read before
+    the output is put in place.
+
     `tensors` replaces `iter_tensors` as the source of the target tensors (e.g. `port merge` adds adapter deltas on
     the way); `manifest_extra` adds fields to the manifest; `inputs` names further paths the caller reads (merge's
     adapters), which `out` must not be, contain or lie inside, like the source and `config`.
     """
     started = time.perf_counter()
-    ckpt, detection, plan = prepare(src, to, dtype, config, tables)
+    source = weights_source(src, config, tables)
+    ckpt, detection, plan = plan_source(source, to, dtype)
     quant = ckpt.quantization.to_dict() if ckpt.quantization else None
     if strict and not plan.ok:
         raise strict_error(plan, src)
@@ -254,12 +255,11 @@ def convert(src: str | Path, out: str | Path | None, to: Naming = "diffusers", d
         return ConvertResult(plan, None, seconds=time.perf_counter() - started, quantization=quant,
                              extra={"planned_files": planned_files(stem, entries, limit)})
     out = Path(out)
-    read_paths = {"source": src, "--config": config, **(inputs or {})}
+    read_paths = {"source": source.path, "--config": config, **(inputs or {})}
     check_output(out, force=force, verb="convert", inputs=read_paths)
     hasher = WeightsHasher()
     if on_start:
         on_start(plan.output_bytes)
-    before = source_stamps(ckpt)
     with atomic_folder(out, force=force, verb="convert", inputs=read_paths, on_notice=on_notice) as staging:
         files = write_shards(staging, stem, entries, (tensors or iter_tensors)(ckpt, plan), limit,
                              metadata={"format": "pt"}, on_bytes=on_bytes, hasher=hasher)
@@ -268,7 +268,7 @@ def convert(src: str | Path, out: str | Path | None, to: Naming = "diffusers", d
             cfg["_diffusers_version"] = importlib.metadata.version("diffusers")  # the version, without the import
             (staging / "config.json").write_text(dumps(cfg, indent=2, sort_keys=True) + "\n")
         manifest = {
-            "tool": "flux-port", "version": __version__, "format_version": 1, "source": str(Path(src).resolve()),
+            "tool": "flux-port", "version": __version__, "format_version": 1, "source": str(source.path.resolve()),
             "source_naming": detection.naming_label, "table": detection.table.name, "to": to,
             "variant": detection.variant, "dtype": dtype, "tensors": len(entries), "files": files,
             "weights_sha256": hasher.hexdigest(), "config": detection.config, **(manifest_extra or {}),
@@ -279,5 +279,5 @@ def convert(src: str | Path, out: str | Path | None, to: Naming = "diffusers", d
             manifest["dequantized_from"] = quant["label"]
             manifest["quantization"] = quant
         (staging / MANIFEST).write_text(dumps(manifest, indent=2) + "\n")
-        check_unchanged(before, source_stamps(ckpt))
+        source.check_unchanged()
     return ConvertResult(plan, out, files, hasher.hexdigest(), time.perf_counter() - started, quantization=quant)

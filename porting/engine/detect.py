@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from porting._files import read_config
-from porting.errors import ConfigMismatchError, InputError, UnknownArchitectureError
+from porting.errors import ConfigMismatchError, InputError, InternalError, UnknownArchitectureError
 from porting.families import Family, builtin_tables, families, family_for
 from porting.tensors.checkpoint import Checkpoint
 
@@ -26,6 +26,14 @@ class Detection:
     variant: str
     inferred: dict[str, Any] = field(default_factory=dict)  # raw facts read from shapes
     respelled: dict[str, str] = field(default_factory=dict)  # stored key -> the table's spelling (`[aliases]`)
+    view: Checkpoint | None = field(default=None, repr=False)  # the checkpoint as the table spells it
+
+    @property
+    def ckpt(self) -> Checkpoint:
+        """The detected checkpoint with its keys as the table spells them (what plans and reads address)."""
+        if self.view is None:
+            raise InternalError("a Detection built by hand has no checkpoint view.")
+        return self.view
 
     @property
     def family(self) -> Family:
@@ -119,8 +127,9 @@ def detect(ckpt: Checkpoint, base_config: Mapping[str, Any] | None = None,
            tables: Mapping[str, MappingTable] | None = None) -> Detection:
     """Identify the checkpoint and build its diffusers config from shapes (no tensor data is read).
 
-    Keys another tool spelled its own way (the table's `[aliases]`) are respelled in `ckpt` as the table spells
-    them, so every verb reads them alike; `Detection.respelled` lists them.
+    Keys another tool spelled its own way (the table's `[aliases]`) are read as the table spells them, so every verb
+    reads them alike: `Detection.ckpt` is that view of `ckpt` (`ckpt` itself is left as it is, so one opened
+    checkpoint can be detected again, with another base config or other tables); `Detection.respelled` lists them.
     """
     tables = tables or builtin_tables()
     found = _find_naming(ckpt, tables)
@@ -128,7 +137,7 @@ def detect(ckpt: Checkpoint, base_config: Mapping[str, Any] | None = None,
         raise _unknown_architecture(ckpt, tables)
     table, naming, prefix = found
     respelled = table.respelling(ckpt.tensors, naming, prefix)
-    ckpt.respell(respelled)  # another tool's spelling (ComfyUI's saved `.weight` norms) read as the table's
+    ckpt = ckpt.respelled(respelled)  # another tool's spelling (ComfyUI's saved `.weight` norms) read as the table's
     facts = infer_facts(ckpt, table, naming, prefix)
     family = family_for(table)
     config = family.derive_config(facts)
@@ -148,4 +157,4 @@ def detect(ckpt: Checkpoint, base_config: Mapping[str, Any] | None = None,
                 details=rows, report={"config_mismatch": [dict(field=n, base=b, checkpoint=c) for n, b, c in bad]})
         merged = {k: v for k, v in base_config.items() if not k.startswith("_")}
         config = {"_class_name": table.diffusers_class, **merged}
-    return Detection(table, naming, prefix, config, match_variant(table, config), facts, respelled)
+    return Detection(table, naming, prefix, config, match_variant(table, config), facts, respelled, ckpt)

@@ -18,11 +18,19 @@ import torch
 from porting import __version__
 from porting.errors import CheckFailed, PortError
 from porting.finite import check_tensor, dumps, peak
+from porting.inputs import SourceLike, open_source
 from porting.outputs import atomic_folder, check_output
-from porting.tensors.checkpoint import Checkpoint, open_checkpoint
+from porting.tensors.checkpoint import Checkpoint
 
-from .convert import MANIFEST, ConvertResult, prepare, resolve_dtype, stranded_sidecars, strict_error
-from .detect import detect
+from .convert import (
+    MANIFEST,
+    ConvertResult,
+    plan_source,
+    resolve_dtype,
+    stranded_sidecars,
+    strict_error,
+    weights_source,
+)
 from .mapping import MappingTable
 from .plan import Plan
 
@@ -56,8 +64,8 @@ def _write(target: str, path: Path, specs: list[tuple[str, tuple[int, ...]]], te
 
 def reread_error(path: Path, ckpt: Checkpoint, plan: Plan, kinds: Mapping[str, str]) -> dict[str, Any]:
     """Open what was written, check it is the same model, and measure dequantized vs meant (relative L2)."""
-    written = open_checkpoint(path)
-    detection = detect(written)
+    detection = open_source(path, kind="weights").detection  # this open is the check: the file as any input is read
+    written = detection.ckpt
     source_config = plan.detection.config
     differ = [f for f in plan.detection.family.structural_fields if source_config.get(f) != detection.config.get(f)]
     prefix = detection.prefix
@@ -106,14 +114,15 @@ def _rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
     return dist / norm if norm > 0 else dist
 
 
-def convert_quantized(src: str | Path, out: str | Path, quantize: str, dtype: str = "keep",
+def convert_quantized(src: SourceLike, out: str | Path, quantize: str, dtype: str = "keep",
                       config: str | Path | None = None, strict: bool = True, force: bool = False,
                       on_start: Callable[[int], None] | None = None, on_bytes: Callable[[int], None] | None = None,
                       tables: Mapping[str, MappingTable] | None = None) -> ConvertResult:
     if quantize not in TARGETS:
         raise PortError(f"--quantize {quantize!r}: use one of {', '.join(TARGETS)}.")
     started = time.perf_counter()
-    ckpt, detection, plan = prepare(src, "original", dtype, config, tables)
+    source = weights_source(src, config, tables)
+    ckpt, detection, plan = plan_source(source, "original", dtype)
     if strict and not plan.ok:
         raise strict_error(plan, src)
     stranded = stranded_sidecars(plan)
@@ -125,7 +134,7 @@ def convert_quantized(src: str | Path, out: str | Path, quantize: str, dtype: st
     specs = [(k, s) for k, s, _ in outputs]
     layout, name = TARGETS[quantize]
     out = Path(out)
-    read_paths = {"source": src, "--config": config}
+    read_paths = {"source": source.path, "--config": config}
     check_output(out, force=force, verb="convert", inputs=read_paths)  # before the long work
     if on_start:
         on_start(plan.output_bytes)
@@ -139,7 +148,7 @@ def convert_quantized(src: str | Path, out: str | Path, quantize: str, dtype: st
         extra = {"quantized_to": layout, "file": name, "file_sha256": file_sha256, "stored_kinds": counts,
                  "reread": reread}
         manifest = {
-            "tool": "flux-port", "version": __version__, "source": str(Path(src).resolve()),
+            "tool": "flux-port", "version": __version__, "source": str(source.path.resolve()),
             "source_naming": detection.naming_label, "table": detection.table.name, "to": "original",
             "variant": detection.variant, "dtype": {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}.get(plain, plain),
             "tensors": len(specs), "files": [name],
@@ -148,6 +157,7 @@ def convert_quantized(src: str | Path, out: str | Path, quantize: str, dtype: st
         if ckpt.quantization:
             manifest["dequantized_from"] = ckpt.quantization.label
         (staging / MANIFEST).write_text(dumps(manifest, indent=2) + "\n")
+        source.check_unchanged()
     if on_bytes:
         on_bytes(plan.output_bytes)
     quant = ckpt.quantization.to_dict() if ckpt.quantization else None

@@ -25,10 +25,10 @@ from porting import __version__
 from porting._files import read_config, read_json_object
 from porting.errors import CheckFailed, InputError, PortError, UsageError
 from porting.finite import dumps
+from porting.inputs import open_source
 from porting.outputs import atomic_folder, check_output
 from porting.paths import files_within, link_roots
 from porting.resources import MEMORY_OVERHEAD, check_streamed_export_memory, require_memory
-from porting.tensors.checkpoint import hash_checkpoint, open_checkpoint
 
 from .onnx_components import ExportSpec, Traceable, gib, nbytes
 from .ort import MODEL_FILE, require
@@ -301,7 +301,7 @@ def export_onnx(folder: str | Path, out: str | Path, *, dtype: str = "fp32", ops
     weights = None
     if "transformer" in sources:
         say(f"hashing the transformer weights in {sources['transformer']}")
-        weights = hash_checkpoint(open_checkpoint(sources["transformer"]))
+        weights = open_source(sources["transformer"], kind="weights").weights_sha256
     notices: list[str] = []
     results: list[ComponentResult] = []
     produced_opsets: set[int] = set()
@@ -396,7 +396,7 @@ def _export_ryzenai(folder: Path, out: Path, *, opset: int, components: Sequence
     weights = None
     if "transformer" in sources:
         say(f"hashing the transformer weights in {sources['transformer']}")
-        weights = hash_checkpoint(open_checkpoint(sources["transformer"]))
+        weights = open_source(sources["transformer"], kind="weights").weights_sha256
     results: list[ComponentResult] = []
     with atomic_folder(out, force=force, verb="export", inputs=read_paths) as staging:
         for c in wanted:

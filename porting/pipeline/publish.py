@@ -28,10 +28,10 @@ from porting.devices import validate_device
 from porting.engine.convert import MANIFEST as CONVERT_MANIFEST
 from porting.errors import CheckFailed, DiskSpaceError, InputError, PortError, UnsupportedFormatError, UsageError
 from porting.families import Family, PipelineVariant, pipeline_variants
+from porting.inputs import open_source
 from porting.outputs import atomic_folder, check_output
 from porting.paths import check_component_names, check_within, files_within, link_roots
 from porting.reports import REPORTS, latest_report
-from porting.tensors.checkpoint import hash_checkpoint, open_checkpoint
 from porting.text import markdown_code as _code
 from porting.text import markdown_text as _md
 
@@ -135,7 +135,7 @@ def infer_variant(base_index: dict[str, Any], transformer_cfg: dict[str, Any]) -
 def transformer_identity(transformer: Path) -> tuple[str, dict[str, Any], dict[str, Any]]:
     """(weights sha256 recomputed from the files, config.json, convert's flux-port.json or {})."""
     cfg = _read_json(transformer / "config.json", "a converted transformer folder has one; port convert writes it")
-    weights = hash_checkpoint(open_checkpoint(transformer))
+    weights = open_source(transformer, kind="weights").weights_sha256
     convert_manifest: dict[str, Any] = {}
     if (transformer / CONVERT_MANIFEST).is_file():
         convert_manifest = _read_json(transformer / CONVERT_MANIFEST, "written by port convert")

@@ -103,14 +103,16 @@ class Checkpoint:
     container: str = "safetensors"
     spelled_as: dict[str, str] = field(default_factory=dict)  # key -> the key as stored, where they differ
 
-    def respell(self, renames: Mapping[str, str]) -> None:
-        """Address the stored keys in `renames` by another name: another tool's spelling of the same tensor
-        (mapping tables' `[aliases]`). Order and bytes are kept; reads go to the stored key."""
+    def respelled(self, renames: Mapping[str, str]) -> Checkpoint:
+        """The same checkpoint with the stored keys in `renames` addressed by another name: another tool's spelling
+        of the same tensor (mapping tables' `[aliases]`). Order and bytes are kept; reads go to the stored key. This
+        checkpoint is left as it is (`self` when there is nothing to rename)."""
         if not renames:
-            return
-        self.tensors = {renames.get(k, k): replace(info, name=renames[k]) if k in renames else info
-                        for k, info in self.tensors.items()}
-        self.spelled_as.update({new: self.spelled_as.get(old, old) for old, new in renames.items()})
+            return self
+        tensors = {renames.get(k, k): replace(info, name=renames[k]) if k in renames else info
+                   for k, info in self.tensors.items()}
+        spelled_as = {**self.spelled_as, **{new: self.spelled_as.get(old, old) for old, new in renames.items()}}
+        return replace(self, tensors=tensors, spelled_as=spelled_as)
 
     @property
     def stored_tensors(self) -> dict[str, TensorInfo]:
