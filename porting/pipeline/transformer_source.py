@@ -26,6 +26,7 @@ class TransformerSource:
     _config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
     label: str = ""  # e.g. "SVDQuant int4, rank 32, group 64" (empty for a diffusers folder)
     family: str = ""
+    source: Any = field(default=None, compare=False, repr=False)  # the opened input (porting.inputs.Source), once
 
     def config(self) -> dict[str, Any]:
         if self.svdq:
@@ -54,16 +55,24 @@ class TransformerSource:
         if self.svdq:
             from porting.runtime.svdq_model import load_svdq_transformer
 
-            return load_svdq_transformer(self.path, dtype, svdq_compute)
+            return load_svdq_transformer(self.opened(), dtype, svdq_compute)
         return self.model_class().from_pretrained(self.path, torch_dtype=dtype)
+
+    def opened(self) -> Any:
+        """The input opened once (headers), shared by load, identity and size."""
+        if self.source is not None:
+            return self.source
+        from porting.inputs import open_source
+
+        source = open_source(self.path, kind="weights")
+        object.__setattr__(self, "source", source)
+        return source
 
     def weights_sha256(self) -> str:
         """The weights identity. An SVDQuant file's is taken over its stored (packed) tensors: what runs."""
-        from porting.tensors.checkpoint import hash_checkpoint, open_checkpoint
-
-        ckpt = open_checkpoint(self.path)
         if not self.svdq:
-            return hash_checkpoint(ckpt)
+            return self.opened().weights_sha256
+        ckpt = self.opened().view
         from porting.tensors.identity import WeightsHasher
         from porting.tensors.reader import read_stored
 
@@ -74,27 +83,22 @@ class TransformerSource:
 
     def stored_bytes(self) -> int:
         """Bytes of the tensors as stored (an SVDQuant file's packed size)."""
-        from porting.tensors.checkpoint import open_checkpoint
-
-        ckpt = open_checkpoint(self.path)
+        ckpt = self.opened().view
         return sum(t.nbytes for t in (ckpt.stored or ckpt.tensors).values())
 
 
-def _svdq(path: Path) -> Any:
-    """The SvdqFile of `path`, or None when it is not an SVDQuant checkpoint (headers only, no torch)."""
-    from porting.tensors.checkpoint import open_checkpoint
+def _svdq(source: Any) -> Any:
+    """The SvdqFile of an opened input, or None when it is not an SVDQuant checkpoint (headers only, no torch)."""
     from porting.tensors.quant.nunchaku import NAME
 
-    ckpt = open_checkpoint(path)
+    ckpt = source.view
     if ckpt.quantization is None or not ckpt.quantization.format.startswith(NAME):
         return None
     return getattr(ckpt.decoder, "info", None)
 
 
-def _svdq_config(path: Path) -> dict[str, Any]:
-    from porting.tensors.checkpoint import open_checkpoint
-
-    config = open_checkpoint(path).config
+def _svdq_config(path: Path, source: Any) -> dict[str, Any]:
+    config = source.view.config
     if not config:
         raise InputError(f"{path}: an SVDQuant file without a model config (header metadata 'config', or a "
                          "config.json next to it); its sizes cannot be known.",
@@ -112,9 +116,12 @@ def transformer_source(path: str | Path) -> TransformerSource:
     """A transformer folder (config.json + diffusers weights) or an SVDQuant file (or a folder holding one)."""
     path = Path(path)
     if path.is_file() or (path.is_dir() and _may_be_svdq_folder(path)):
-        info = _svdq(path)
+        from porting.inputs import open_source
+
+        source = open_source(path, kind="weights")
+        info = _svdq(source)
         if info is not None:
-            return TransformerSource(path, True, _svdq_config(path), info.label, info.family)
+            return TransformerSource(path, True, _svdq_config(path, source), info.label, info.family, source)
         if path.is_file():
             raise InputError(f"{path}: neither a diffusers transformer folder nor a Nunchaku SVDQuant file.",
                              hint="Point at a converted transformer folder (port convert ... --out DIR) or an "

@@ -7,14 +7,13 @@ packed parts, layer by layer: the bf16 weights of the quantized layers never exi
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from porting.errors import InputError
-from porting.tensors.checkpoint import Checkpoint, open_checkpoint
+from porting.tensors.checkpoint import Checkpoint
 from porting.tensors.quant.nunchaku import NAME, SvdqFile
 from porting.tensors.quant.svdq_decode import SvdqDecoder
 
@@ -44,11 +43,16 @@ def model_class(family: str, config: dict[str, Any]) -> Any:
     return getattr(diffusers, name)
 
 
-def load_svdq_transformer(path: str | Path, dtype: torch.dtype, compute: str = "w4a4") -> nn.Module:
-    """The transformer of an SVDQuant file (or a folder holding one), on the CPU, its 16-bit tensors in `dtype`."""
+def load_svdq_transformer(path: Any, dtype: torch.dtype, compute: str = "w4a4") -> nn.Module:
+    """The transformer of an SVDQuant file (or a folder holding one; or its opened `porting.inputs.Source`), on the
+    CPU, its 16-bit tensors in `dtype`."""
+    from porting.inputs import as_source
+
     if compute not in COMPUTES:
         raise InputError(f"--svdq-compute {compute!r}: choose one of {', '.join(COMPUTES)}.")
-    ckpt = open_checkpoint(path)
+    source = as_source(path, kind="weights")
+    path = source.path
+    ckpt = source.view
     info = svdq_info(ckpt)
     if info is None:
         raise InputError(f"{path}: not a Nunchaku SVDQuant file.")

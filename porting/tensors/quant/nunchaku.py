@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
 from typing import Any, Mapping
@@ -25,97 +24,18 @@ from porting.errors import InputError, UnsupportedQuantizationError
 
 from ..dtypes import nbytes
 from ..reader import Checkpoint, Quantization, TensorInfo, read_bytes
+from .svdq_types import GELU_SHIFT, Piece, SvdqFile, SvdqLayer, Target
 
 NAME = "Nunchaku SVDQuant"
 METADATA_KEY = "quantization_config"
 TILE = 128  # every packed dimension is a multiple of this
 BLOCKS = ("transformer_blocks", "single_transformer_blocks")
-GELU_SHIFT = 0.171875  # Nunchaku's SHIFT_GELU: int4 inputs of GELU down-projections are GELU(x) + this, unsigned
 
 
 @lru_cache(maxsize=1)
 def table() -> dict[str, Any]:
     with resources.files("mappings").joinpath("svdquant.toml").open("rb") as f:
         return tomllib.load(f)
-
-
-@dataclass(frozen=True)
-class SvdqLayer:
-    """One stored quantized linear: its parts by role, its logical (out, in) size."""
-
-    prefix: str  # stored prefix, ending in '.'
-    kind: str  # "w4a4" (SVDQuant) or "awq" (AWQ W4A16, the FLUX.1 adaLN layers)
-    parts: Mapping[str, TensorInfo]
-    n: int
-    k: int
-    precision: str  # int4 | nvfp4 (of the file; AWQ layers are int4 whatever it is)
-    gelu_shift: bool = False
-    awq_splits: int = 0
-
-    @property
-    def rank(self) -> int:
-        down = self.parts.get("lora_down")
-        return down.shape[1] if down is not None else 0
-
-    @property
-    def smoothing_fused(self) -> bool:
-        """True when `smooth` is all ones and `smooth_orig` is not: s was folded into the previous layer."""
-        s, orig = self.parts.get("smooth"), self.parts.get("smooth_orig")
-        return s is not None and orig is not None and _all_ones(s) and not _all_ones(orig)
-
-
-@dataclass(frozen=True)
-class Piece:
-    layer: SvdqLayer
-    rows: tuple[int, int]  # the rows of the layer's effective weight this piece uses
-
-
-@dataclass(frozen=True)
-class Target:
-    """A diffusers tensor made from stored layers: `weight` or `bias`, rows stacked or columns side by side."""
-
-    key: str
-    role: str
-    join: str  # "rows" | "columns"
-    pieces: tuple[Piece, ...]
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        if self.join == "columns":
-            n = self.pieces[0].rows[1] - self.pieces[0].rows[0]
-            return (n, sum(p.layer.k for p in self.pieces)) if self.role == "weight" else (n,)
-        n = sum(p.rows[1] - p.rows[0] for p in self.pieces)
-        return (n, self.pieces[0].layer.k) if self.role == "weight" else (n,)
-
-
-@dataclass
-class SvdqFile:
-    """What a header says about an SVDQuant file (no torch)."""
-
-    family: str
-    precision: str
-    group_size: int
-    rank: int
-    layers: dict[str, SvdqLayer] = field(default_factory=dict)  # stored prefix -> layer
-    targets: dict[str, Target] = field(default_factory=dict)  # diffusers key -> how it is made
-    renamed: dict[str, str] = field(default_factory=dict)  # stored key -> diffusers key (16-bit tensors)
-    consumed: set[str] = field(default_factory=set)
-    dropped: list[str] = field(default_factory=list)
-    config: dict | None = None
-    spelling: str = ""
-    plain_linears: int = 0  # 2-D weights stored in 16 bits (embedders, modulation, final layer)
-
-    @property
-    def label(self) -> str:
-        return f"SVDQuant {self.precision}, rank {self.rank}, group {self.group_size}"
-
-    def counts(self) -> dict[str, int]:
-        w4a4 = f"W4A4 {self.precision} g{self.group_size} + rank-{self.rank} branch"
-        out: dict[str, int] = {}
-        for layer in self.layers.values():
-            name = w4a4 if layer.kind == "w4a4" else "W4A16 AWQ int4 g64 (adaLN)"
-            out[name] = out.get(name, 0) + 1
-        return out
 
 
 def claims(ckpt: Checkpoint) -> bool:
@@ -429,11 +349,6 @@ def _all_zero(info: TensorInfo) -> bool:
     if info.dtype in ("BF16", "F16"):
         return all(raw[i] == 0 and raw[i + 1] in (0, 0x80) for i in range(0, len(raw), 2))
     return not any(raw)
-
-
-def _all_ones(info: TensorInfo) -> bool:
-    one = {"BF16": b"\x80\x3f", "F16": b"\x00\x3c"}.get(info.dtype)
-    return one is not None and read_bytes(info) == one * info.numel
 
 
 def view(ckpt: Checkpoint) -> Checkpoint:

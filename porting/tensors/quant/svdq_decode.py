@@ -16,7 +16,7 @@ import torch
 
 from ..reader import read_stored
 from . import svdq_packing as P
-from .nunchaku import GELU_SHIFT, SvdqFile, SvdqLayer, Target
+from .svdq_types import GELU_SHIFT, SvdqFile, SvdqLayer, Target
 
 KEEP_LAYERS = 4  # unpacked scales and low-rank factors of this many recent layers stay cached
 

@@ -100,5 +100,6 @@ def deinterleave_rows(t: torch.Tensor, splits: int) -> torch.Tensor:
     return t.reshape(n // splits, splits, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
 
 
-__all__ = ["TILE_N", "TILE_K", "E2M1", "nibbles", "unpack_code_bytes", "unpack_codes", "byte_values", "decode_values", "signed_int4", "e2m1", "unpack_scales",
-           "unpack_vector", "unpack_micro_scales", "unpack_lowrank", "unpack_awq_codes", "deinterleave_rows"]
+__all__ = ["TILE_N", "TILE_K", "E2M1", "nibbles", "unpack_code_bytes", "unpack_codes", "byte_values",
+           "decode_values", "signed_int4", "e2m1", "unpack_scales", "unpack_vector", "unpack_micro_scales",
+           "unpack_lowrank", "unpack_awq_codes", "deinterleave_rows"]
