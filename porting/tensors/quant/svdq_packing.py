@@ -44,8 +44,10 @@ def byte_values(precision: str) -> torch.Tensor:
 
 
 def decode_values(qweight: torch.Tensor, n: int, k: int, precision: str) -> torch.Tensor:
-    """`qweight` -> float32 (n, k) code values, by one table lookup per byte."""
-    return byte_values(precision)[unpack_code_bytes(qweight, n, k).long()].reshape(n, k)
+    """`qweight` -> float32 (n, k) code values, by one lookup of each byte's two values (int32 indices: about 2x
+    faster than int64 ones, and faster than shifting nibbles apart)."""
+    packed = unpack_code_bytes(qweight, n, k).reshape(-1).int()
+    return byte_values(precision).index_select(0, packed).reshape(n, k)
 
 
 def signed_int4(codes: torch.Tensor) -> torch.Tensor:
