@@ -31,7 +31,7 @@ def validate(model: str | Path, *, device: str = "cpu", dtype: str | None = None
              prepare_device_model: Callable[[torch.nn.Module], None] | None = None,
              on_stage: Callable[[str, int], None] | None = None,
              runtime: str = "torch", provider: str = "CPUExecutionProvider",
-             devices: str | Sequence[str] | None = None) -> Report:
+             devices: str | Sequence[str] | None = None, svdq_compute: str | None = None) -> Report:
     """Run golden, intrinsic reference and device under test in lock-step and judge the device.
 
     `runtime="torch"`: `model` is a transformer (folder or file) run on `device` in `dtype` (default bf16).
@@ -43,7 +43,13 @@ def validate(model: str | Path, *, device: str = "cpu", dtype: str | None = None
     `devices` (two or more, e.g. `cuda:0,cuda:1`): the staged run split as pipeline stages over them with
     torch.distributed (validation.distributed); the report is the one a single-device run writes. Under torchrun,
     ranks other than 0 return None.
+    `svdq_compute` ("w4a4" or "w4a16", a Nunchaku SVDQuant `model` only): the intrinsic and device runs keep the
+    quantized linears packed and compute them so (validation.packed); the golden stays the float32 run of the
+    dequantized weights. Without it an SVDQuant file runs as plain linears of its dequantized weights.
     """
+    if svdq_compute is not None and (devices is not None or runtime != "torch"):
+        raise PortError("--svdq-compute runs the packed linears in the torch staged runner on one device; drop "
+                        "--devices / --runtime onnxruntime, or --svdq-compute.")
     if devices is not None:
         if runtime != "torch":
             raise PortError(f"--devices with --runtime {runtime}: a pipeline over several devices runs the torch "
@@ -103,6 +109,11 @@ def validate(model: str | Path, *, device: str = "cpu", dtype: str | None = None
                           f"{export['weights_sha256'][:16]}..., now {weights[:16]}...).",
                           hint="Export again from the current weights.")
     check_dequantized(source)
+    packed = None
+    if svdq_compute is not None:
+        from .packed import PackedLinears
+
+        packed = PackedLinears(source, svdq_compute)
     inputs = build_inputs(source.config, resolution, text_len, timesteps, seeds, base, prompt,
                           family=source.detection.family)
     if export is not None and export.get("target") == "ryzenai":
@@ -111,14 +122,14 @@ def validate(model: str | Path, *, device: str = "cpu", dtype: str | None = None
 
         intrinsic_run = torch_runner(source, ref, torch.float32, torch_bf16_weights)
     else:
-        intrinsic_run = (torch_runner(source, ref, run_dtype) if intrinsic == "native" else
-                         torch_runner(source, ref, torch.float32, emulate=run_dtype))
+        intrinsic_run = (torch_runner(source, ref, run_dtype, packed=packed) if intrinsic == "native" else
+                         torch_runner(source, ref, torch.float32, emulate=run_dtype, packed=packed))
     if runtime == "onnxruntime":
         from .runners.onnxruntime import OrtRunner
 
         device_run: Runner = OrtRunner(Path(model), provider, run_dtype, source.stages.forward_kwargs)
     else:
-        device_run = torch_runner(source, dev, run_dtype, device_weight_transform)
+        device_run = torch_runner(source, dev, run_dtype, device_weight_transform, packed=packed)
     golden_weights = GoldenWeights()  # refuses a non-finite weight by name, counts all-zero ones
     runs = Runs(torch_runner(source, ref, gold_dtype, golden_weights), intrinsic_run, device_run)
     if prepare_device_model is not None:

@@ -35,15 +35,18 @@ def cast_state(state: State, dtype: torch.dtype, device: torch.device) -> State:
 
 class StagedModel:
     def __init__(self, source: WeightSource, device: torch.device, dtype: torch.dtype,
-                 weight_transform: WeightTransform | None = None, emulate: torch.dtype | None = None) -> None:
+                 weight_transform: WeightTransform | None = None, emulate: torch.dtype | None = None,
+                 packed: Any = None) -> None:
         """`emulate`: compute in `dtype` (float32) but round weights, inputs and every module's positional inputs and
         outputs to `emulate`, the storage rounding of a bf16 accelerator with float32 accumulation, for hosts whose
-        CPU lacks fast bf16."""
+        CPU lacks fast bf16. `packed` (`validation.packed.PackedLinears`): the quantized linears of an SVDQuant file
+        run packed, as the kernel computes them, instead of as plain linears of the dequantized weights."""
         import diffusers
 
         self.source, self.device, self.dtype = source, device, dtype
         self.weight_transform = weight_transform
         self.emulate = emulate
+        self.packed = packed
         self.stages = source.stages
         cls = getattr(diffusers, source.detection.table.diffusers_class)
         clean = {k: v for k, v in source.config.items() if not k.startswith("_")}
@@ -91,6 +94,13 @@ class StagedModel:
     def materialise(self, stage: str) -> None:
         for prefix, module in self._modules(stage):
             module.to_empty(device=self.device).to(self.dtype)
+            if self.packed is not None:  # after to_empty: the packed parts are built, not cast
+                self.packed.install(prefix, module, self.device, self.emulate)
+                if self.emulate is not None:
+                    for sub in module.modules():
+                        if not sub._forward_pre_hooks:
+                            sub.register_forward_pre_hook(self._round_inputs)
+                            sub.register_forward_hook(self._round_output)
             with torch.no_grad():
                 for name, param in module.named_parameters():
                     key = f"{prefix}.{name}"

@@ -30,12 +30,14 @@ def round_to(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if dtype == torch.float32 else t.to(dtype).float()
 
 
-def smoothed(x: torch.Tensor, smooth: torch.Tensor, shift: float = 0.0) -> torch.Tensor:
-    """h = T(fp32(T(x + shift)) / fp32(s)) in fp32, with T = x.dtype."""
+def smoothed(x: torch.Tensor, smooth: torch.Tensor, shift: float = 0.0,
+             dtype: torch.dtype | None = None) -> torch.Tensor:
+    """h = T(fp32(T(x + shift)) / fp32(s)) in fp32, with T = `dtype` (default x.dtype)."""
+    t = dtype or x.dtype
     xf = x.float()
     if shift:
-        xf = round_to(xf + shift, x.dtype)
-    return round_to(xf / smooth.float(), x.dtype)
+        xf = round_to(xf + shift, t)
+    return round_to(xf / smooth.float(), t)
 
 
 def _groups(h: torch.Tensor, size: int) -> torch.Tensor:

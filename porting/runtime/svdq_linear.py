@@ -139,10 +139,12 @@ class PackedPiece(nn.Module):
 
     # -- forward --------------------------------------------------------------------------------------------------
 
-    def forward(self, x: torch.Tensor, compute: str = "w4a4") -> torch.Tensor:
+    def forward(self, x: torch.Tensor, compute: str = "w4a4", act_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """`act_dtype`: the T the kernel rounds to, when the run computes in float32 but stores another dtype
+        (validate's emulated intrinsic run); default x.dtype."""
         if compute == "w4a16" or self.kind == "awq":
             return self._w4a16(x)
-        return self._w4a4(x)
+        return self._w4a4(x, act_dtype or x.dtype)
 
     def _w4a16(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias_w4a16 if self.bias_w4a16 is not None else self.bias
@@ -152,10 +154,9 @@ class PackedPiece(nn.Module):
             out[..., r0:r1] = F.linear(x, self.weight(r0, r1).to(x.dtype), b)
         return out
 
-    def _w4a4(self, x: torch.Tensor) -> torch.Tensor:
-        t = x.dtype
+    def _w4a4(self, x: torch.Tensor, t: torch.dtype) -> torch.Tensor:
         lora = x.float() @ self.down.float().t() if self.down is not None else None  # raw input, before s and shift
-        h = smoothed(x, self.smooth, SHIFT_GELU if self.gelu_shift else 0.0)
+        h = smoothed(x, self.smooth, SHIFT_GELU if self.gelu_shift else 0.0, t)
         act = nvfp4_activations(h) if self.precision == "nvfp4" else int4_activations(h, t, self.gelu_shift)
         acc = torch.empty(*x.shape[:-1], self.n, dtype=torch.float32, device=x.device)
         for r0, r1 in self.bands():
@@ -173,7 +174,7 @@ class PackedPiece(nn.Module):
             acc = acc + round_to(lora, t) @ self.up.float().t()
         if t == torch.float16:
             acc = acc.clamp(-FP16_MAX, FP16_MAX)
-        return acc.to(t)
+        return acc.to(x.dtype)
 
     def packed_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for name, b in self.named_buffers() if name != "e2m1")
@@ -193,6 +194,7 @@ class SvdqLinear(nn.Module):
         self.pieces = nn.ModuleList(pieces)
         self.join = join
         self.compute = compute
+        self.act_dtype: torch.dtype | None = None  # the kernel's T when it is not the input's dtype
         if join == "columns":
             self.in_features, self.out_features = sum(p.k for p in pieces), pieces[0].n
         else:
@@ -209,10 +211,10 @@ class SvdqLinear(nn.Module):
         if self.join == "columns":  # each layer reads its own input columns; the outputs add (in T)
             out, start = None, 0
             for p in self.pieces:
-                y = p(flat[:, start:start + p.k], self.compute)
+                y = p(flat[:, start:start + p.k], self.compute, self.act_dtype)
                 out, start = (y if out is None else out + y), start + p.k
         else:
-            outs = [p(flat, self.compute) for p in self.pieces]
+            outs = [p(flat, self.compute, self.act_dtype) for p in self.pieces]
             out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         return out.reshape(*x.shape[:-1], self.out_features)
 

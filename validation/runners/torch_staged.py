@@ -22,5 +22,5 @@ class TorchStagedRunner(StagedModel):
 
 def torch_runner(source: WeightSource, device: torch.device, dtype: torch.dtype,
                  weight_transform: WeightTransform | None = None,
-                 emulate: torch.dtype | None = None) -> TorchStagedRunner:
-    return TorchStagedRunner(source, device, dtype, weight_transform, emulate)
+                 emulate: torch.dtype | None = None, packed: Any = None) -> TorchStagedRunner:
+    return TorchStagedRunner(source, device, dtype, weight_transform, emulate, packed)
