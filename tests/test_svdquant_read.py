@@ -244,3 +244,42 @@ def test_packed_layers_outside_the_blocks_are_refused(flux2_file, tmp_path, caps
     bad = tmp_path / "svdq-int4-Qwen3-text.safetensors"
     save_file({"model.layers.0.self_attn.o_proj.qweight": q, "model.layers.0.self_attn.o_proj.wscales": s}, str(bad))
     _refused(capsys, bad, tmp_path / "out", "model.layers.0.self_attn.o_proj", "SVDQuant", code=1)
+
+
+# --- validation sees a corrupted packed tile and names its block ---------------------------------------------------
+
+@pytest.mark.parametrize("compute", ["w4a4", "w4a16"])
+def test_a_corrupted_packed_tile_fails_validation_in_its_block(compute, tmp_path):
+    """The device run gets the codes of a copy of the file with one 128x64 qweight tile flipped (tests/svdqfiles
+    `corrupt_tile`, in the file's own MMA layout); the reference runs the intact file. Validation must fail and
+    blame the block holding that tile, with the blocks before it clean."""
+    import shutil
+
+    from porting.runtime.svdq_linear import PackedPiece
+    from porting.tensors.quant import svdq_packing as P
+    from validation.api import validate
+
+    from .svdqfiles import corrupt_tile
+
+    fx = write_svdq_file(tmp_path / "src", "flux2", "int4", spelling="module")
+    layer = "single_transformer_blocks.0.attn.mlp_fc1."
+    broken = shutil.copy(fx.path, tmp_path / "broken.safetensors")
+    corrupt_tile(Path(broken), layer + "qweight")
+    with safe_open(str(broken), "pt") as f:
+        q = f.get_tensor(layer + "qweight")
+    codes = P.unpack_code_bytes(q, q.shape[0], q.shape[1] * 2)
+
+    def use_broken_codes(model: torch.nn.Module) -> None:
+        block = model.get_submodule("single_transformer_blocks.0")
+
+        def swap(module, args):  # the stage's packed linears exist once it is materialised, before it runs
+            for piece in module.modules():
+                if isinstance(piece, PackedPiece) and piece.prefix == layer:
+                    piece.codes.copy_(codes.to(piece.codes.device))
+        block.register_forward_pre_hook(swap)
+
+    d = validate(fx.path, svdq_compute=compute, prepare_device_model=use_broken_codes, resolution=128,
+                 text_len=32).to_dict()
+    assert d["verdict"] == "fail"
+    assert d["blame"]["stage"] == "single_transformer_blocks.0"
+    assert all(b["teacher_forced"]["ratio"] <= 2.0 for b in d["blocks"] if b["stage"] == "transformer_blocks.0")

@@ -131,7 +131,11 @@ def validate(model: str | Path, *, device: str = "cpu", dtype: str | None = None
     else:
         device_run = torch_runner(source, dev, run_dtype, device_weight_transform, packed=packed)
     golden_weights = GoldenWeights()  # refuses a non-finite weight by name, counts all-zero ones
-    runs = Runs(torch_runner(source, ref, gold_dtype, golden_weights), intrinsic_run, device_run)
+    if packed is not None:  # the verdict: the device's packed run against the same computation on the reference
+        runs = Runs(torch_runner(source, ref, gold_dtype, golden_weights, packed=packed), intrinsic_run, device_run,
+                    plain=torch_runner(source, ref, gold_dtype))
+    else:
+        runs = Runs(torch_runner(source, ref, gold_dtype, golden_weights), intrinsic_run, device_run)
     if prepare_device_model is not None:
         prepare_device_model(runs.device.model)  # type: ignore[attr-defined]
     report = judge(runs, source, inputs, dtype=dtype, golden_dtype=golden_dtype, model=model, max_ratio=max_ratio,

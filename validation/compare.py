@@ -29,6 +29,9 @@ class Runs:
     golden: StagedModel  # always the torch staged run: it also says what each stage is judged by
     intrinsic: Runner
     device: Runner
+    # a packed SVDQuant run: the golden computes as the kernel does (4-bit activations) in float32, and `plain`, the
+    # float32 run of the dequantized weights, measures per block what the 4-bit computation costs
+    plain: Runner | None = None
 
 
 def whole_output(runs: Runs, inputs: dict[str, Any],
@@ -109,6 +112,14 @@ def lockstep_stages(runs: Runs, stages: list[tuple[int, str]], carry: Carry,
             update = golden_t.to("cpu", torch.float64) - base
             m.update({name: compare(stage_output(stage, st).to("cpu", torch.float64) - base, update, dtype)
                       for name, st in (("i_tf", i_tf), ("d_tf", d_tf))})
+        if runs.plain is not None:
+            (p_tf,) = runs.plain.run(stage, [golden_state])
+            plain_t = stage_output(stage, p_tf)
+            if residual is None:
+                m["quant"] = compare(golden_t, plain_t, dtype)
+            else:
+                m["quant"] = compare(golden_t.to("cpu", torch.float64) - base,
+                                     plain_t.to("cpu", torch.float64) - base, dtype)
         row = {
             "stage": stage,
             "accumulated": {"device": m["d_acc"], "intrinsic": m["i_acc"],
@@ -116,6 +127,7 @@ def lockstep_stages(runs: Runs, stages: list[tuple[int, str]], carry: Carry,
             "teacher_forced": {"device": m["d_tf"], "intrinsic": m["i_tf"],
                                "ratio": error_ratio(m["d_tf"]["rel_l2"], m["i_tf"]["rel_l2"], dtype)},
             "growth_flag": False,
+            **({"quantization": m["quant"]} if "quant" in m else {}),
         }
         cur = {"d": m["d_acc"]["rel_l2"], "i": m["i_acc"]["rel_l2"]}
         if prev and stage != "final" and all(v > 0 and math.isfinite(v) for v in (*cur.values(), *prev.values())):

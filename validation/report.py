@@ -110,15 +110,22 @@ def to_markdown(d: dict[str, Any]) -> str:
     if not localisation["per_block"]:
         lines += ["", "## Per block", "", f"Not available: {localisation['note']}."]
     else:
+        quant = any("quantization" in b for b in d["blocks"])
         lines += ["", "## Per block (teacher-forced: each block fed the golden inputs)", "",
-                  "| stage | original | device rel-L2 | intrinsic rel-L2 | ratio | accumulated ratio | flag |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| stage | original | device rel-L2 | intrinsic rel-L2 | ratio | accumulated ratio | flag |"
+                  + (" 4-bit vs dequantized |" if quant else ""),
+                  "|---|---|---|---|---|---|---|" + ("---|" if quant else "")]
+        if quant:
+            lines[-3:-3] = ["The golden runs the packed 4-bit computation in float32; the last column is that "
+                            "golden against the float32 run of the dequantized weights, block by block: where the "
+                            "quantization error sits.", ""]
     for b in d["blocks"]:
         tf = b["teacher_forced"]
         flag = "BLAME" if d["blame"] and d["blame"]["stage"] == b["stage"] else ("growth" if b["growth_flag"] else "")
+        extra = f" {_pct(b['quantization']['rel_l2'])} |" if "quantization" in b else ""
         lines.append(f"| {b['stage']} | {b['original']} | {_pct(tf['device']['rel_l2'])} | "
                      f"{_pct(tf['intrinsic']['rel_l2'])} | {_ratio(tf['ratio'])} | "
-                     f"{_ratio(b['accumulated']['ratio'])} | {flag} |")
+                     f"{_ratio(b['accumulated']['ratio'])} | {flag} |{extra}")
     if d.get("known_differences"):
         lines += ["", "## Known, expected differences", ""] + [f"- {x}" for x in d["known_differences"]]
     lines += ["", "Relative L2 e and cosine relate as cosine = 1/sqrt(1+e^2): e = 1 % is cosine 0.99995, "
@@ -146,16 +153,20 @@ def terminal_table(d: dict[str, Any], max_rows: int = 80) -> Table:
     blocks = d["blocks"][:max_rows]
     flags = ["BLAME" if b["stage"] == blame else ("growth" if b["growth_flag"] else "") for b in blocks]
     flagged = any(flags)
-    for col in ("stage", "device err", intrinsic, "ratio", "acc. ratio") + (("flag",) if flagged else ()):
+    quant = any("quantization" in b for b in blocks)
+    for col in ("stage", "device err", intrinsic, "ratio", "acc. ratio") + (("4-bit",) if quant else ()) \
+            + (("flag",) if flagged else ()):
         table.add_column(col, no_wrap=True)
     for b, flag in zip(blocks, flags):
         tf = b["teacher_forced"]
         table.add_row(short_stage(b["stage"]), _pct(tf["device"]["rel_l2"]), _pct(tf["intrinsic"]["rel_l2"]),
-                      _ratio(tf["ratio"]), _ratio(b["accumulated"]["ratio"]), *((flag,) if flagged else ()))
+                      _ratio(tf["ratio"]), _ratio(b["accumulated"]["ratio"]),
+                      *((_pct(b["quantization"]["rel_l2"]) if "quantization" in b else "",) if quant else ()),
+                      *((flag,) if flagged else ()))
     for row in d["summary"]:
         name = "output" if row["name"] == "all cases" else row["name"].replace("seed ", "s").replace(", ", " ")
         table.add_row(name, _pct(row["device_error"]), _pct(row["intrinsic_error"]), _ratio(row["ratio"]), "",
-                      *(("",) if flagged else ()))
+                      *(("",) if quant else ()), *(("",) if flagged else ()))
     localisation = d.get("localisation") or {"per_block": True}
     if not localisation["per_block"]:
         table.caption = f"no per-block rows: {localisation['note']}"
