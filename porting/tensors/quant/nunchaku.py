@@ -51,15 +51,20 @@ def _declared_method(ckpt: Checkpoint) -> str | None:
 
 
 def _quant_config(ckpt: Checkpoint) -> dict | None:
-    raw = (ckpt.metadata or {}).get(METADATA_KEY)
+    return _metadata_object(ckpt, METADATA_KEY)
+
+
+def _metadata_object(ckpt: Checkpoint, key: str) -> dict | None:
+    """A header metadata entry holding a JSON object (None when absent); anything else is refused by name."""
+    raw = (ckpt.metadata or {}).get(key)
     if raw is None:
         return None
     try:
         doc = json.loads(raw)
     except ValueError as e:
-        raise InputError(f"{ckpt.path}: header metadata {METADATA_KEY!r} is not JSON ({e}).") from e
+        raise InputError(f"{ckpt.path}: header metadata {key!r} is not JSON ({e}).") from e
     if not isinstance(doc, dict):
-        raise InputError(f"{ckpt.path}: header metadata {METADATA_KEY!r} must be a JSON object.")
+        raise InputError(f"{ckpt.path}: header metadata {key!r} must be a JSON object.")
     return doc
 
 
@@ -145,16 +150,7 @@ def _family(ckpt: Checkpoint) -> str:
 
 
 def _config(ckpt: Checkpoint) -> dict | None:
-    if ckpt.config:
-        return ckpt.config
-    raw = (ckpt.metadata or {}).get("config")
-    if raw is None:
-        return None
-    try:
-        cfg = json.loads(raw)
-    except ValueError as e:
-        raise InputError(f"{ckpt.path}: header metadata 'config' is not JSON ({e}).") from e
-    return cfg if isinstance(cfg, dict) else None
+    return ckpt.config or _metadata_object(ckpt, "config")
 
 
 _BLOCK_KEY = re.compile(r"^(transformer_blocks|single_transformer_blocks)\.(\d+)\.(.+)$")
