@@ -283,3 +283,23 @@ def test_a_corrupted_packed_tile_fails_validation_in_its_block(compute, tmp_path
     assert d["verdict"] == "fail"
     assert d["blame"]["stage"] == "single_transformer_blocks.0"
     assert all(b["teacher_forced"]["ratio"] <= 2.0 for b in d["blocks"] if b["stage"] == "transformer_blocks.0")
+
+
+def test_published_card_says_what_it_was_dequantized_from(tmp_path, capsys):
+    """SVDQuant file -> convert -> validate -> publish: the manifest and the model card name the source format."""
+    from porting.demo.bases import write_tiny_base
+
+    base = write_tiny_base(tmp_path / "base", "klein")
+    fx = write_svdq_file(tmp_path / "src", "flux2", "int4")
+    # the base's own transformer has the fixture's sizes (publish takes only its text encoder, VAE and scheduler)
+    (base / "transformer" / "config.json").write_text(json.dumps(fx.config))
+    transformer = tmp_path / "transformer"
+    assert run_port(capsys, "convert", fx.path, "--out", transformer, "--strict").code == 0
+    manifest = json.loads((transformer / "flux-port.json").read_text())
+    assert manifest["dequantized_from"].startswith("Nunchaku SVDQuant int4, rank 16, group 64")
+    run = run_port(capsys, "validate", transformer, "--resolution", "128", "--text-len", "32", "--quiet")
+    assert run.code == 0, run.err
+    run = run_port(capsys, "publish", "--base", base, "--transformer", transformer, "--out", tmp_path / "pub")
+    assert run.code == 0, run.err
+    card = (tmp_path / "pub" / "README.md").read_text()
+    assert "| dequantized from | `Nunchaku SVDQuant int4, rank 16, group 64" in card

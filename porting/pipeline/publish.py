@@ -403,6 +403,8 @@ def model_card(*, name: str, base_model: str | None, base: Path, variant: str, w
             ("source naming", convert_manifest.get("source_naming", "not recorded")),
             ("mapping table", convert_manifest.get("table", "not recorded")),
             ("detected variant", convert_manifest.get("variant") or "unnamed"),
+            *([("dequantized from", convert_manifest["dequantized_from"])]
+              if convert_manifest.get("dequantized_from") else []),
             ("transformer weights sha256", weights),
             ("converted with", f"flux-port {convert_manifest.get('version', 'unknown')}"),
             ("published with", f"flux-port {__version__}, pipeline {spec.pipeline}")]
