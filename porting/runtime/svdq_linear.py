@@ -58,7 +58,7 @@ class PackedPiece(nn.Module):
         self.gelu_shift = layer.gelu_shift
         self.alpha = 1.0
         buf = self._buffer
-        for name in ("wcscales", "e2m1", "zeros", "bias_w4a16"):
+        for name in ("wcscales", "zeros", "bias_w4a16"):
             buf(name, None)
         if layer.kind == "awq":
             self._load_awq(layer, rows, with_bias)
@@ -66,15 +66,14 @@ class PackedPiece(nn.Module):
         unpacked = decoder.unpacked(layer)
         t0, t1 = a // P.TILE_N, -(-b // P.TILE_N)
         stored = read_stored(layer.parts["qweight"], (t0 * P.TILE_N, t1 * P.TILE_N))
-        codes = P.unpack_codes(stored, (t1 - t0) * P.TILE_N, layer.k)[a - t0 * P.TILE_N:b - t0 * P.TILE_N]
-        buf("codes", pack_nibbles(codes))
+        lo = a - t0 * P.TILE_N
+        buf("codes", P.unpack_code_bytes(stored, (t1 - t0) * P.TILE_N, layer.k)[lo:lo + b - a].contiguous())
         if layer.precision == "nvfp4":
             buf("scales", unpacked.scales[a:b].to(torch.float8_e4m3fn).view(torch.uint8))  # e4m3 bits
             if "wtscale" in layer.parts:
                 self.alpha = float(read_stored(layer.parts["wtscale"]).float().reshape(-1)[0])
             buf("wcscales", P.unpack_vector(read_stored(layer.parts["wcscales"]))[a:b]
                 if "wcscales" in layer.parts else None)
-            buf("e2m1", torch.tensor(P.E2M1, dtype=torch.float32))
         else:
             buf("scales", unpacked.scales[a:b].to(layer.parts["wscales"].torch_dtype))
         stored_dtype = layer.parts["smooth"].torch_dtype if "smooth" in layer.parts else torch.bfloat16
@@ -109,15 +108,26 @@ class PackedPiece(nn.Module):
 
     def values(self, r0: int, r1: int) -> torch.Tensor:
         """Rows [r0, r1) of the 4-bit weight times its group scales, float32 (no wtscale, wcscales, s or U·D)."""
-        codes = unpack_nibbles(self.codes[r0:r1])
         if self.kind == "awq":
+            codes = unpack_nibbles(self.codes[r0:r1])
             return (codes.float() * self.scales[r0:r1].float().repeat_interleave(64, dim=1)
                     + self.zeros[r0:r1].float().repeat_interleave(64, dim=1))
+        rows = r1 - r0
+        # each byte's two code values by one lookup (int32 indices), times their group scale by broadcasting
+        table = self._byte_values(self.codes.device)
+        v = table.index_select(0, self.codes[r0:r1].reshape(-1).int())
         if self.precision == "nvfp4":
-            scales = self.scales[r0:r1].view(torch.float8_e4m3fn).float().repeat_interleave(16, dim=1)
-            return self.e2m1[codes.long()] * scales
-        signed = (codes ^ 8).float() - 8  # two's complement nibbles: 8..15 are -8..-1
-        return signed * self.scales[r0:r1].float().repeat_interleave(64, dim=1)
+            scales = self.scales[r0:r1].view(torch.float8_e4m3fn).float()
+        else:
+            scales = self.scales[r0:r1].float()
+        return v.view(rows, scales.shape[1], -1).mul_(scales[:, :, None]).view(rows, self.k)
+
+    def _byte_values(self, device: torch.device) -> torch.Tensor:
+        cached = getattr(self, "_table", None)
+        if cached is None or cached.device != device:
+            cached = P.byte_values(self.precision).to(device)
+            self._table = cached
+        return cached
 
     def weight(self, r0: int, r1: int) -> torch.Tensor:
         """Rows [r0, r1) of the effective weight R/s + U·D, float32 (what svdq_decode dequantizes)."""
@@ -177,7 +187,7 @@ class PackedPiece(nn.Module):
         return acc.to(x.dtype)
 
     def packed_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for name, b in self.named_buffers() if name != "e2m1")
+        return sum(b.numel() * b.element_size() for b in self.buffers())
 
     def extra_repr(self) -> str:
         shift = ", GELU-shifted unsigned input" if self.gelu_shift else ""
