@@ -219,10 +219,13 @@ def test_bad_svdq_compute_is_refused(klein, tmp_path, capsys):
     assert run.code == 2 and "w8a8" in run.err
 
 
-def test_validate_runs_the_packed_computation_on_reference_and_device(tmp_path, capsys):
-    """--svdq-compute w4a4: device and intrinsic runs are both packed w4a4 (ratio near 1, verdict pass), the golden
-    stays the dequantized float32 run, so the per-block error against it grows by the 4-bit activation noise."""
-    svdq = write_svdq_file(tmp_path / "src", "flux1", "int4").path
+@pytest.mark.parametrize("family,precision", [("flux1", "int4"), ("flux1", "nvfp4"), ("flux2", "int4"),
+                                              ("flux2", "nvfp4")])
+def test_validate_runs_the_packed_computation_on_reference_and_device(family, precision, tmp_path, capsys):
+    """--svdq-compute w4a4: golden, intrinsic and device runs all compute packed (the golden in float32), so the
+    verdict is the device's packed run against the same computation (ratio near 1, pass); each block's 4-bit column
+    (packed golden vs the float32 run of the dequantized weights) shows the activation noise the plain run lacks."""
+    svdq = write_svdq_file(tmp_path / "src", family, precision).path
     errors = {}
     for compute in (None, "w4a4"):
         extra = ["--svdq-compute", compute] if compute else []
@@ -231,7 +234,32 @@ def test_validate_runs_the_packed_computation_on_reference_and_device(tmp_path, 
         assert run.code == 0, run.err
         doc = json.loads(run.out)
         assert doc["verdict"] == "pass"
-        blocks = {b["stage"]: b["teacher_forced"] for b in doc["blocks"]}
-        errors[compute] = blocks["transformer_blocks.0"]["device"]["rel_l2"]
-        assert blocks["transformer_blocks.0"]["ratio"] < 1.5
-    assert errors["w4a4"] > 1.5 * errors[None], errors
+        block = next(b for b in doc["blocks"] if b["stage"] == "transformer_blocks.0")
+        assert block["teacher_forced"]["ratio"] < 1.5
+        errors[compute] = block["teacher_forced"]["device"]["rel_l2"]
+        if compute:
+            errors["4-bit"] = block["quantization"]["rel_l2"]
+            assert "4-bit vs dequantized" in (tmp_path / f"v-{compute}" / "report.md").read_text()
+        else:
+            assert "quantization" not in block
+    assert errors["4-bit"] > 1e-3 and errors["4-bit"] > errors[None] / 10, errors
+
+
+@pytest.mark.parametrize("family,precision,variant", [("flux2", "nvfp4", "klein"), ("flux1", "int4", "flux1-dev"),
+                                                      ("flux1", "nvfp4", "flux1-dev")])
+def test_compare_and_bench_on_both_families_and_precisions(family, precision, variant, tmp_path, capsys):
+    """S2's two tables on the tiny models: compare the base against its SVDQuant transformer, bench it packed."""
+    from porting.demo.bases import write_tiny_base
+
+    base = write_tiny_base(tmp_path / "base", variant)
+    svdq = write_svdq_file(tmp_path / "src", family, precision).path
+    run = run_port(capsys, "compare", base, base, "--candidate-transformer", svdq, "--prompt", "a fox", "--steps", "1",
+                   "--size", "32", "--out", tmp_path / "cmp", "--json", "--quiet")
+    assert run.code == 0, run.err
+    doc = json.loads(run.out)
+    assert doc["candidate"]["svdq_compute"] == "w4a4" and doc["summary"]["psnr"]["mean"] > 0
+    run = run_port(capsys, "bench", base, "--transformer", svdq, "--offload", "none", "--task", "t2i", "--steps", "1",
+                   "--runs", "1", "--warmup", "0", "--size", "32", "--out", tmp_path / "bench", "--json", "--quiet")
+    assert run.code == 0, run.err
+    doc = json.loads(run.out)
+    assert doc["svdq"]["compute"] == "w4a4" and doc["rows"][0]["status"] == "ok"
