@@ -179,6 +179,7 @@ def test_generate_with_an_svdquant_transformer(klein, tmp_path, capsys):
     assert image.is_file() and json.loads(run.out)["peak_memory_bytes"] > 0
 
 
+@pytest.mark.slow  # FLUX.1's GELU-shift path is also held by the packed-model test in the README command
 def test_generate_flux1_gelu_shift_path(tmp_path, capsys):
     from porting.demo.bases import write_tiny_base
 
@@ -219,8 +220,12 @@ def test_bad_svdq_compute_is_refused(klein, tmp_path, capsys):
     assert run.code == 2 and "w8a8" in run.err
 
 
-@pytest.mark.parametrize("family,precision", [("flux1", "int4"), ("flux1", "nvfp4"), ("flux2", "int4"),
-                                              ("flux2", "nvfp4")])
+SLOW = pytest.mark.slow  # the same path as the case kept in the README command, on the other families / precisions
+
+
+@pytest.mark.parametrize("family,precision", [("flux2", "int4"), pytest.param("flux1", "int4", marks=SLOW),
+                                              pytest.param("flux1", "nvfp4", marks=SLOW),
+                                              pytest.param("flux2", "nvfp4", marks=SLOW)])
 def test_validate_runs_the_packed_computation_on_reference_and_device(family, precision, tmp_path, capsys):
     """--svdq-compute w4a4: golden, intrinsic and device runs all compute packed (the golden in float32), so the
     verdict is the device's packed run against the same computation (ratio near 1, pass); each block's 4-bit column
@@ -245,6 +250,7 @@ def test_validate_runs_the_packed_computation_on_reference_and_device(family, pr
     assert errors["4-bit"] > 1e-3 and errors["4-bit"] > errors[None] / 10, errors
 
 
+@pytest.mark.slow  # the klein int4 compare and bench above run in the README command
 @pytest.mark.parametrize("family,precision,variant", [("flux2", "nvfp4", "klein"), ("flux1", "int4", "flux1-dev"),
                                                       ("flux1", "nvfp4", "flux1-dev")])
 def test_compare_and_bench_on_both_families_and_precisions(family, precision, variant, tmp_path, capsys):

@@ -248,7 +248,7 @@ def test_packed_layers_outside_the_blocks_are_refused(flux2_file, tmp_path, caps
 
 # --- validation sees a corrupted packed tile and names its block ---------------------------------------------------
 
-@pytest.mark.parametrize("compute", ["w4a4", "w4a16"])
+@pytest.mark.parametrize("compute", ["w4a4", pytest.param("w4a16", marks=pytest.mark.slow)])
 def test_a_corrupted_packed_tile_fails_validation_in_its_block(compute, tmp_path):
     """The device run gets the codes of a copy of the file with one 128x64 qweight tile flipped (tests/svdqfiles
     `corrupt_tile`, in the file's own MMA layout); the reference runs the intact file. Validation must fail and
