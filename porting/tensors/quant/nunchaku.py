@@ -208,7 +208,8 @@ def _map_blocks(ckpt: Checkpoint, fam: Mapping[str, Any], stored: Mapping[str, d
             raise InputError(f"{ckpt.path}: quantized layer {base + left[0]!r} is not one flux-port knows in a "
                              f"{table()[info.family]['title']} {blocks[:-1].replace('_', ' ')}.",
                              hint="Known layers: see mappings/svdquant.toml. Nothing was written.")
-    info.spelling = {0: "module", 1: "alias"}.get(min(spellings), "") if spellings else ""
+    names = fam.get("spellings", [])
+    info.spelling = names[min(spellings)] if spellings and min(spellings) < len(names) else ""
     plain = fam.get("plain", {})
     for key in ckpt.tensors:
         m = _BLOCK_KEY.match(key)

@@ -84,10 +84,11 @@ class SvdqFile:
         return f"SVDQuant {self.precision}, rank {self.rank}, group {self.group_size}"
 
     def counts(self) -> dict[str, int]:
+        """Dequantized (computed) diffusers tensors, weights and biases, by the kind of layer they come from."""
         w4a4 = f"W4A4 {self.precision} g{self.group_size} + rank-{self.rank} branch"
         out: dict[str, int] = {}
-        for layer in self.layers.values():
-            name = w4a4 if layer.kind == "w4a4" else "W4A16 AWQ int4 g64 (adaLN)"
+        for target in self.targets.values():
+            name = w4a4 if target.pieces[0].layer.kind == "w4a4" else "W4A16 AWQ int4 g64 (adaLN)"
             out[name] = out.get(name, 0) + 1
         return out
 
