@@ -419,7 +419,11 @@ def skip_keys(adapter: Adapter, patterns: Sequence[str]) -> list[str]:
     hit = lambda key: any(fnmatch.fnmatchcase(key, p) for p in patterns)  # noqa: E731
     skipped: list[str] = []
     for param, m in list(adapter.modules.items()):
-        if any(hit(k) for k in m.keys.values()):
+        roles = [role for role, k in m.keys.items() if hit(k)]
+        if roles == ["alpha"]:  # `--skip '*.alpha'` drops the alphas (the factors then scale by 1), not the modules
+            skipped.append(m.keys.pop("alpha"))
+            m.alpha = None
+        elif roles:
             skipped += m.keys.values()
             del adapter.modules[param]
     skipped += [k for k, _ in adapter.unknown if hit(k)]
@@ -476,6 +480,11 @@ def merge(base: SourceLike, adapters: list[tuple[SourceLike, float]], out: str |
             raise UsageError(f"--skip {pattern!r}: matches no key of the adapters; nothing was written.",
                              hint="Patterns are globs on the keys as stored (see port inspect ADAPTER --json).")
     for adapter, _ in read:
+        if not adapter.modules and not adapter.unknown:  # unreadable keys are refused by placement, with reasons
+            raise UsageError(f"{adapter.path}: no adapter module is left to merge"
+                             + (" after --skip" if skipped[str(adapter.path)] else "") + "; the result would be a "
+                             "copy of the base. Nothing was written.",
+                             hint="Drop the adapter from the command, or skip less.")
         if adapter.table.name == detection.table.name:
             check_width(adapter, detection, shown(base))
     placement = Placement(ckpt, detection, read)

@@ -218,6 +218,31 @@ def _check_rank(ckpt: Checkpoint, m: ModuleAdapter, path: Path) -> None:
                                 "written.", hint="The adapter is damaged; export it again from the trainer.")
 
 
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # what an adapter's factors and differences are stored in
+
+
+def _check_numbers(ckpt: Checkpoint, m: ModuleAdapter, path: Path) -> None:
+    """Factors are floating-point numbers, an alpha is not a boolean, and a LoRA's two factors chain (down [r, in],
+    up [out, r]): anything else would be merged as if it were float, or fail at merge time. Refused by key."""
+    for role, key in m.keys.items():
+        info = ckpt.tensors[key]
+        if role == "alpha":
+            if info.dtype == "BOOL":
+                raise InputError(f"{path}: alpha {key!r} is a boolean; an alpha is a number. Nothing was written.",
+                                 hint="The adapter is damaged or was written by a broken exporter.")
+            continue
+        if info.dtype not in FLOAT_DTYPES:
+            raise InputError(f"{path}: {m.kind} factor {key!r} is stored as {info.dtype}; adapter factors are "
+                             f"floating-point ({', '.join(FLOAT_DTYPES)}). Nothing was written.",
+                             hint="An integer or boolean factor is not a trained weight; export the adapter again.")
+    if m.kind == "lora":
+        down, up = ckpt.tensors[m.keys["down"]], ckpt.tensors[m.keys["up"]]
+        if len(down.shape) != 2 or len(up.shape) != 2 or down.shape[0] != up.shape[1]:
+            raise InputError(f"{path}: LoRA factors of {m.param} do not chain: {m.keys['down']!r} "
+                             f"{list(down.shape)} and {m.keys['up']!r} {list(up.shape)} (down is [rank, in], up "
+                             "[out, rank]). Nothing was written.", hint="The adapter is damaged; export it again.")
+
+
 def _best_table(keys: list[str], prefer: str | None = None) -> ModuleIndex:
     """The table naming the most keys; a tie goes to `prefer` (the family of the base it is meant for), else to the
     family that declares the higher adapter priority."""
@@ -304,7 +329,11 @@ def read_adapter(ckpt: Checkpoint, table: MappingTable | None = None, prefer: st
             m.kind = "incomplete"
     modules = {tag: m for tag, m in modules.items() if m.kind != "incomplete"}
     for m in modules.values():
+        _check_numbers(ckpt, m, path)
         _check_rank(ckpt, m, path)
+    if not keys:
+        raise InputError(f"{path}: the adapter holds no tensors; there is nothing to merge or convert.",
+                         hint="Check that the download or export finished.")
     style, prefix = max(seen, key=seen.get) if seen else ("dotted", "")
     return Adapter(path, ckpt, index.table, naming, style, prefix,
                    {m.param: m for m in modules.values()}, unknown, _peft_scale(ckpt.metadata, path))
