@@ -103,3 +103,18 @@ def test_skipping_every_module_is_refused_not_a_silent_copy(base, tiny2_file, tm
     assert run.code == 2, run.err
     assert "no adapter module is left" in json.loads(run.out)["error"]
     assert leftovers(tmp_path / "out") == []
+
+
+def test_inspect_base_holding_nan_is_refused_not_ok(base, tiny2_file, tmp_path, capsys):
+    adapter, _ = adapter_for(tmp_path / "a.safetensors", BY_NAME["kohya"], base, seed=1)
+    key = MODULE + ".weight"
+
+    def poison(t):
+        w = t[key].clone()
+        w[0, 0] = float("nan")
+        t[key] = w
+    bad_base = _rewritten(tiny2_file, tmp_path / "nan-base.safetensors", poison)
+    run = run_port(capsys, "inspect", adapter, "--base", bad_base, "--json")
+    assert run.code == 1, run.err
+    error = json.loads(run.out)["error"]
+    assert key in error and "NaN" in error

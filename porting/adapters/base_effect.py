@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from porting.finite import check_number
+from porting.finite import check_number, check_tensor
 
 from .delta import delta
 from .effect import Effect
@@ -44,7 +44,12 @@ def effect_on_base(adapter_src: SourceLike, base_src: SourceLike, strength: floa
             part = placement.via.pop(param).compute().pop(param)
             d = part if d is None else d.add_(part)
         assert d is not None
-        effect.observe(param, ckpt.read(detection.prefix + param), delta=d, adapters=names)
+        weight = ckpt.read(detection.prefix + param)
+        # a NaN / Inf in the base makes every norm meaningless: refused by name, never reported as `ok`
+        check_tensor(weight, f"base tensor {detection.prefix + param!r}", base,
+                     hint="The base is damaged; the adapter's effect on it cannot be measured (and merging into it "
+                          "would be refused too).")
+        effect.observe(param, weight, delta=d, adapters=names)
         del d
     effect.doc["base"] = str(base)
     effect.doc["base_variant"] = detection.variant
