@@ -209,3 +209,18 @@ def test_every_tensor_and_engine_module_imports_on_its_own():
             "    importlib.import_module(name)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_metadata_contradicting_a_comfy_quant_tensor_is_refused(state, tmp_path, capsys):
+    """A layer declared twice (header `_quantization_metadata` and its `comfy_quant` tensor) with two formats: the
+    file is refused naming the layer, not read by whichever declaration came last (issue 29 rule 4)."""
+    tensors, _, _ = qf.comfy_mixed(state, "float8_e4m3fn", declare="tensor")
+    layer = next(k[: -len(".comfy_quant")] for k in sorted(tensors) if k.endswith(".comfy_quant"))
+    metadata = {"_quantization_metadata": json.dumps({"format_version": "1.0",
+                                                      "layers": {layer: {"format": "int8_tensorwise"}}})}
+    src = qf.save(tmp_path / "twice.safetensors", tensors, metadata)
+    run = run_port(capsys, "convert", src, "--out", tmp_path / "out", "--json")
+    assert run.code == 2, run.err
+    error = json.loads(run.out)["error"]
+    assert layer in error and "float8_e4m3fn" in error and "int8_tensorwise" in error
+    assert leftovers(tmp_path / "out") == []

@@ -69,8 +69,16 @@ def _configs(ckpt: Checkpoint) -> dict[str, dict]:
                 raise InputError(f"{ckpt.path}: {key!r} should be a small uint8 tensor of JSON, is {info.dtype} "
                                  f"{list(info.shape)}.")
             where = f"{ckpt.path}: {key!r}"
-            conf = parse_json(read_bytes(info), str(ckpt.path), what=repr(key))
-            configs[key[: -len(MARKER)] + "."] = _layer_config(conf, where)
+            conf = _layer_config(parse_json(read_bytes(info), str(ckpt.path), what=repr(key)), where)
+            prefix = key[: -len(MARKER)] + "."
+            declared = configs.get(prefix)
+            if declared is not None and declared.get("format") != conf.get("format"):
+                # two declarations of one layer that disagree: reading either would be a guess
+                raise InputError(f"{where} says format {conf.get('format')!r}, the header metadata {METADATA_KEY} "
+                                 f"says {declared.get('format')!r} for layer {prefix[:-1]!r}; flux-port will not "
+                                 "guess which one the weights follow. Nothing was written.",
+                                 hint="The file was edited or saved by two tools; re-save it with one.")
+            configs[prefix] = conf
     return configs
 
 
