@@ -224,3 +224,16 @@ def test_metadata_contradicting_a_comfy_quant_tensor_is_refused(state, tmp_path,
     error = json.loads(run.out)["error"]
     assert layer in error and "float8_e4m3fn" in error and "int8_tensorwise" in error
     assert leftovers(tmp_path / "out") == []
+
+
+def test_a_scale_vector_of_the_wrong_length_is_named_as_such(state, tmp_path, capsys):
+    """The true reason (issue 29 rule 5): a per-row scale with too few values, not a shape that 'fits neither'."""
+    tensors, _ = qf.comfy_scaled_fp8(state, prefix="")
+    key = next(k for k in sorted(tensors) if k.endswith(".scale_weight"))
+    rows = tensors[key[: -len("scale_weight")] + "weight"].shape[0]
+    tensors[key] = torch.ones(rows - 1)
+    src = qf.save(tmp_path / "short-scale.safetensors", tensors)
+    run = run_port(capsys, "convert", src, "--out", tmp_path / "out", "--json")
+    assert run.code == 2, run.err
+    error = json.loads(run.out)["error"]
+    assert f"the scale has {rows - 1} values" in error and f"needs {rows} values" in error

@@ -98,7 +98,11 @@ class Scaled(Scheme):
             return None
         if s.numel == rows and len(w.shape) == 2 and self.per_row is not False and s.shape in ((rows,), (rows, 1)):
             return None
-        return f"scale {list(s.shape)} fits neither one scale per tensor nor one per row of weight {list(w.shape)}"
+        if s.numel != rows and len(s.shape) <= 2 and s.numel > 1:
+            return (f"the scale has {s.numel} values and the weight {list(w.shape)} has {rows} rows: a per-row scale "
+                    f"needs {rows} values (one per output row), a per-tensor one 1")
+        return (f"scale {list(s.shape)} is neither one value (per tensor) nor [{rows}] / [{rows}, 1] (one per row) "
+                f"for weight {list(w.shape)}")
 
     def dequantize(self, parts: Parts, rows: tuple[int, int], dtype: torch.dtype | None = None) -> torch.Tensor:
         import torch
