@@ -237,3 +237,17 @@ def test_a_scale_vector_of_the_wrong_length_is_named_as_such(state, tmp_path, ca
     assert run.code == 2, run.err
     error = json.loads(run.out)["error"]
     assert f"the scale has {rows - 1} values" in error and f"needs {rows} values" in error
+
+
+def test_a_prefix_on_only_some_keys_is_named_as_such(state, tmp_path, capsys):
+    """The true reason (issue 29 rule 5): keys without the prefix the rest carry are there, not missing."""
+    keys = sorted(state)
+    tensors = {("model.diffusion_model." + k if i % 2 == 0 or "modulation" in k or k.startswith("img_in") else k): v
+               for i, (k, v) in enumerate((k, state[k]) for k in keys)}
+    stray = next(k for k in tensors if not k.startswith("model.diffusion_model."))
+    src = qf.save(tmp_path / "half-prefixed.safetensors", tensors)
+    run = run_port(capsys, "convert", src, "--out", tmp_path / "out", "--json")
+    assert run.code == 2, run.err
+    error = json.loads(run.out)["error"]
+    assert "'model.diffusion_model.'" in error and stray in error and "missing" not in error
+    assert leftovers(tmp_path / "out") == []

@@ -138,7 +138,13 @@ def detect(ckpt: Checkpoint, base_config: Mapping[str, Any] | None = None,
     table, naming, prefix = found
     respelled = table.respelling(ckpt.tensors, naming, prefix)
     ckpt = ckpt.respelled(respelled)  # another tool's spelling (ComfyUI's saved `.weight` norms) read as the table's
-    facts = infer_facts(ckpt, table, naming, prefix)
+    unprefixed = sorted(k for k in ckpt.tensors if not k.startswith(prefix)) if prefix else []
+    try:
+        facts = infer_facts(ckpt, table, naming, prefix)
+    except InputError:
+        if unprefixed:  # the tensor it needs is probably among them: that is the reason to give
+            raise _partly_prefixed(ckpt, prefix, unprefixed) from None
+        raise
     family = family_for(table)
     config = family.derive_config(facts)
     if ckpt.config and naming == "diffusers" and ckpt.config.get("_class_name") == table.diffusers_class:
@@ -157,4 +163,27 @@ def detect(ckpt: Checkpoint, base_config: Mapping[str, Any] | None = None,
                 details=rows, report={"config_mismatch": [dict(field=n, base=b, checkpoint=c) for n, b, c in bad]})
         merged = {k: v for k, v in base_config.items() if not k.startswith("_")}
         config = {"_class_name": table.diffusers_class, **merged}
+    if prefix:
+        _refuse_partly_prefixed(ckpt, family, config, naming, prefix)
     return Detection(table, naming, prefix, config, match_variant(table, config), facts, respelled, ckpt)
+
+
+def _refuse_partly_prefixed(ckpt: Checkpoint, family: Any, config: Mapping[str, Any], naming: Naming,
+                            prefix: str) -> None:
+    """Some of the model's keys under the tool prefix and some without it: say so, instead of reporting the
+    unprefixed ones as missing (they are there, under another name)."""
+    try:
+        expected = set(family.expected_shapes(config, naming))
+    except Exception:  # a config the shapes cannot be derived from is reported by the plan, with its reason
+        return
+    stray = sorted(k for k in ckpt.tensors if not k.startswith(prefix) and k in expected)
+    if stray:
+        raise _partly_prefixed(ckpt, prefix, stray)
+
+
+def _partly_prefixed(ckpt: Checkpoint, prefix: str, stray: list[str]) -> InputError:
+    under = sum(1 for k in ckpt.tensors if k.startswith(prefix))
+    return InputError(f"{ckpt.path}: {under} of the model's keys carry the prefix {prefix!r} and {len(stray)} do not "
+                      f"(e.g. {stray[0]!r}); a checkpoint uses one prefix for all its keys. Nothing was written.",
+                      hint="The file was assembled from two sources or saved by a broken tool; re-save it with one "
+                           "prefix (or none).")
