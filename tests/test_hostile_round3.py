@@ -1,5 +1,6 @@
-"""Issue 29 rule 4, numbers are typed: adapters written as a hostile (or broken) exporter would, refused by key with
-nothing written, or handled as documented (`--skip '*.alpha'` drops alphas, not modules)."""
+"""Issue 29 (hostile inputs, round three), rules 4 and 5, as a hostile (or broken) exporter would write the inputs:
+numbers are typed (refused by key, nothing written, or handled as documented: `--skip '*.alpha'` drops alphas, not
+modules), and refusals give the true reason."""
 
 from __future__ import annotations
 
@@ -118,3 +119,14 @@ def test_inspect_base_holding_nan_is_refused_not_ok(base, tiny2_file, tmp_path, 
     assert run.code == 1, run.err
     error = json.loads(run.out)["error"]
     assert key in error and "NaN" in error
+
+
+def test_a_reserved_job_name_is_refused_as_reserved(tmp_path):
+    """Issue 29 rule 5: `_batch` is a plain folder name, and reserved; the refusal says the second."""
+    from porting.cli.batch.jobs import load_jobs
+    from porting.errors import UsageError
+
+    jobs = tmp_path / "jobs.toml"
+    jobs.write_text('[[job]]\nname = "_batch"\nsource = "x.safetensors"\n')
+    with pytest.raises(UsageError, match="reserved"):
+        load_jobs(jobs, {})

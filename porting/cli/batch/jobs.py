@@ -125,6 +125,10 @@ def load_jobs(path: Path, allowed: dict[str, set[str]]) -> list[Job]:
         if bad:
             raise UsageError(f"{where}: unknown key(s) {', '.join(sorted(bad))}.",
                              hint=f"A job may set: {', '.join(sorted(JOB_KEYS))}.")
+        if isinstance(name, str) and name.startswith("_") and _NAME.fullmatch(name[1:]):
+            raise UsageError(f"{where}: name {name!r} is reserved: names starting with '_' are batch's own folders "
+                             "(DIR/_batch holds its summary).", hint="Rename the job; any name without a leading "
+                                                                      "'_' is fine.")
         if not isinstance(name, str) or not _NAME.fullmatch(name) or ".." in name:
             raise UsageError(f"{where}: name must be a plain folder name (letters, digits, '.', '_', '-'); "
                              f"got {name!r}.")
