@@ -29,6 +29,7 @@ from .bench_cmd import BENCH_EXAMPLES, bench
 from .compare_cmd import COMPARE_EXAMPLES, compare
 from .convert_cmd import CONVERT_EXAMPLES, convert
 from .demo_cmd import demo
+from .env_cmd import ENV_EXAMPLES, env
 from .export_cmd import EXPORT_EXAMPLES, export
 from .fetch_cmd import FETCH_EXAMPLES, RECIPES_EXAMPLES, fetch, recipes
 from .generate_cmd import GENERATE_EXAMPLES, generate
@@ -54,6 +55,22 @@ app.command(epilog=COMPARE_EXAMPLES)(checked(compare))
 app.command(epilog=BENCH_EXAMPLES)(checked(bench))
 app.command(epilog=EXPORT_EXAMPLES)(checked(export))
 app.command(epilog=BATCH_EXAMPLES)(checked(batch))
+app.command(epilog=ENV_EXAMPLES)(checked(env))
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from porting import __version__
+
+        print(f"flux-port {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+                                       help="Print flux-port's version and exit (port env: the whole environment).")
+          ) -> None:
+    pass
 
 
 # typer vendors click; its ClickException (unknown option, bad value) is reached through a public subclass
@@ -148,6 +165,9 @@ def _run(args: list[str]) -> None:
             raise
         sys.exit(err.exit_code)
     except ClickException as err:
+        if type(err).__name__ == "NoArgsIsHelpError":  # bare `port`: the help as text, not an escaped error line
+            sys.stdout.write(err.format_message() + "\n")
+            sys.exit(EXIT_USAGE)
         report_error(UsageError(err.format_message(), hint="See `port --help` or `port VERB --help`."))
         sys.exit(EXIT_USAGE)
     except (KeyboardInterrupt, typer.Abort):
