@@ -63,6 +63,7 @@ def test_a_second_family_goes_to_its_own_folder_and_keeps_the_users_reports(tmp_
     run = run_port(capsys, "demo", "--family", "flux1")
     assert run.code == 0, run.msg
     assert "demo-out/flux1/published" in run.out
+    assert "(relative L2 distance from the float32 output)" in run.out and "up to 2.0x passes" in run.out
     assert _files(klein) == before  # the first family's folder, the user's report in it, byte for byte
     assert (tmp_path / "demo-out" / "flux1" / "demo.png").is_file()
 
@@ -102,3 +103,24 @@ def test_a_rerun_refuses_when_another_verb_wrote_inside_what_the_demo_replaces(t
     assert "a new demo would replace published" in run.msg and "published/reports" in run.msg
     assert "nothing was changed" in run.msg and "--workdir OTHER" in run.msg
     assert _files(work) == before
+
+
+def test_the_validate_line_says_what_the_error_is_relative_to_and_why_it_passes() -> None:
+    """Issue 30, item 9: FLUX.1's tiny demo prints an output error of 33 %; the line says it is the distance from the
+    float32 output, that bf16 itself costs as much on this model, and that the verdict is the ratio."""
+    from porting.cli.demo_cmd import validate_line
+
+    def doc(device: float, intrinsic: float) -> dict:
+        return {"verdict": "pass", "intrinsic": "emulated", "rule": {"max_ratio": 2.0},
+                "output": {"device": {"rel_l2": device}, "intrinsic": {"rel_l2": intrinsic},
+                           "ratio": device / intrinsic},
+                "blocks": [{"teacher_forced": {"ratio": 1.22}}]}
+
+    line = validate_line(doc(0.332, 0.3318), Path("r/report.md"))
+    assert "PASS" in line and "output error 33.2 % (relative L2 distance from the float32 output)" in line
+    assert "bf16 itself costs 33.2 % on this model (rounding emulated in float32)" in line
+    assert "the port's error is 1.00x bf16's own; up to 2.0x passes" in line
+    assert "large on this tiny random-weight model: the verdict is the ratio" in line
+    small = validate_line(doc(0.00602, 0.0048), Path("r/report.md"))
+    assert "1.25x bf16's own" in small and "random-weight" not in small
+    assert all(len(x) <= 80 for x in small.splitlines()[:-1])
