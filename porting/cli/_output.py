@@ -53,7 +53,7 @@ class Output:
             table.title = Text(printable(table.title, lines=False))
         width = self.out.width
         with self.out.capture() as captured:  # printed without the blanks rich pads the lines with
-            self.out.print(table if narrowest(self.out, table) <= width else vertical(table, width))
+            self.out.print(table if fits(self.out, table, width) else vertical(table, width))
         self.out.file.write("".join(line.rstrip() + "\n" for line in captured.get().splitlines()))
 
     def document(self, doc: Any) -> None:
@@ -131,19 +131,24 @@ def cell(*lines: object) -> Text:
     return Text("\n".join(printable(line, lines=False) for line in lines))
 
 
-def narrowest(console: Console, table: Table) -> int:
-    """The width `table` needs to show every word of every cell (and header) whole: the longest word of each column
-    plus its padding, plus the borders."""
+def fits(console: Console, table: Table, width: int) -> bool:
+    """Whether rich lays `table` out in `width` columns with every word of every cell (and header) whole: each
+    column at least as wide as its longest word plus its padding (rich shrinks columns by ratio, and cuts a word
+    that does not fit its column with an ellipsis)."""
     wide = console.options.update_width(10**6)
 
     def longest_word(renderable: Any) -> int:
         return Measurement.get(console, wide, renderable).minimum if renderable else 0
 
     pad = table.padding[1] + table.padding[3]
-    columns = [max([longest_word(c.header) if table.show_header else 0, *map(longest_word, c._cells)])
-               for c in table.columns]
-    borders = (len(columns) + (1 if table.show_edge else -1)) if table.box else 0
-    return sum(columns) + pad * len(columns) + borders
+    needed = [pad + max([longest_word(c.header) if table.show_header else 0, *map(longest_word, c._cells)])
+              for c in table.columns]
+    try:
+        widths = table._calculate_column_widths(console, console.options.update_width(width))
+    except Exception:  # noqa: BLE001 - rich's layout is private: without it, the sum of the minimums decides
+        borders = (len(needed) + (1 if table.show_edge else -1)) if table.box else 0
+        return sum(needed) + borders <= width
+    return all(w >= n for w, n in zip(widths, needed))
 
 
 def vertical(table: Table, width: int) -> Group:
