@@ -11,7 +11,7 @@ import typer
 
 from porting.errors import Interrupted
 from porting.outputs import UnsafeOutputError, check_replaceable, check_writable_parent
-from porting.ownership import RECORD, extend_record, read_record, write_record
+from porting.ownership import RECORD, extend_record, is_flux_port_staging, read_record, write_record
 from porting.reports import REPORTS, run_folder
 
 from . import _output
@@ -42,6 +42,8 @@ def _clear(workdir: Path, rel: str, owned: dict[str, object]) -> None:
         if rel in owned:
             _remove(path)
         return
+    for leftover in [p for p in path.rglob("*") if p.is_dir() and is_flux_port_staging(p)]:
+        shutil.rmtree(leftover, ignore_errors=True)  # what an interrupted flux-port run left: never the user's
     entries = [p.relative_to(workdir).as_posix() for p in path.rglob("*")]
     if all(e in owned for e in entries):
         shutil.rmtree(path, ignore_errors=True)
@@ -77,13 +79,15 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def _prune_reports(workdir: Path) -> None:
-    """Remove `reports/<verb>/` and `reports/` where the demo's run folders were all they held."""
+def _prune_reports(workdir: Path, removed: list[str]) -> None:
+    """Remove the `reports/<verb>/` folders (and then `reports/`) that held the report run folders in `removed`
+    (the demo's own, just removed) when nothing but their ownership record is left in them."""
     root = workdir / REPORTS
-    if not root.is_dir() or root.is_symlink():
+    verbs = {rel.split("/")[1] for rel in removed if rel.startswith(f"{REPORTS}/") and rel.count("/") >= 2}
+    if not verbs or not root.is_dir() or root.is_symlink():
         return
-    for folder in [*sorted(p for p in root.iterdir() if p.is_dir() and not p.is_symlink()), root]:
-        if all(p.name == RECORD for p in folder.iterdir()):
+    for folder in [*(root / verb for verb in sorted(verbs)), root]:
+        if folder.is_dir() and not folder.is_symlink() and all(p.name == RECORD for p in folder.iterdir()):
             shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -106,7 +110,7 @@ def prepare_workdir(workdir: Path) -> None:
                 hint=f"Move {kept[0]} out of {workdir}, or run the demo elsewhere: port demo --workdir OTHER.")
         for name in tops:
             _clear(workdir, name, owned)
-        _prune_reports(workdir)
+        _prune_reports(workdir, list(owned))
     created = not workdir.exists()
     workdir.mkdir(parents=True, exist_ok=True)
     _PREPARED.append((workdir, created))  # from here on, what the steps write in workdir is this run's
@@ -124,7 +128,7 @@ def undo_workdir(workdir: Path, created: bool, written: list[str] | None = None)
         return f"The demo removed its partial work folder {workdir}."
     for name in written or ():
         _remove(workdir / name)
-    _prune_reports(workdir)
+    _prune_reports(workdir, list(written or ()))
     try:
         write_record(workdir, "demo", [])
     except OSError:
@@ -148,7 +152,7 @@ def interrupted(workdir: Path, running: str) -> Interrupted:
     path = workdir / running
     if running and record is not None and running not in record.files and (path.exists() or path.is_symlink()):
         _remove(path)
-        _prune_reports(workdir)
+        _prune_reports(workdir, [running])
     left = sorted(p.name for p in workdir.iterdir() if p.name != RECORD) if workdir.is_dir() else []
     what = (f"{workdir} keeps what the finished steps wrote ({', '.join(left)})" if left
             else f"{workdir} is empty (no step had finished)")
