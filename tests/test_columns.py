@@ -131,3 +131,14 @@ def test_a_table_whose_words_would_fit_only_at_their_minimum_is_not_cut(capsys) 
     out = capsys.readouterr().out
     fits(out)
     assert "encoder_hidden_states," in out
+
+
+def test_a_key_value_table_whose_longest_value_fills_the_line_is_not_cut(capsys) -> None:
+    """A sha256 (64 characters) beside a 12-character key: 83 columns with the borders; vertical, whole."""
+    table = Table(title="conversion plan", show_header=False)
+    table.add_row("quantized to", "ComfyUI scaled fp8: BF16 x 22, float8_e4m3fn x scale_weight x 19")
+    table.add_row("file sha256", "1a052891436af6030357d767533c981ddf481f1c420558358e3c9d40699c1234")
+    _output.Output().table(table)
+    out = capsys.readouterr().out
+    fits(out)
+    assert "1a052891436af6030357d767533c981ddf481f1c420558358e3c9d40699c1234" in out

@@ -144,7 +144,7 @@ def fits(console: Console, table: Table, width: int) -> bool:
     needed = [pad + max([longest_word(c.header) if table.show_header else 0, *map(longest_word, c._cells)])
               for c in table.columns]
     try:
-        widths = table._calculate_column_widths(console, console.options.update_width(width))
+        widths = table._calculate_column_widths(console, console.options.update_width(width - table._extra_width))
     except Exception:  # noqa: BLE001 - rich's layout is private: without it, the sum of the minimums decides
         borders = (len(needed) + (1 if table.show_edge else -1)) if table.box else 0
         return sum(needed) + borders <= width
