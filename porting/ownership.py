@@ -45,6 +45,13 @@ def _state_dirs() -> Iterator[Path]:
     yield Path(tempfile.gettempdir()) / f"flux-port-{os.getuid()}"
 
 
+def state_folder() -> Path:
+    """The folder holding this user's sealing key: the first candidate that holds one, else the first candidate
+    (where the next run makes it)."""
+    candidates = list(_state_dirs())
+    return next((d for d in candidates if _read_private_key(d / _KEY_NAME) is not None), candidates[0])
+
+
 def _read_private_key(path: Path) -> bytes | None:
     """The key, only when it is a plain file of this user's that nobody else can read or write."""
     try:

@@ -50,10 +50,11 @@ class StepProgress:
     by steps x images."""
 
     def __init__(self, console: Any | None, what: str, total: int, *, unit: str = "step",
-                 estimate_units: int | None = None) -> None:
+                 estimate_units: int | None = None, since: float | None = None) -> None:
         self.console, self.what, self.total, self.unit = console, what, total, unit
         self.estimate_units = estimate_units if estimate_units is not None else total
         self.done = 0
+        self.since = since  # the elapsed time counts from here (validate: before loading), else from start()
         self.started: float | None = None
         self.estimated = False
         self._bar: Any = None
@@ -68,11 +69,14 @@ class StepProgress:
         self.stop()
 
     def start(self) -> None:
+        if self.since is None:
+            self.since = clock()
         if self.console is not None and self.console.is_terminal:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+            from rich import progress as rp
 
-            self._bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                 TimeElapsedColumn(), console=self.console, transient=True)
+            self._bar = rp.Progress(rp.TextColumn("{task.description}"), rp.BarColumn(), rp.MofNCompleteColumn(),
+                                    rp.TimeElapsedColumn(), rp.TimeRemainingColumn(), console=self.console,
+                                    transient=True)
             self._task = self._bar.add_task(self.what, total=self.total)
             self._bar.start()
 
@@ -112,4 +116,63 @@ class StepProgress:
         if self._bar is not None:
             self._bar.update(self._task, completed=self.done, description=f"{self.what} {label}".strip())
             return
-        self.say(f"{self.what} {self.done}/{self.total}" + (f" ({label})" if label else ""))
+        self.say(f"{self.what} {self.done}/{self.total} ({label + '; ' if label else ''}{self.times()})")
+
+    def times(self) -> str:
+        """`12 s elapsed, about 30 s left`: the time since the start, and the rest at the pace so far."""
+        elapsed = clock() - (self.since if self.since is not None else clock())
+        text = f"{duration(elapsed)} elapsed"
+        if 0 < self.done < self.total:
+            text += f", about {duration(elapsed / self.done * (self.total - self.done))} left"
+        return text
+
+
+class TimedSteps:
+    """Steps of unequal size run one after another (export: hashing, then one component after another, each one
+    long call): each step is announced with the time so far, its end with its duration and, once a sized step has
+    finished, an estimate of the rest from the pace so far (by size: parameters). On a terminal a spinner shows
+    the running step's elapsed time; off a terminal each step is one line when it starts and one when it ends.
+
+    Used as the `on_status(text, size=None, left=None)` callback of a verb: `size` is the step's size, `left` the
+    size of the sized steps still to come after it."""
+
+    def __init__(self, console: Any | None) -> None:
+        self.console = console
+        self.since = clock()
+        self.current: tuple[str, float, int | None] | None = None
+        self.sized_s = 0.0
+        self.sized = 0
+        self._status: Any = None
+
+    def __call__(self, text: str, size: int | None = None, left: int | None = None) -> None:
+        now = clock()
+        self.end(now)
+        line = f"{text} (at {duration(now - self.since)}"
+        if size and self.sized:
+            line += f"; about {duration(self.sized_s / self.sized * (size + (left or 0)))} left"
+        self.say(line + ")")
+        self.current = (text, now, size)
+        if self.console is not None and self.console.is_terminal:
+            self._status = self.console.status(f"{text} ...")
+            self._status.start()
+
+    def end(self, now: float | None = None) -> None:
+        """The running step is over (at `now`, else now): its time is said and counts toward the pace."""
+        if self._status is not None:
+            self._status.stop()
+            self._status = None
+        if self.current is None:
+            return
+        text, began, size = self.current
+        now = clock() if now is None else now
+        seconds = now - began
+        if size:
+            self.sized_s += seconds
+            self.sized += size
+        if seconds >= 1 or size:
+            self.say(f"  took {duration(seconds)} ({duration(now - self.since)} in all)")
+        self.current = None
+
+    def say(self, text: str) -> None:
+        if self.console is not None:
+            self.console.print(text, markup=False, soft_wrap=True, highlight=False)

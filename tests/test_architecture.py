@@ -125,7 +125,8 @@ def _heavy_modules_after(argv: list[str]) -> list[str]:
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["recipes", "--json"], ["convert", "--help"], ["validate", "--help"]])
+@pytest.mark.parametrize("argv", [["--help"], ["--version"], ["recipes", "--json"], ["convert", "--help"],
+                                  ["validate", "--help"], ["env", "--help"]])
 def test_light_verbs_never_import_torch_diffusers_or_transformers(argv: list[str]) -> None:
     assert _heavy_modules_after(argv) == []
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -239,7 +240,48 @@ def test_compare_bench_validate_print_progress_lines(workspace: Path, capsys: py
     for verb, run in runs.items():
         assert run.code == 0, f"{verb}: {run.err}"
         assert not TQDM_BAR.search(run.err), f"{verb}: {run.err}"
-    assert "rendered 1/2 (reference 1/1)" in runs["compare"].err
-    assert "rendered 2/2 (candidate 1/1)" in runs["compare"].err
+    assert "rendered 1/2 (reference 1/1; " in runs["compare"].err
+    assert "rendered 2/2 (candidate 1/1; " in runs["compare"].err
     assert "t2i/none run 1 done" in runs["bench"].err
-    assert "validated stage 1/" in runs["validate"].err and "(embed)" in runs["validate"].err
+    assert "validated stage 1/" in runs["validate"].err and "(embed; " in runs["validate"].err
+    stages = [line for line in runs["validate"].err.splitlines() if line.startswith("validated stage ")]
+    assert stages and all(" elapsed" in line for line in stages)  # one line per stage, with its time
+    assert all(", about " in line and line.endswith(" left)") for line in stages[:-1])  # and what is left
+
+
+def test_progress_lines_carry_the_elapsed_time_and_what_is_left(slow_clock: None, capsys) -> None:
+    """Off a terminal, StepProgress prints one line per step with the time since the start and, until the last, the
+    rest at the pace so far (each reading of the slow clock is 100 s after the last)."""
+    from rich.console import Console
+
+    from porting.progress import StepProgress
+
+    console = Console(file=sys.stderr, force_terminal=False)
+    with StepProgress(console, "validated stage", 3, unit="stage") as bar:
+        for label in ("embed", "double 0", "final"):
+            bar.advance(label)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == ["validated stage 1/3 (embed; 1 min 40 s elapsed, about 3 min 20 s left)",
+                     "validated stage 2/3 (double 0; 3 min 20 s elapsed, about 1 min 40 s left)",
+                     "validated stage 3/3 (final; 5 min 00 s elapsed)"]
+
+
+def test_export_steps_are_timed_and_estimated_by_parameters(slow_clock: None, capsys) -> None:
+    """TimedSteps (port export's progress): each step's line says when it starts; its end, how long it took; after a
+    sized step (a component), the next says how long the rest should take at the same seconds per parameter."""
+    from rich.console import Console
+
+    from porting.progress import TimedSteps
+
+    steps = TimedSteps(Console(file=sys.stderr, force_terminal=False))  # the clock reads 100
+    steps("hashing the transformer weights")  # 200
+    steps("exporting transformer", size=100, left=300)  # 300: hashing took 100 s
+    steps("exporting text_encoder", size=300, left=0)  # 400: 100 s per 100 parameters, so about 300 s left
+    steps.end()  # 500
+    assert capsys.readouterr().err.splitlines() == [
+        "hashing the transformer weights (at 1 min 40 s)",
+        "  took 1 min 40 s (3 min 20 s in all)",
+        "exporting transformer (at 3 min 20 s)",
+        "  took 1 min 40 s (5 min 00 s in all)",
+        "exporting text_encoder (at 5 min 00 s; about 5 min 00 s left)",
+        "  took 1 min 40 s (6 min 40 s in all)"]

@@ -310,7 +310,9 @@ def test_leftovers_of_a_long_out_name_are_still_found(capsys, tmp_path: Path, ti
     assert _beside(out) == sorted([out.name, alike.name])
 
 
-def test_a_path_with_an_emoji_code_is_printed_as_it_is(capsys, tmp_path: Path, tiny2_file: Path) -> None:
+def test_a_path_with_an_emoji_code_is_printed_as_it_is(capsys, tmp_path: Path, tiny2_file: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "400")  # the path whole on one line of the table (80 columns would fold it)
     out = tmp_path / "model:smile:"
     run = run_port(capsys, "convert", tiny2_file, "--out", out)
     assert run.code == 0, run.err

@@ -6,13 +6,15 @@ from typing import Any
 
 from rich.table import Table
 
+from ._output import cell
+
 
 def compatibility_table(info: dict[str, Any]) -> Table:
     table = Table(title="which runtime loads this file", show_lines=False)
     for column in ("runtime", "loads", "why / how"):
         table.add_column(column, overflow="fold")
     for v in info["compatibility"]:
-        how = v["detail"] + (f"\n{v['command']}" if v["command"] else "")
+        how = cell(v["detail"], *([v["command"]] if v["command"] else []))
         table.add_row(v["runtime"], v["status"], how)
     return table
 

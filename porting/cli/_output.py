@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import re
 import sys
+import textwrap
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-from rich.console import Console
+from rich.console import Console, Group
+from rich.measure import Measurement
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 from rich.text import Text
@@ -20,12 +23,11 @@ class Output:
         self.json_mode = json_mode
         self.quiet = quiet or json_mode
         self.documented = False  # --json prints exactly one document
-        # tables stay readable when piped or captured (rich assumes 80 columns off a terminal)
+        # the terminal's width, else $COLUMNS, else 80 columns off a terminal (rich's own rule); tables that do not
+        # fit go vertical (see table())
         # no emoji codes: a path ending in `:abc:` is a path; no markup in what is printed (see table())
-        self.out = Console(file=sys.stdout, highlight=False, emoji=False,
-                           width=None if sys.stdout.isatty() else 160)
-        self.err = Console(file=sys.stderr, highlight=False, emoji=False,
-                           width=None if sys.stderr.isatty() else 160)
+        self.out = Console(file=sys.stdout, highlight=False, emoji=False)
+        self.err = Console(file=sys.stderr, highlight=False, emoji=False)
 
     def status(self, text: str) -> None:
         """A progress line for humans (stderr); silent in --quiet and --json."""
@@ -38,12 +40,21 @@ class Output:
             self.out.print(printable(text), markup=False, soft_wrap=True)
 
     def table(self, table: Table) -> None:
-        if not self.json_mode:
-            for column in table.columns:  # cells hold key names and paths from files: show control characters
-                # and newlines, and print them as plain text ('[b]' or ':abc:' in a path is not markup or emoji)
-                column._cells = [Text(printable(c, lines=False)) if isinstance(c, str) else c
-                                 for c in column._cells]
-            self.out.print(table)
+        """Print `table` within the console's width: as is when every word fits its column, else vertically (one
+        `column  value` line per cell, rows apart), so no line is wider than the console and no word is cut where a
+        column is narrow. --json prints the full values instead."""
+        if self.json_mode:
+            return
+        for column in table.columns:  # cells hold key names and paths from files: show control characters
+            # and newlines, and print them as plain text ('[b]' or ':abc:' in a path is not markup or emoji);
+            # a cell made with cell() keeps its deliberate line breaks
+            column._cells = [Text(printable(c, lines=False)) if isinstance(c, str) else c for c in column._cells]
+        if isinstance(table.title, str):
+            table.title = Text(printable(table.title, lines=False))
+        width = self.out.width
+        with self.out.capture() as captured:  # printed without the blanks rich pads the lines with
+            self.out.print(table if fits(self.out, table, width) else vertical(table, width))
+        self.out.file.write("".join(line.rstrip() + "\n" for line in captured.get().splitlines()))
 
     def document(self, doc: Any) -> None:
         """One JSON document on stdout; NaN / Inf (no JSON number) are written as null, listed in the document
@@ -79,6 +90,87 @@ class Output:
         task = progress.add_task(description, total=None)
         with progress:
             yield (lambda total: progress.update(task, total=total)), (lambda n: progress.advance(task, n))
+
+
+_EXAMPLE = re.compile(r"^(?P<indent>\s*)(?P<command>\S.*?)?(?:\s{2,}(?P<note>\(.*\)))?\s*$")
+_WORD = re.compile(r"""(?:"[^"]*"|'[^']*'|\S)+""")
+
+
+def examples(text: str, width: int = 76) -> str:
+    """A help epilog of example commands (click prints it verbatim after `\\b`, indented by 2) fitted to `width`:
+    a long command is continued on the next line with ` \\`, its trailing `(note)` goes on a line of its own."""
+    fitted: list[str] = []
+    command_indent = "  "
+    for line in text.splitlines():
+        m = _EXAMPLE.match(line)
+        if m and m.group("command") and not m.group("command").startswith("("):
+            command_indent = m.group("indent")
+        if len(line) <= width or m is None:
+            fitted.append(line)
+            continue
+        command, note = m.group("command") or "", m.group("note") or ""
+        if command.startswith("(") and not note:
+            command, note = "", command
+        indent = m.group("indent") if command else command_indent  # a note on a line of its own: its command's
+        if command:
+            current = indent
+            for word in _WORD.findall(command):
+                if current.strip() and len(current) + 1 + len(word) > width - 2:
+                    fitted.append(current + " \\")
+                    current = indent + "    "
+                current += (" " if current.strip() else "") + word
+            fitted.append(current)
+        if note:
+            fitted.extend(textwrap.wrap(note, width, initial_indent=indent + "    ",
+                                        subsequent_indent=indent + "     "))
+    return "\n".join(fitted) + ("\n" if text.endswith("\n") else "")
+
+
+def cell(*lines: object) -> Text:
+    """A table cell of several lines: each line shown as plain text (control characters escaped), one per line."""
+    return Text("\n".join(printable(line, lines=False) for line in lines))
+
+
+def fits(console: Console, table: Table, width: int) -> bool:
+    """Whether rich lays `table` out in `width` columns with every word of every cell (and header) whole: each
+    column at least as wide as its longest word plus its padding (rich shrinks columns by ratio, and cuts a word
+    that does not fit its column with an ellipsis)."""
+    wide = console.options.update_width(10**6)
+
+    def longest_word(renderable: Any) -> int:
+        return Measurement.get(console, wide, renderable).minimum if renderable else 0
+
+    pad = table.padding[1] + table.padding[3]
+    needed = [pad + max([longest_word(c.header) if table.show_header else 0, *map(longest_word, c._cells)])
+              for c in table.columns]
+    try:
+        widths = table._calculate_column_widths(console, console.options.update_width(width - table._extra_width))
+    except Exception:  # noqa: BLE001 - rich's layout is private: without it, the sum of the minimums decides
+        borders = (len(needed) + (1 if table.show_edge else -1)) if table.box else 0
+        return sum(needed) + borders <= width
+    return all(w >= n for w, n in zip(widths, needed))
+
+
+def vertical(table: Table, width: int) -> Group:
+    """`table` as `label  value` lines: a table with headers gives one block per row (`header  cell`), blocks a blank
+    line apart; a table without headers one block (its first cell the label, the others the value). A value wraps
+    at spaces; only a word longer than the line is folded."""
+    headers = [printable(c.header, lines=False) if isinstance(c.header, str) else str(c.header) for c in table.columns]
+    cells = zip(*(c._cells for c in table.columns))
+    rows = [[c if isinstance(c, Text) else Text(str(c)) for c in row] for row in cells]
+    if table.show_header and any(headers):
+        blocks = [list(zip(map(Text, headers), row)) for row in rows]
+    else:
+        blocks = [[(row[0], Text(" ").join(row[1:])) for row in rows]]
+    parts: list[Any] = [table.title] if table.title else []
+    for i, pairs in enumerate(blocks):
+        grid = Table.grid(padding=(0, 2))
+        grid.add_column(width=min(max((len(k) for k, _ in pairs), default=1), width // 3), overflow="fold")
+        grid.add_column(overflow="fold")
+        for label, value in pairs:
+            grid.add_row(label, value)
+        parts.extend([Text(""), grid] if i else [grid])
+    return Group(*parts)
 
 
 def quiet_libraries() -> None:

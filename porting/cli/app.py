@@ -6,6 +6,7 @@ import errno
 import os
 import signal
 import sys
+from typing import Any, Callable
 
 import typer
 
@@ -29,6 +30,7 @@ from .bench_cmd import BENCH_EXAMPLES, bench
 from .compare_cmd import COMPARE_EXAMPLES, compare
 from .convert_cmd import CONVERT_EXAMPLES, convert
 from .demo_cmd import demo
+from .env_cmd import ENV_EXAMPLES, env
 from .export_cmd import EXPORT_EXAMPLES, export
 from .fetch_cmd import FETCH_EXAMPLES, RECIPES_EXAMPLES, fetch, recipes
 from .generate_cmd import GENERATE_EXAMPLES, generate
@@ -41,19 +43,42 @@ app = typer.Typer(
     name="port", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
     rich_markup_mode=None, help="Port FLUX.2 / FLUX.1 checkpoints to diffusers, with numerical proof.",
 )
-app.command(epilog=FETCH_EXAMPLES)(checked(fetch))
-app.command(epilog=RECIPES_EXAMPLES)(checked(recipes))
-app.command(epilog=INSPECT_EXAMPLES)(checked(inspect))
-app.command(epilog=CONVERT_EXAMPLES)(checked(convert))
-app.command(epilog=MERGE_EXAMPLES)(checked(merge))
-app.command(epilog=VALIDATE_EXAMPLES)(checked(validate))
-app.command()(checked(demo))
-app.command(epilog=PUBLISH_EXAMPLES)(checked(publish))
-app.command(epilog=GENERATE_EXAMPLES)(checked(generate))
-app.command(epilog=COMPARE_EXAMPLES)(checked(compare))
-app.command(epilog=BENCH_EXAMPLES)(checked(bench))
-app.command(epilog=EXPORT_EXAMPLES)(checked(export))
-app.command(epilog=BATCH_EXAMPLES)(checked(batch))
+
+
+def verb(command: Callable[..., Any], examples: str | None = None) -> None:
+    """Register a verb: its options checked (`checked`), its examples fitted to 80 columns (`_output.examples`)."""
+    app.command(epilog=_output.examples(examples) if examples else None)(checked(command))
+
+
+verb(fetch, FETCH_EXAMPLES)
+verb(recipes, RECIPES_EXAMPLES)
+verb(inspect, INSPECT_EXAMPLES)
+verb(convert, CONVERT_EXAMPLES)
+verb(merge, MERGE_EXAMPLES)
+verb(validate, VALIDATE_EXAMPLES)
+verb(demo)
+verb(publish, PUBLISH_EXAMPLES)
+verb(generate, GENERATE_EXAMPLES)
+verb(compare, COMPARE_EXAMPLES)
+verb(bench, BENCH_EXAMPLES)
+verb(export, EXPORT_EXAMPLES)
+verb(batch, BATCH_EXAMPLES)
+verb(env, ENV_EXAMPLES)
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from porting import __version__
+
+        print(f"flux-port {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+                                       help="Print flux-port's version and exit (port env: the whole environment).")
+          ) -> None:
+    pass
 
 
 # typer vendors click; its ClickException (unknown option, bad value) is reached through a public subclass
@@ -148,6 +173,9 @@ def _run(args: list[str]) -> None:
             raise
         sys.exit(err.exit_code)
     except ClickException as err:
+        if type(err).__name__ == "NoArgsIsHelpError":  # bare `port`: the help as text, not an escaped error line
+            sys.stdout.write(err.format_message() + "\n")
+            sys.exit(EXIT_USAGE)
         report_error(UsageError(err.format_message(), hint="See `port --help` or `port VERB --help`."))
         sys.exit(EXIT_USAGE)
     except (KeyboardInterrupt, typer.Abort):

@@ -101,8 +101,14 @@ def export(
     if components is not None and not wanted:
         raise PortError("--components is empty; name at least one of transformer, vae_decoder, text_encoder, "
                         "text_encoder_2.")
-    result = export_onnx(folder, out, dtype=dtype.value, opset=opset, components=wanted, force=force,
-                         on_status=output.status, target=target.value, profile=profile)
+    from porting.progress import TimedSteps
+
+    steps = TimedSteps(None if output.quiet else output.err)
+    try:
+        result = export_onnx(folder, out, dtype=dtype.value, opset=opset, components=wanted, force=force,
+                             on_status=steps, target=target.value, profile=profile)
+    finally:
+        steps.end()
     output.document(result.to_dict())
     table = Table(title=f"exported to {result.out} (ONNX opset {result.opset_produced}, {result.dtype})")
     for col in ("component", "inputs", "parameters", "graph", "external data", "time"):

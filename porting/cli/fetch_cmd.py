@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
-from rich.markup import escape
 from rich.table import Table
 
 from porting.errors import InputError
@@ -53,7 +52,7 @@ def _summary(result: FetchResult) -> Table:
     for run in result.parts:
         p = run.plan
         rev = p.listing.revision + (f" -> {p.listing.commit[:12]}" if p.listing.commit else "")
-        table.add_row(p.part, escape(f"{p.source.label}\n{p.source.endpoint}"), escape(rev), escape(str(p.out)),
+        table.add_row(p.part, _output.cell(p.source.label, p.source.endpoint), rev, str(p.out),
                       str(len(p.files)),
                       human(p.total_bytes), human(p.missing_bytes) if result.dry_run else
                       f"{len(run.fetched)} downloaded, {len(p.files) - len(run.fetched)} already there")
@@ -69,7 +68,7 @@ def _file_table(result: FetchResult) -> Table:
     for run in result.parts:
         for f in run.plan.files:
             state = f.state + (f" ({human(f.have)} on disk)" if f.state == "partial" else "")
-            table.add_row(run.plan.part, escape(f.remote.path), human(f.remote.size), state, f.remote.check)
+            table.add_row(run.plan.part, f.remote.path, human(f.remote.size), state, f.remote.check)
     return table
 
 
@@ -174,7 +173,8 @@ def recipes(json_: JsonOpt = False) -> None:
         table.add_column(col)
     for r in known.values():
         ft = r.finetune
-        table.add_row(r.name, f"{r.variant}\n{r.pipeline}", f"{r.base.repo}\n({', '.join(r.base.hubs)})",
-                      f"{ft.repo}: {', '.join(ft.files) or 'selected files'}\n({', '.join(ft.hubs)})" if ft else "-",
-                      escape(r.description))
+        table.add_row(r.name, _output.cell(r.variant, r.pipeline),
+                      _output.cell(r.base.repo, f"({', '.join(r.base.hubs)})"),
+                      _output.cell(f"{ft.repo}: {', '.join(ft.files) or 'selected files'}", f"({', '.join(ft.hubs)})")
+                      if ft else "-", r.description)
     output.table(table)

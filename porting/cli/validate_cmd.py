@@ -105,7 +105,8 @@ def validate(
     def on_stage(stage: str, total: int) -> None:
         nonlocal bar
         if bar is None:
-            bar = StepProgress(None if output.quiet else output.err, "validated stage", total, unit="stage")
+            bar = StepProgress(None if output.quiet else output.err, "validated stage", total, unit="stage",
+                               since=started)
             bar.start()
             bar.timed(clock() - started)  # the first stage includes loading; the estimate errs on the long side
         bar.advance(stage)

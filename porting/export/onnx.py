@@ -261,17 +261,27 @@ def _selected(folder: Path, components: Sequence[str] | None) -> tuple[Layout, l
     return layout, wanted, params
 
 
+def _sizes(wanted: Sequence[str], component: str, params: dict[str, int]) -> dict[str, int]:
+    """`size` and `left` of a component's step: its parameters, and those of the components after it."""
+    after = list(wanted)[list(wanted).index(component) + 1:]
+    return {"size": params[component], "left": sum(params[c] for c in after)}
+
+
 def export_onnx(folder: str | Path, out: str | Path, *, dtype: str = "fp32", opset: int | None = None,
                 components: Sequence[str] | None = None, force: bool = False,
                 available_bytes: int | None = None, target: str = "generic", profile: Any = None,
-                on_status: Callable[[str], None] | None = None) -> ExportResult:
+                on_status: Callable[..., None] | None = None) -> ExportResult:
     """Export the components of `folder` into `out` (atomically: nothing is left behind on failure).
+
+    `on_status(text)` hears each step; a component's step also passes `size=` (its parameters) and `left=` (the
+    parameters of the components still to come), so that a caller can time the steps and estimate the rest
+    (porting.progress.TimedSteps).
 
     `target="ryzenai"` writes the Ryzen AI NPU form (porting/export/ryzenai.py) with `profile` (a
     `ryzenai.Profile`: size, text length, int4 block size, accuracy level); `dtype` is then the profile's."""
     started = time.perf_counter()
     folder, out = Path(folder), Path(out)
-    say = on_status or (lambda text: None)
+    say = on_status or (lambda text, **sizes: None)
     if target not in TARGETS:
         raise UsageError(f"--target {target!r}: choose one of {', '.join(TARGETS)}.")
     if opset is None:
@@ -308,7 +318,8 @@ def export_onnx(folder: str | Path, out: str | Path, *, dtype: str = "fp32", ops
     copied: list[str] = []
     with atomic_folder(out, force=force, verb="export", inputs=read_paths) as staging:
         for c in wanted:
-            say(f"exporting {c} ({params[c] / 1e6:.1f} M parameters, {dtype}, opset {opset})")
+            say(f"exporting {c} ({params[c] / 1e6:.1f} M parameters, {dtype}, opset {opset})",
+                **_sizes(wanted, c, params))
             t0 = time.perf_counter()
             traced = layout.spec.components[c].load(sources[c], torch_dtype)
             produced = export_component(traced, staging / c, opset)
@@ -321,6 +332,8 @@ def export_onnx(folder: str | Path, out: str | Path, *, dtype: str = "fp32", ops
                 export_s=round(time.perf_counter() - t0, 2), facts=traced.facts))
             del traced
             gc.collect()  # the next component's weights should not sit next to this one's
+        if copies:
+            say(f"copying {', '.join(copies)} from {folder}")
         copied += _copy_folders(folder, staging, copies)
         produced = max(produced_opsets) if produced_opsets else opset
         if produced != opset:
@@ -400,7 +413,8 @@ def _export_ryzenai(folder: Path, out: Path, *, opset: int, components: Sequence
     results: list[ComponentResult] = []
     with atomic_folder(out, force=force, verb="export", inputs=read_paths) as staging:
         for c in wanted:
-            say(f"exporting {c} for ryzenai ({params[c] / 1e6:.1f} M parameters, opset {opset}, static shapes)")
+            say(f"exporting {c} for ryzenai ({params[c] / 1e6:.1f} M parameters, opset {opset}, static shapes)",
+                **_sizes(wanted, c, params))
             t0 = time.perf_counter()
             file = ryzenai.FILES[c]
             if c in ryzenai.STREAMED:
@@ -424,6 +438,8 @@ def _export_ryzenai(folder: Path, out: Path, *, opset: int, components: Sequence
                 name=c, inputs=inputs, outputs=outputs, dynamic_axes={}, params=params[c],
                 onnx_bytes=(staging / c / file).stat().st_size, data_bytes=data.stat().st_size if data.is_file() else 0,
                 export_s=round(time.perf_counter() - t0, 2), facts={**facts, "input_shapes": shapes}))
+        if copies:
+            say(f"copying {', '.join(copies)} from {folder}")
         copied = _copy_folders(folder, staging, copies)
         say("checking the export against the ryzenai rules")
         checked = lint(staging, "ryzenai")

@@ -1,0 +1,144 @@
+"""80 columns and plain text off a terminal: every verb's --help and the main tables, piped with COLUMNS=80, have no
+line over 80 columns and no escape text (`\\x0a`); a table too wide goes vertical and keeps every value whole
+(folded, never cut with an ellipsis); --json keeps the full values."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from rich.table import Table
+
+from porting.cli import _output
+from porting.cli.app import app
+
+from .helpers import run_port
+from .lorakit import BY_NAME, adapter_for
+
+ESCAPED = re.compile(r"\\x[0-9a-f]{2}|\\u[0-9a-f]{4}")
+VERBS = sorted(c.name or c.callback.__name__ for c in app.registered_commands)
+
+
+def fits(text: str, width: int = 80) -> None:
+    """No line over `width` columns, no escape text, no ellipsis (a value cut short)."""
+    for line in text.splitlines():
+        assert len(line) <= width, f"{len(line)} columns: {line!r}"
+        assert not ESCAPED.search(line), f"escape text: {line!r}"
+        assert "…" not in line, f"a value cut short: {line!r}"
+
+
+@pytest.fixture(autouse=True)
+def columns_80(monkeypatch) -> None:
+    monkeypatch.setenv("COLUMNS", "80")
+
+
+def test_every_verb_is_listed() -> None:
+    assert {"fetch", "recipes", "inspect", "convert", "validate", "demo", "export", "env"} <= set(VERBS)
+
+
+@pytest.mark.parametrize("argv", [["--help"], []] + [[verb, "--help"] for verb in VERBS])
+def test_help_fits_80_columns_without_escape_text(capsys, argv: list[str]) -> None:
+    run = run_port(capsys, *argv)
+    assert run.code in (0, 2) and "Usage: port" in run.out + run.err
+    fits(run.out)
+    fits(run.err)
+
+
+def test_recipes_fit_80_columns_and_json_keeps_every_value(capsys) -> None:
+    run = run_port(capsys, "recipes")
+    assert run.code == 0
+    fits(run.out)
+    assert "Flux2KleinPipeline" in run.out and "[klein]" in run.out and "\\[" not in run.out
+    doc = json.loads(run_port(capsys, "recipes", "--json").out)
+    for recipe in doc["recipes"]:
+        assert recipe["name"] in run.out
+
+
+def test_inspect_and_its_runtime_table_fit_80_columns(capsys, tmp_path: Path, tiny2_file: Path) -> None:
+    deep = tmp_path / ("a-folder-name-long-enough-to-push-every-path-past-eighty-columns-" * 2)
+    deep.mkdir()
+    weights = deep / "klein-tiny.safetensors"
+    weights.write_bytes(tiny2_file.read_bytes())
+    run = run_port(capsys, "inspect", weights)
+    assert run.code == 0, run.err
+    fits(run.out)
+    assert "which runtime loads this file" in run.out and "port convert" in run.out
+    full = json.loads(run_port(capsys, "inspect", weights, "--json").out)
+    assert full["path"] == str(weights)  # --json: the full value, one string
+
+
+def test_the_adapter_effect_table_fits_80_columns(capsys, tmp_path: Path, tiny2_file: Path, tiny2_state) -> None:
+    adapter, _ = adapter_for(tmp_path / "style-lora.safetensors", BY_NAME["peft-transformer"], tiny2_state, seed=5)
+    run = run_port(capsys, "inspect", adapter, "--base", tiny2_file, "--strength", "0.7")
+    assert run.code == 0, run.err
+    fits(run.out)
+    assert "effect on" in run.out and "threshold" in run.out
+
+
+def test_a_table_too_wide_goes_vertical_with_every_value_whole(capsys) -> None:
+    """The shared seam (Output.table): a wide table with headers becomes `header  value` blocks; a multi-line cell
+    made with cell() keeps its line breaks; a newline inside a plain cell (a name from a file) stays escaped."""
+    long_path = "/" + "/".join(["components-of-a-long-path"] * 6) + "/model.onnx"
+    table = Table(title="exported to somewhere (ONNX opset 18, fp32)")
+    for col in ("component", "inputs", "parameters", "model.onnx", "weights", "path"):
+        table.add_column(col)
+    table.add_row("transformer", "hidden_states, encoder_hidden_states, timestep, img_ids, txt_ids", "109,248",
+                  "0.01 GB", "0.00 GB", long_path)
+    table.add_row("vae_decoder", _output.cell("latent_sample", "second line"), "1", "0 GB", "0 GB", "x\ny")
+    _output.Output().table(table)
+    out = capsys.readouterr().out
+    fits(out.replace("x\\x0ay", "xy"))
+    assert "x\\x0ay" in out  # data from a file: its newline shown, not obeyed
+    assert "latent_sample\n" in out and "second line" in out
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("path "))
+    column = lines[start].index("/")
+    folded = [lines[start]] + [line for line in lines[start + 1:start + 4] if line[:column].strip() == ""]
+    assert "".join(line[column:] for line in folded) == long_path  # folded across lines, never cut
+
+
+def test_a_table_that_fits_is_left_a_table(capsys) -> None:
+    table = Table(title="small")
+    table.add_column("a")
+    table.add_column("b")
+    table.add_row("1", "2")
+    _output.Output().table(table)
+    out = capsys.readouterr().out
+    assert "┃ a" in out or "│ 1" in out
+    fits(out)
+
+
+def test_help_examples_are_continued_not_cut() -> None:
+    text = "\b\nExamples:\n  port generate ./my-klein-ft --prompt \"a red fox in the snow\" --device npu:0 --steps 4 " \
+           "--output fox.png   (a note that says what it does)\n"
+    fitted = _output.examples(text)
+    assert all(len(line) <= 76 for line in fitted.splitlines())
+    assert fitted.splitlines()[2].endswith(" \\") and "\"a red fox in the snow\"" in fitted
+    assert fitted.splitlines()[-1].strip() == "(a note that says what it does)"
+
+
+def test_a_table_whose_words_would_fit_only_at_their_minimum_is_not_cut(capsys) -> None:
+    """The export summary: every column's longest word fits 80 columns in sum, yet rich, shrinking columns by
+    ratio, would cut `encoder_hidden_states,` with an ellipsis; such a table goes vertical too."""
+    table = Table(title="exported to onnx1 (ONNX opset 18, fp32)")
+    for col in ("component", "inputs", "parameters", "graph", "external data", "time"):
+        table.add_column(col)
+    table.add_row("transformer", "hidden_states, encoder_hidden_states, timestep, img_ids, txt_ids", "109,248",
+                  "0.003 GB", "0.000 GB", "19.4 s")
+    _output.Output().table(table)
+    out = capsys.readouterr().out
+    fits(out)
+    assert "encoder_hidden_states," in out
+
+
+def test_a_key_value_table_whose_longest_value_fills_the_line_is_not_cut(capsys) -> None:
+    """A sha256 (64 characters) beside a 12-character key: 83 columns with the borders; vertical, whole."""
+    table = Table(title="conversion plan", show_header=False)
+    table.add_row("quantized to", "ComfyUI scaled fp8: BF16 x 22, float8_e4m3fn x scale_weight x 19")
+    table.add_row("file sha256", "1a052891436af6030357d767533c981ddf481f1c420558358e3c9d40699c1234")
+    _output.Output().table(table)
+    out = capsys.readouterr().out
+    fits(out)
+    assert "1a052891436af6030357d767533c981ddf481f1c420558358e3c9d40699c1234" in out
