@@ -308,10 +308,12 @@ def discard_made(out: Path) -> None:
 
 @contextmanager
 def _staged(out: Path, verb: str, replace: Replace, on_notice: Callable[[str], None] | None) -> Iterator[Path]:
-    staging = Path(tempfile.mkdtemp(prefix=_staging_prefix(out), dir=out.parent))
+    staging: Path | None = None
     lock_fd = -1
     try:
         try:  # from the first moment on: an interruption (Ctrl-C, SIGTERM) while the folder is set up removes it too
+            with _signals_held():  # a signal waits until `staging` names the folder the handlers below remove
+                staging = Path(tempfile.mkdtemp(prefix=_staging_prefix(out), dir=out.parent))
             lock_fd = os.open(staging, os.O_RDONLY | os.O_DIRECTORY)
             _lock(lock_fd)
             write_staging_marker(staging)
@@ -324,11 +326,14 @@ def _staged(out: Path, verb: str, replace: Replace, on_notice: Callable[[str], N
             write_record(staging, verb)
             _check_existing(out, replace, verb)  # it may have appeared, or changed, while this run was writing
         except OSError as e:
+            if staging is None:
+                raise
             full = _short_write_on_full_disk(e, staging)
             shutil.rmtree(staging, ignore_errors=True)
             raise write_error(out, e, full) from e
         except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
+            if staging is not None:
+                shutil.rmtree(staging, ignore_errors=True)
             raise
         if out.exists() or out.is_symlink():
             trash = Path(tempfile.mkdtemp(prefix=_trash_prefix(out), dir=out.parent))
