@@ -83,8 +83,8 @@ def validate(model: str | Path, *, device: str = "cpu", dtype: str | None = None
                                          prompt=prompt)
         export, weights_path = _export_source(Path(model), dtype)
         dtype = export["dtype"]
-        if export.get("target") == "ryzenai":  # a static graph: its one size and text length are the inputs
-            resolution, text_len = export["profile"]["size"], export["profile"]["text_len"]
+        if export.get("target") == "ryzenai":  # a static graph: its size and text length are the inputs
+            resolution, text_len = ryzenai_size(export, resolution), export["profile"]["text_len"]
     dtype = dtype or "bf16"
     golden_dtype = golden_dtype or ("fp64" if runtime == "onnxruntime" and dtype == "fp32" else "fp32")
     run_dtype, gold_dtype = _dtype(dtype, "--dtype"), _dtype(golden_dtype, "--golden-dtype")
@@ -127,7 +127,8 @@ def validate(model: str | Path, *, device: str = "cpu", dtype: str | None = None
     if runtime == "onnxruntime":
         from .runners.onnxruntime import OrtRunner
 
-        device_run: Runner = OrtRunner(Path(model), provider, run_dtype, source.stages.forward_kwargs)
+        device_run: Runner = OrtRunner(Path(model), provider, run_dtype, source.stages.forward_kwargs,
+                                       graph=(export or {}).get("graphs", {}).get(str(resolution)))
     else:
         device_run = torch_runner(source, dev, run_dtype, device_weight_transform, packed=packed)
     golden_weights = GoldenWeights()  # refuses a non-finite weight by name, counts all-zero ones
@@ -140,6 +141,13 @@ def validate(model: str | Path, *, device: str = "cpu", dtype: str | None = None
     if out is not None:
         report.write(Path(out), inputs=read_paths)
     return report
+
+
+def ryzenai_size(export: dict[str, Any], resolution: int) -> int:
+    """The static size a ryzenai transformer export is validated at: `resolution` when the export has a graph for
+    it (several --size values), else its first size (the graphs take no other)."""
+    sizes = export["profile"].get("sizes") or [export["profile"]["size"]]
+    return resolution if resolution in sizes else int(sizes[0])
 
 
 def _is_text_encoder_export(folder: Path) -> bool:
@@ -177,7 +185,9 @@ def _export_source(folder: Path, dtype: str | None) -> tuple[dict[str, Any], Pat
     facts = {"folder": str(root.resolve()), "dtype": manifest["dtype"], "opset": manifest.get("opset"),
              "weights_sha256": manifest["source"]["weights_sha256"], "source": src}
     if manifest.get("target") == "ryzenai":
+        graphs = manifest["components"]["transformer"].get("graphs") or {}
         facts.update(target="ryzenai", profile=manifest["profile"],
+                     graphs={size: Path(g["file"]).name for size, g in graphs.items()},
                      ran=("bf16 weights (initializers stored as bfloat16) cast to float32 by the graph's Cast nodes, "
                           "float32 compute: onnxruntime's CPU provider has no bf16 MatMul; the NPU computes in bf16"))
     return facts, Path(src)

@@ -360,6 +360,13 @@ def _copy_folders(folder: Path, staging: Path, copies: dict[str, list[Path]]) ->
     return copied
 
 
+def _graph_facts(proto: Any, component: str, file: str) -> dict[str, Any]:
+    """A static graph's file (relative to the export), inputs, outputs and input shapes, for the manifest."""
+    return {"file": f"{component}/{file}", "inputs": [i.name for i in proto.graph.input],
+            "outputs": [o.name for o in proto.graph.output],
+            "input_shapes": {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in proto.graph.input}}
+
+
 def _export_ryzenai(folder: Path, out: Path, *, opset: int, components: Sequence[str] | None, force: bool,
                     available_bytes: int | None, profile: Any, say: Callable[[str], None],
                     started: float) -> ExportResult:
@@ -400,30 +407,42 @@ def _export_ryzenai(folder: Path, out: Path, *, opset: int, components: Sequence
     results: list[ComponentResult] = []
     with atomic_folder(out, force=force, verb="export", inputs=read_paths) as staging:
         for c in wanted:
-            say(f"exporting {c} for ryzenai ({params[c] / 1e6:.1f} M parameters, opset {opset}, static shapes)")
             t0 = time.perf_counter()
-            file = ryzenai.FILES[c]
+            graphs: dict[str, dict[str, Any]] = {}
             if c in ryzenai.STREAMED:
-                proto, facts = ryzenai.stream_bf16_component(c, sources[c], profile, staging / c)
-                ryzenai.save_streamed(proto, staging / c, file)
+                written: dict[str, Any] = {}  # the first size writes the weights, the others point at them
+                for size in (profile.sizes if c in ryzenai.SIZED else (profile.size,)):
+                    say(f"exporting {c} for ryzenai ({params[c] / 1e6:.1f} M parameters, opset {opset}, static "
+                        f"shapes" + (f", size {size}" if c in ryzenai.SIZED else "") + ")")
+                    proto, facts = ryzenai.stream_bf16_component(c, sources[c], profile, staging / c, size=size,
+                                                                 written=written)
+                    ryzenai.save_streamed(proto, staging / c, facts["file"], facts["data_file"])
+                    graphs[str(size)] = _graph_facts(proto, c, facts["file"])
+                    del proto
+                    gc.collect()
             else:
+                say(f"exporting {c} for ryzenai ({params[c] / 1e6:.1f} M parameters, opset {opset}, static shapes)")
                 traced = layout.spec.components[c].load(sources[c], torch.float32)
                 proto, facts = ryzenai.finish_component(c, traced, profile)
                 del traced
                 gc.collect()
-                ryzenai.save(proto, staging / c, file)
-            inputs = [i.name for i in proto.graph.input]
-            shapes = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in proto.graph.input}
-            outputs = [o.name for o in proto.graph.output]
-            del proto
-            gc.collect()
+                ryzenai.save(proto, staging / c, facts["file"])
+                graphs[str(profile.size)] = _graph_facts(proto, c, facts["file"])
+                del proto
+                gc.collect()
+            first = next(iter(graphs.values()))
             if (sources[c] / "config.json").is_file():
                 shutil.copy2(sources[c] / "config.json", staging / c / "config.json")
-            data = staging / c / (file + DATA_SUFFIX)
+            data = staging / c / (ryzenai.FILES[c] + DATA_SUFFIX)
+            facts = {k: v for k, v in facts.items() if k not in ("size", "weights_written")}
+            facts.update(file=first["file"].split("/", 1)[1], input_shapes=first["input_shapes"])
+            if c in ryzenai.SIZED and len(profile.sizes) > 1:
+                facts["graphs"] = graphs  # one static graph per --size, all reading facts["data_file"]
             results.append(ComponentResult(
-                name=c, inputs=inputs, outputs=outputs, dynamic_axes={}, params=params[c],
-                onnx_bytes=(staging / c / file).stat().st_size, data_bytes=data.stat().st_size if data.is_file() else 0,
-                export_s=round(time.perf_counter() - t0, 2), facts={**facts, "input_shapes": shapes}))
+                name=c, inputs=first["inputs"], outputs=first["outputs"], dynamic_axes={}, params=params[c],
+                onnx_bytes=sum((staging / g["file"]).stat().st_size for g in graphs.values()),
+                data_bytes=data.stat().st_size if data.is_file() else 0,
+                export_s=round(time.perf_counter() - t0, 2), facts=facts))
         copied = _copy_folders(folder, staging, copies)
         say("checking the export against the ryzenai rules")
         checked = lint(staging, "ryzenai")
@@ -442,7 +461,7 @@ def _export_ryzenai(folder: Path, out: Path, *, opset: int, components: Sequence
                        "tokenizer": str((folder / "tokenizer").resolve()) if (folder / "tokenizer").is_dir() else None,
                        "weights_sha256": weights},
             "dtype": "bf16", "compute_dtype": "fp32", "opset": {"requested": opset, "produced": opset},
-            "profile": {"size": profile.size, "text_len": profile.text_len, "batch": 1,
+            "profile": {"size": profile.size, "sizes": list(profile.sizes), "text_len": profile.text_len, "batch": 1,
                         "block_size": profile.block_size, "accuracy_level": profile.accuracy_level},
             "components": {r.name: {"file": f"{r.name}/{r.facts['file']}", "inputs": r.inputs, "outputs": r.outputs,
                                     "dynamic_axes": {}, "params": r.params, **r.facts} for r in results},

@@ -50,18 +50,29 @@ def check_provider(provider: str) -> None:
                            f"(pip uninstall onnxruntime && pip install {package}), then run again.")
 
 
-def model_path(folder: Path) -> Path:
+def model_path(folder: Path, file: str | None = None) -> Path:
+    """The graph of a component folder: `file` when given, else model.onnx or the folder's one .onnx file."""
+    if file is not None:
+        path = Path(folder) / file
+        if not path.is_file():
+            raise InputError(f"{folder}: no {file}; the export manifest names it.",
+                             hint="The export folder is incomplete; export again.")
+        return path
     path = Path(folder) / MODEL_FILE
     if not path.is_file():  # a component folder with one graph of another name (ryzenai's text encoder)
         others = sorted(Path(folder).glob("*.onnx")) if Path(folder).is_dir() else []
         if len(others) == 1:
             return others[0]
+        if others:  # a ryzenai export with several --size values: one graph per size
+            raise InputError(f"{folder}: {len(others)} graphs ({', '.join(p.name for p in others)}) and no "
+                             f"{MODEL_FILE}; say which one to run.",
+                             hint="port validate picks the graph of --resolution (one of the export's sizes).")
         raise InputError(f"{folder}: no {MODEL_FILE}; not a component folder written by port export.",
                          hint="Export one first: port export FOLDER --format onnx --out DIR.")
     return path
 
 
-def open_session(folder: Path, provider: str = "CPUExecutionProvider") -> Any:
+def open_session(folder: Path, provider: str = "CPUExecutionProvider", file: str | None = None) -> Any:
     """An InferenceSession on `folder/model.onnx` (external data next to it) with only `provider` (plus CPU for
     the operators the provider does not take, as onnxruntime itself falls back)."""
     check_provider(provider)
@@ -70,7 +81,10 @@ def open_session(folder: Path, provider: str = "CPUExecutionProvider") -> Any:
     options.log_severity_level = 3  # warnings about CPU fallbacks would bury the tool's own output
     providers = [provider] if provider == "CPUExecutionProvider" else [provider, "CPUExecutionProvider"]
     try:
-        return ort.InferenceSession(str(model_path(folder)), sess_options=options, providers=providers)
+        path = model_path(folder, file)
+        return ort.InferenceSession(str(path), sess_options=options, providers=providers)
+    except InputError:
+        raise
     except Exception as e:  # onnxruntime raises its own exception types for bad graphs and missing data files
-        raise InputError(f"{folder}: onnxruntime cannot load {MODEL_FILE}: {e}",
+        raise InputError(f"{folder}: onnxruntime cannot load {file or MODEL_FILE}: {e}",
                          hint="Export it again with port export; the .onnx.data file must sit next to it.") from e
