@@ -152,3 +152,154 @@ def test_a_folder_of_several_graphs_without_a_size_is_refused_by_name(sized_expo
     _, out, _ = sized_export
     with pytest.raises(InputError, match="model_32.onnx, model_48.onnx"):
         open_session(out / "transformer")
+
+
+# ---------------------------------------------------------------- the text encoder, streamed and quantized as read
+
+def _trimmed_encoder(src: Path, dest: Path, layers: int, rename: dict[str, str] | None = None,
+                     extra: dict | None = None, config: dict | None = None) -> Path:
+    """A copy of a Qwen3 folder cut to `layers` layers; keys renamed, tensors added or config fields changed."""
+    from safetensors.torch import load_file, save_file
+
+    dest.mkdir(parents=True)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.update(num_hidden_layers=layers, layer_types=cfg.get("layer_types", [])[:layers], **(config or {}))
+    (dest / "config.json").write_text(json.dumps(cfg, indent=2))
+    tensors = {}
+    for f in src.glob("*.safetensors"):
+        tensors.update({k: v for k, v in load_file(f).items()
+                        if not (k.startswith("model.layers.") and int(k.split(".")[2]) >= layers)})
+    tensors = {(rename or {}).get(k, k): v for k, v in tensors.items()}
+    save_file({**tensors, **(extra or {})}, dest / "model.safetensors", metadata={"format": "pt"})
+    return dest
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3(sized_export, tmp_path_factory) -> Path:
+    folder, _, _ = sized_export
+    return _trimmed_encoder(folder / "text_encoder", tmp_path_factory.mktemp("qwen3") / "te", 3)
+
+
+def _inits(path: Path) -> dict:
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(str(path), load_external_data=False)
+    return {t.name: numpy_helper.to_array(t, base_dir=str(path.parent)) for t in model.graph.initializer}
+
+
+def _run(path: Path, ids, mask):
+    import onnxruntime as ort
+
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(
+        None, {"input_ids": ids, "attention_mask": mask})[0]
+
+
+@pytest.mark.slow
+def test_streamed_text_encoder_equals_the_in_memory_export(tiny_qwen3, tmp_path) -> None:
+    """The streamed export (hollow trace, each Linear quantized by onnxruntime's block quantizer as it is read) holds
+    the same int4 blocks and scales as onnxruntime's MatMulNBitsQuantizer applied to the in-memory float32 graph,
+    bit for bit, the same float32 embedding and norms, and computes the same prompt embeddings."""
+    import numpy as np
+    import onnx
+    import torch
+
+    from porting.export.streamed_text import stream_int4_text_encoder
+    from porting.families.flux2_export import load_text_encoder
+
+    profile = ryzenai.Profile(size=32, text_len=8, block_size=16)
+    proto, facts = stream_int4_text_encoder(tiny_qwen3, profile, tmp_path / "s")
+    ryzenai.save_streamed(proto, tmp_path / "s", facts["file"], facts["data_file"])
+    mem, mem_facts = ryzenai.finish_component("text_encoder", load_text_encoder(tiny_qwen3, torch.float32), profile)
+    ryzenai.save(mem, tmp_path / "m", mem_facts["file"])
+    s_path, m_path = tmp_path / "s" / facts["file"], tmp_path / "m" / facts["file"]
+    s, m = _inits(s_path), _inits(m_path)
+    quantized = sorted(k for k in m if k.endswith((".T_Q4", ".T_scales")))
+    assert len(quantized) == 2 * 21 and facts["matmulnbits"] == mem_facts["matmulnbits"] == 21
+    for k in quantized:
+        assert s[k].dtype == m[k].dtype and s[k].shape == m[k].shape and np.array_equal(s[k], m[k]), k
+    # the tied embedding: the in-memory trace names it after lm_head, the streamed one reads model.embed_tokens
+    assert np.array_equal(s["encoder.model.embed_tokens.weight"], m["encoder.lm_head.weight"])
+    for k in (k for k in m if "norm" in k):
+        assert np.array_equal(s[k], m[k]), k
+
+    def attrs(path):
+        model = onnx.load(str(path), load_external_data=False)
+        return sorted((n.input[1], tuple(sorted((a.name, a.i) for a in n.attribute)))
+                      for n in model.graph.node if n.op_type == "MatMulNBits")
+
+    assert attrs(s_path) == attrs(m_path)
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 200, (1, 8), generator=gen).numpy()
+    for mask in (np.ones((1, 8), dtype=np.int64), np.array([[1] * 5 + [0] * 3], dtype=np.int64)):
+        a, b = _run(s_path, ids, mask), _run(m_path, ids, mask)
+        assert np.abs(a - b).max() <= 1e-6 * np.abs(b).max()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["lm_head only (tied)", "both stored (untied, Qwen3-8B)", "neither"])
+def test_the_embedding_is_read_where_the_checkpoint_stores_it(tiny_qwen3, tmp_path, case) -> None:
+    import numpy as np
+    import torch
+    from safetensors.torch import load_file
+
+    from porting.errors import InputError
+    from porting.export.streamed_text import stream_int4_text_encoder
+
+    embed = load_file(tiny_qwen3 / "model.safetensors")["model.embed_tokens.weight"]
+    if case.startswith("lm_head"):  # a tied checkpoint saved under the output projection's name
+        src = _trimmed_encoder(tiny_qwen3, tmp_path / "src", 1, rename={"model.embed_tokens.weight": "lm_head.weight"})
+    elif case.startswith("both"):  # untied: the input embedding is embed_tokens, never lm_head
+        src = _trimmed_encoder(tiny_qwen3, tmp_path / "src", 1, extra={"lm_head.weight": torch.randn(embed.shape)},
+                               config={"tie_word_embeddings": False})
+    else:
+        src = _trimmed_encoder(tiny_qwen3, tmp_path / "src", 1, rename={"model.embed_tokens.weight": "other"})
+        with pytest.raises(InputError, match="no tensor model.embed_tokens.weight.*nor its tied twin lm_head"):
+            stream_int4_text_encoder(src, ryzenai.Profile(size=32, text_len=8, block_size=16), tmp_path / "s")
+        return
+    proto, facts = stream_int4_text_encoder(src, ryzenai.Profile(size=32, text_len=8, block_size=16), tmp_path / "s")
+    ryzenai.save_streamed(proto, tmp_path / "s", facts["file"], facts["data_file"])
+    got = _inits(tmp_path / "s" / facts["file"])["encoder.model.embed_tokens.weight"]
+    assert np.array_equal(got, embed.float().numpy())
+
+
+MEMORY_CHILD = r"""
+import json, resource, sys
+from pathlib import Path
+import diffusers, onnx, onnx_ir, onnxscript, onnxruntime, torch, transformers  # noqa: F401  (the baseline)
+from porting.export import ryzenai
+from porting.export.streamed_text import stream_int4_text_encoder
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+src, dest = Path(sys.argv[1]), Path(sys.argv[2])
+proto, facts = stream_int4_text_encoder(src, ryzenai.Profile(size=64, text_len=32, block_size=128), dest)
+ryzenai.save_streamed(proto, dest, facts["file"], facts["data_file"])
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps({"base": base, "peak": peak, "data": (dest / facts["data_file"]).stat().st_size}))
+"""
+
+
+@pytest.mark.slow
+def test_streamed_text_encoder_memory_does_not_grow_with_real_width_layers(tmp_path) -> None:
+    """Qwen3-4B's width (hidden 2560, MLP 9728: 0.4 GB of float32 per layer) at 2 and 5 layers: the export's peak RSS
+    over the interpreter's grows by at most a small constant (not the 1.2 GB of float32 the 3 extra layers hold), and
+    stays within 2.5 float32 copies of the largest Linear plus a graph allowance."""
+    import os
+    import subprocess
+
+    from porting.demo.tiny import REAL_QWEN3, write_random_text_encoder
+
+    geometry = {**REAL_QWEN3["qwen3-4b"], "vocab_size": 8192}
+    largest = 4 * 2560 * 9728  # the MLP's gate/up/down weights in float32
+    peaks = {}
+    for layers in (2, 5):
+        src = write_random_text_encoder(tmp_path / f"src{layers}", {**geometry, "num_hidden_layers": layers})
+        out = subprocess.run([sys.executable, "-c", MEMORY_CHILD, str(src), str(tmp_path / f"onnx{layers}")],
+                             check=True, capture_output=True, text=True, cwd=Path(__file__).parents[1],
+                             env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+        rss = json.loads(out.stdout.strip().splitlines()[-1])
+        peaks[layers] = rss["peak"] - rss["base"]
+        assert peaks[layers] <= 2.5 * largest + 256 * 2**20, (layers, rss)
+        import shutil
+
+        shutil.rmtree(src)
+    assert peaks[5] - peaks[2] <= 128 * 2**20, peaks  # 3 more layers: 1.2 GB of float32 if they were held

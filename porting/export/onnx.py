@@ -388,14 +388,12 @@ def _export_ryzenai(folder: Path, out: Path, *, opset: int, components: Sequence
     require("onnxruntime")  # the int4 quantizer
     layout, wanted, params = _selected(folder, components)
     sources, kind = layout.sources, layout.kind
-    for c in wanted:  # the text encoder is traced with its float32 weights (the int4 quantizer reads them); the
-        # transformer and VAE decoder are traced hollow and streamed tensor by tensor (resources.streamed_export_bytes)
-        if c in ryzenai.STREAMED:
-            check_streamed_export_memory(c, sources[c], available=available_bytes)
-        else:
-            check_fits(c, params[c], torch.float32, available_bytes,
-                       hint="The ryzenai text encoder is estimated at 2 x its float32 weights: use a machine with "
-                            "more memory, or --components to export one component at a time.")
+    for c in wanted:  # every component is traced hollow and its weights streamed tensor by tensor: the estimate is
+        # the interpreter, the graph and the largest tensor in flight (resources.streamed_export_bytes)
+        from .streamed_text import streamed_text_encoder_bytes
+
+        check_streamed_export_memory(c, sources[c], available=available_bytes,
+                                     estimate=streamed_text_encoder_bytes if c == "text_encoder" else None)
     copies = files_to_copy(folder, layout)
     read_paths = {"source": folder, "component": list(sources.values()),
                   "copied folder": [folder / name for name in copies]}
@@ -409,7 +407,17 @@ def _export_ryzenai(folder: Path, out: Path, *, opset: int, components: Sequence
         for c in wanted:
             t0 = time.perf_counter()
             graphs: dict[str, dict[str, Any]] = {}
-            if c in ryzenai.STREAMED:
+            if c == "text_encoder":
+                say(f"exporting {c} for ryzenai ({params[c] / 1e6:.1f} M parameters, opset {opset}, static shapes, "
+                    f"int4 blocks of {profile.block_size} quantized as read)")
+                from .streamed_text import stream_int4_text_encoder
+
+                proto, facts = stream_int4_text_encoder(sources[c], profile, staging / c)
+                ryzenai.save_streamed(proto, staging / c, facts["file"], facts["data_file"])
+                graphs[str(profile.size)] = _graph_facts(proto, c, facts["file"])
+                del proto
+                gc.collect()
+            elif c in ryzenai.STREAMED:
                 written: dict[str, Any] = {}  # the first size writes the weights, the others point at them
                 for size in (profile.sizes if c in ryzenai.SIZED else (profile.size,)):
                     say(f"exporting {c} for ryzenai ({params[c] / 1e6:.1f} M parameters, opset {opset}, static "

@@ -148,7 +148,8 @@ def static_text_encoder(traced: Traceable, profile: Profile) -> Traceable:
                      {**traced.facts, "text_len": profile.text_len})
 
 
-STREAMED = ("transformer", "vae_decoder")  # exported with hollow weights, the weights streamed to disk
+STREAMED = ("transformer", "vae_decoder")  # bf16-cast, exported with hollow weights, the weights streamed to disk
+# the text encoder is streamed too (porting/export/streamed_text.py), its Linear weights quantized as they are read
 SIZED = ("transformer", "vae_decoder")  # one graph per --size; the text encoder's shape is the text length only
 STATIC = {"transformer": static_transformer, "vae_decoder": static_vae_decoder, "text_encoder": static_text_encoder}
 
