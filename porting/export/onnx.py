@@ -32,6 +32,7 @@ from porting.resources import MEMORY_OVERHEAD, check_streamed_export_memory, req
 
 from .onnx_components import ExportSpec, Traceable, gib, nbytes
 from .ort import MODEL_FILE, require
+from .streamed import hollow_traceable, key_map, stream_component, streamed_bytes
 
 MANIFEST = "flux-port-export.json"
 DATA_SUFFIX = ".data"
@@ -208,6 +209,14 @@ def _dims(traced: Traceable) -> dict[str, dict[int, Any]]:
             for k, axes in traced.dynamic.items()}
 
 
+def _plan(layout: Layout, component: str, source: Path, dtype: torch.dtype) -> tuple[Traceable, dict[str, str]] | None:
+    """The hollow traceable of a component and its parameters' source keys when it can be streamed (every parameter
+    found by name in its safetensors files), else None (exported in memory)."""
+    traced = hollow_traceable(layout.spec.components[component], source, dtype)
+    keys, missing = key_map(traced, source)
+    return (traced, keys) if not missing else None
+
+
 def export_component(traced: Traceable, dest: Path, opset: int) -> int:
     """Trace, save with external data, check by path; returns the opset actually produced.
 
@@ -291,9 +300,13 @@ def export_onnx(folder: str | Path, out: str | Path, *, dtype: str = "fp32", ops
     torch_dtype = DTYPES[dtype]
     layout, wanted, params = _selected(folder, components)
     sources, kind = layout.sources, layout.kind
+    plans = {c: _plan(layout, c, sources[c], torch_dtype) for c in wanted}  # hollow builds: no weight read
     for c in wanted:  # refuse before any tracing
-        check_fits(c, params[c], torch_dtype, available_bytes)
-
+        if plans[c] is not None:
+            check_streamed_export_memory(c, sources[c], available=available_bytes,
+                                         estimate=lambda f: streamed_bytes(f, torch_dtype))
+        else:
+            check_fits(c, params[c], torch_dtype, available_bytes)
     copies = files_to_copy(folder, layout)
     read_paths = {"source": folder, "component": list(sources.values()),
                   "copied folder": [folder / name for name in copies]}
@@ -310,8 +323,15 @@ def export_onnx(folder: str | Path, out: str | Path, *, dtype: str = "fp32", ops
         for c in wanted:
             say(f"exporting {c} ({params[c] / 1e6:.1f} M parameters, {dtype}, opset {opset})")
             t0 = time.perf_counter()
-            traced = layout.spec.components[c].load(sources[c], torch_dtype)
-            produced = export_component(traced, staging / c, opset)
+            plan = plans.pop(c)
+            if plan is not None:  # hollow trace, the weights written from the source one tensor at a time
+                traced, keys = plan
+                produced = stream_component(traced, sources[c], keys, torch_dtype, opset, _dims(traced), staging / c,
+                                            MODEL_FILE)
+                traced.facts = {**traced.facts, "streamed": True}
+            else:
+                traced = layout.spec.components[c].load(sources[c], torch_dtype)
+                produced = export_component(traced, staging / c, opset)
             produced_opsets.add(produced)
             results.append(ComponentResult(
                 name=c, inputs=traced.inputs, outputs=traced.outputs, dynamic_axes=traced.dynamic, params=params[c],
