@@ -60,14 +60,11 @@ ORT_SCRIPT = STEP_INPUTS + textwrap.dedent("""
     import numpy as np, onnxruntime as ort
     folder, cfg_path, out = sys.argv[1:4]
     cfg = json.load(open(cfg_path))
+    from porting.export.ort import SessionSettings, open_session
     t0 = time.perf_counter()
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    if os.environ.get("BENCH_ORT_LEAN") == "1":  # bf16 weights: no load-time folding of Cast into fp32 copies
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-        options.enable_mem_pattern = False
-        options.enable_cpu_mem_arena = False
-    session = ort.InferenceSession(folder + "/model.onnx", sess_options=options, providers=["CPUExecutionProvider"])
+    threads = int(os.environ["BENCH_ORT_THREADS"]) if os.environ.get("BENCH_ORT_THREADS") else None
+    settings = SessionSettings(threads=threads, lean=os.environ.get("BENCH_ORT") != "default")
+    session = open_session(folder, settings=settings)  # what port validate / port generate open
     load = time.perf_counter() - t0
     dtype = torch.float16 if session.get_inputs()[0].type == "tensor(float16)" else torch.float32
     feed = {k: v.numpy() for k, v in step_inputs(cfg, dtype).items()}
@@ -82,13 +79,12 @@ ORT_TEXT_SCRIPT = textwrap.dedent("""
     import json, os, sys, time
     import numpy as np, onnxruntime as ort
     path, text = sys.argv[1], int(sys.argv[2])
+    from pathlib import Path
+    from porting.export.ort import SessionSettings, open_session
     t0 = time.perf_counter()
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    if os.environ.get("BENCH_ORT_LEAN") == "1":
-        options.enable_mem_pattern = False
-        options.enable_cpu_mem_arena = False
-    session = ort.InferenceSession(path, sess_options=options, providers=["CPUExecutionProvider"])
+    threads = int(os.environ["BENCH_ORT_THREADS"]) if os.environ.get("BENCH_ORT_THREADS") else None
+    settings = SessionSettings(threads=threads, lean=os.environ.get("BENCH_ORT") != "default")
+    session = open_session(Path(path).parent, file=Path(path).name, settings=settings)
     load = time.perf_counter() - t0
     ids = np.random.default_rng(0).integers(0, 1000, (1, text), dtype=np.int64)
     t0 = time.perf_counter()
@@ -147,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", action="store_true")
     parser.add_argument("--text-encoder", choices=["qwen3-4b", "qwen3-8b"], default=None,
                         help="ryzenai: measure the int4 text encoder at this geometry instead of the transformer")
+    parser.add_argument("--ort-settings", default="lean",
+                        help="onnxruntime session settings to measure, comma-separated: lean (SessionSettings(), what "
+                             "validate and generate open), default (onnxruntime's own defaults)")
     parser.add_argument("--layers", type=int, default=None, help="--text-encoder: decoder layers (default: real)")
     parser.add_argument("--export-only", action="store_true", help="measure the export only (no onnxruntime or torch "
                                                                    "step)")
@@ -177,7 +176,6 @@ def main(argv: list[str] | None = None) -> int:
         port = [sys.executable, "-m", "porting"]
         os.environ["BENCH_SIDE"], os.environ["BENCH_TEXT"] = str(args.size // 16), str(args.text_len)
         if args.target == "ryzenai":
-            os.environ["BENCH_ORT_LEAN"] = "1"
             how = ["--target", "ryzenai", "--size", str(args.size), "--text-len", str(args.text_len)]
         else:
             how = ["--dtype", args.dtype, "--opset", str(args.opset or 18)]
@@ -198,11 +196,14 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         cfg_path = work / "config-only.json"
         cfg_path.write_text(json.dumps({k: v for k, v in config.items() if not k.startswith("_")}))
-        wall, rss, code = measure([sys.executable, "-c", ORT_SCRIPT, str(out / "transformer"), str(cfg_path),
-                                   str(work / "ort.npy")], work / "ort.log")
-        results["onnxruntime CPU"] = {"wall": wall, "rss": rss, "code": code, **last_json(work / "ort.log")}
-        if code != 0:
-            print((work / "ort.log").read_text()[-3000:], file=sys.stderr)
+        for how in args.ort_settings.split(","):
+            os.environ["BENCH_ORT"] = how
+            log = work / f"ort-{how}.log"
+            wall, rss, code = measure([sys.executable, "-c", ORT_SCRIPT, str(out / "transformer"), str(cfg_path),
+                                       str(work / "ort.npy")], log)
+            results[f"onnxruntime {how}"] = {"wall": wall, "rss": rss, "code": code, **last_json(log)}
+            if code != 0:
+                print(log.read_text()[-3000:], file=sys.stderr)
         for name in [d for d in args.torch_dtypes.split(",") if d]:
             log = work / f"torch-{name}.log"
             wall, rss, code = measure([sys.executable, "-c", TORCH_SCRIPT, str(src), name,
@@ -259,12 +260,13 @@ def _text_encoder(args: argparse.Namespace, work: Path, out: Path) -> int:
     graph = next((out / "text_encoder").glob("*.onnx"))
     results["export"]["data_gb"] = Path(str(graph) + ".data").stat().st_size / 1e9
     if not args.export_only:
-        os.environ["BENCH_ORT_LEAN"] = "1"
-        wall, rss, code = measure([sys.executable, "-c", ORT_TEXT_SCRIPT, str(graph), str(args.text_len)],
-                                  work / "ort.log")
-        results["onnxruntime CPU"] = {"wall": wall, "rss": rss, "code": code, **last_json(work / "ort.log")}
-        if code != 0:
-            print((work / "ort.log").read_text()[-3000:], file=sys.stderr)
+        for how in args.ort_settings.split(","):
+            os.environ["BENCH_ORT"] = how
+            log = work / f"ort-{how}.log"
+            wall, rss, code = measure([sys.executable, "-c", ORT_TEXT_SCRIPT, str(graph), str(args.text_len)], log)
+            results[f"onnxruntime {how}"] = {"wall": wall, "rss": rss, "code": code, **last_json(log)}
+            if code != 0:
+                print(log.read_text()[-3000:], file=sys.stderr)
     print(f"load average after: {os.getloadavg()}")
     _report(results)
     return 0

@@ -402,3 +402,55 @@ def test_generic_streamed_export_memory_does_not_grow_with_real_width_blocks(tmp
         shutil.rmtree(tmp_path / f"o{singles}")
     single_block_fp32 = 4 * (4096 * 3 * 4096 + 4096 * 2 * 3 * 4096 + 4 * 4096 * 4096)  # qkv+mlp in, out (approx.)
     assert peaks[4] - peaks[1] <= 0.25 * single_block_fp32, peaks
+
+
+# ---------------------------------------------------------------- onnxruntime sessions with bounded memory
+
+def _bf16_cast_graph(path: Path) -> Path:
+    """y = x @ Cast(W_bf16): the ryzenai bf16-cast form in one node pair, saved with external data."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper
+
+    w = np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32)
+    bits = (w.view(np.uint32) >> 16).astype(np.uint16)
+    init = helper.make_tensor("w", TensorProto.BFLOAT16, [64, 64], bits.tobytes(), raw=True)
+    nodes = [helper.make_node("Cast", ["w"], ["w32"], to=TensorProto.FLOAT),
+             helper.make_node("MatMul", ["x", "w32"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 64])], [init])
+    path.mkdir(parents=True)
+    onnx.save_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path / "model.onnx"),
+                    save_as_external_data=True, location="model.onnx.data", size_threshold=0)
+    return path
+
+
+def test_sessions_open_lean_by_default(tmp_path) -> None:
+    """What validate and generate open: no arena, no memory pattern, no prepacked weight copies, the threads asked."""
+    import numpy as np
+
+    from porting.export.ort import SessionSettings, open_session
+
+    folder = _bf16_cast_graph(tmp_path / "g")
+    lean = open_session(folder, settings=SessionSettings(threads=1))
+    opts = lean.get_session_options()
+    assert not opts.enable_cpu_mem_arena and not opts.enable_mem_pattern and opts.intra_op_num_threads == 1
+    assert opts.get_session_config_entry("session.disable_prepacking") == "1"
+    default = open_session(folder, settings=SessionSettings(lean=False))
+    assert default.get_session_options().enable_cpu_mem_arena
+    x = np.ones((1, 64), dtype=np.float32)
+    assert np.array_equal(lean.run(None, {"x": x})[0], default.run(None, {"x": x})[0])  # same numbers
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["validate", "{m}", "--ort-threads", "0"], "--ort-threads 0"),
+    (["validate", "{m}", "--ort-threads", "2"], "only with --runtime onnxruntime"),
+])
+def test_ort_threads_is_refused_where_it_does_not_apply(tmp_path, capsys, argv, named) -> None:
+    model = tmp_path / "m.safetensors"
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"x": torch.zeros(1)}, model)
+    code, _, err = run_cli([a.replace("{m}", str(model)) for a in argv], capsys)
+    assert code != 0 and named in err

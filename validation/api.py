@@ -31,7 +31,8 @@ def validate(model: str | Path, *, device: str = "cpu", dtype: str | None = None
              prepare_device_model: Callable[[torch.nn.Module], None] | None = None,
              on_stage: Callable[[str, int], None] | None = None,
              runtime: str = "torch", provider: str = "CPUExecutionProvider",
-             devices: str | Sequence[str] | None = None, svdq_compute: str | None = None) -> Report:
+             devices: str | Sequence[str] | None = None, svdq_compute: str | None = None,
+             ort_threads: int | None = None) -> Report:
     """Run golden, intrinsic reference and device under test in lock-step and judge the device.
 
     `runtime="torch"`: `model` is a transformer (folder or file) run on `device` in `dtype` (default bf16).
@@ -43,10 +44,14 @@ def validate(model: str | Path, *, device: str = "cpu", dtype: str | None = None
     `devices` (two or more, e.g. `cuda:0,cuda:1`): the staged run split as pipeline stages over them with
     torch.distributed (validation.distributed); the report is the one a single-device run writes. Under torchrun,
     ranks other than 0 return None.
+    `ort_threads`: onnxruntime's intra-op threads (its sessions open lean: `porting.export.ort.SessionSettings`).
     `svdq_compute` ("w4a4" or "w4a16", a Nunchaku SVDQuant `model` only): the intrinsic and device runs keep the
     quantized linears packed and compute them so (validation.packed); the golden stays the float32 run of the
     dequantized weights. Without it an SVDQuant file runs as plain linears of its dequantized weights.
     """
+    if ort_threads is not None and runtime != "onnxruntime":
+        raise PortError(f"--ort-threads {ort_threads}: only with --runtime onnxruntime.",
+                        hint="Leave --ort-threads out, or validate an ONNX export with --runtime onnxruntime.")
     if svdq_compute is not None and (devices is not None or runtime != "torch"):
         raise PortError("--svdq-compute runs the packed linears in the torch staged runner on one device; drop "
                         "--devices / --runtime onnxruntime, or --svdq-compute.")
@@ -73,14 +78,14 @@ def validate(model: str | Path, *, device: str = "cpu", dtype: str | None = None
     if runtime == "onnxruntime":
         if device_weight_transform is not None or prepare_device_model is not None:
             raise PortError("weight transforms and model hooks act on a torch model; the onnxruntime runner has none.")
-        from porting.export.ort import check_provider
+        from porting.export.ort import SessionSettings, check_provider
 
         check_provider(provider)  # before any heavy loading: a missing provider is a usage error
         if _is_text_encoder_export(Path(model)):
             from .text_encoder import validate_text_encoder
 
             return validate_text_encoder(Path(model), out=out, max_ratio=max_ratio, provider=provider,
-                                         prompt=prompt)
+                                         prompt=prompt, settings=SessionSettings(threads=ort_threads))
         export, weights_path = _export_source(Path(model), dtype)
         dtype = export["dtype"]
         if export.get("target") == "ryzenai":  # a static graph: its size and text length are the inputs
@@ -125,10 +130,13 @@ def validate(model: str | Path, *, device: str = "cpu", dtype: str | None = None
         intrinsic_run = (torch_runner(source, ref, run_dtype, packed=packed) if intrinsic == "native" else
                          torch_runner(source, ref, torch.float32, emulate=run_dtype, packed=packed))
     if runtime == "onnxruntime":
+        from porting.export.ort import SessionSettings
+
         from .runners.onnxruntime import OrtRunner
 
         device_run: Runner = OrtRunner(Path(model), provider, run_dtype, source.stages.forward_kwargs,
-                                       graph=(export or {}).get("graphs", {}).get(str(resolution)))
+                                       graph=(export or {}).get("graphs", {}).get(str(resolution)),
+                                       settings=SessionSettings(threads=ort_threads))
     else:
         device_run = torch_runner(source, dev, run_dtype, device_weight_transform, packed=packed)
     golden_weights = GoldenWeights()  # refuses a non-finite weight by name, counts all-zero ones

@@ -116,6 +116,16 @@ def load_vae_decoder(cls_name: str, facts: Callable[[Any], dict[str, Any]]) -> C
     return load
 
 
+# external data layout: a tensor of at least 1 MiB starts on a 64 KiB boundary (onnx's `allocation_granularity`, the
+# largest mmap granularity: Windows'), so onnxruntime can map it from the file instead of copying it; smaller ones on 64
+ALIGN_THRESHOLD, ALIGN_LARGE, ALIGN_SMALL = 2**20, 2**16, 64
+
+
+def padding(offset: int, size: int) -> int:
+    """Zero bytes to write at `offset` before a tensor of `size` bytes in an external data file."""
+    return (-offset) % (ALIGN_LARGE if size >= ALIGN_THRESHOLD else ALIGN_SMALL)
+
+
 def nbytes(params: int, dtype: torch.dtype) -> int:
     return params * torch.empty((), dtype=dtype).element_size()
 

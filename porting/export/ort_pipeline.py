@@ -21,15 +21,16 @@ from porting._files import read_config
 from porting.errors import InputError, PortError
 
 from .onnx import MANIFEST, find_manifest
-from .ort import open_session
+from .ort import SessionSettings, open_session
 
 NUMPY_DTYPES = {"tensor(float)": torch.float32, "tensor(float16)": torch.float16}
 
 
 class OrtTransformer(nn.Module):
-    def __init__(self, folder: Path, config: dict[str, Any], provider: str = "CPUExecutionProvider") -> None:
+    def __init__(self, folder: Path, config: dict[str, Any], provider: str = "CPUExecutionProvider",
+                 settings: SessionSettings | None = None) -> None:
         super().__init__()
-        self.session = open_session(folder, provider)
+        self.session = open_session(folder, provider, settings=settings)
         self.input_names = [i.name for i in self.session.get_inputs()]
         first = self.session.get_inputs()[0]
         self._dtype = NUMPY_DTYPES.get(first.type, torch.float32)
@@ -89,7 +90,8 @@ def export_source(folder: Path) -> Path | None:
     return path
 
 
-def load_onnx_pipeline(folder: Path, dtype: torch.dtype, provider: str = "CPUExecutionProvider") -> Any:
+def load_onnx_pipeline(folder: Path, dtype: torch.dtype, provider: str = "CPUExecutionProvider",
+                       settings: SessionSettings | None = None) -> Any:
     """The source pipeline with its transformer replaced by the exported graph."""
     from diffusers import DiffusionPipeline
     from diffusers.utils import logging as diffusers_logging
@@ -99,7 +101,7 @@ def load_onnx_pipeline(folder: Path, dtype: torch.dtype, provider: str = "CPUExe
         raise InputError(f"{folder}: no {MANIFEST}; not written by port export.")
     config = {k: v for k, v in read_config(source / "transformer" / "config.json", "the transformer's config")
               .items() if not k.startswith("_")}
-    transformer = OrtTransformer(Path(folder) / "transformer", config, provider)
+    transformer = OrtTransformer(Path(folder) / "transformer", config, provider, settings)
     level = diffusers_logging.get_verbosity()
     diffusers_logging.set_verbosity_error()  # "expected <transformer class>" is the point of the seam
     try:

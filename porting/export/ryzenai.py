@@ -28,7 +28,7 @@ import torch
 
 from porting.errors import UsageError
 
-from .onnx_components import Traceable
+from .onnx_components import Traceable, padding
 from .ort import require
 
 OPSET = 17
@@ -497,7 +497,7 @@ def stream_bf16_component(name: str, folder: Path, profile: Profile, dest: Path,
                 small = tensor.numel() < BF16_MIN_ELEMENTS
                 tensor = tensor.to(torch.float32 if small else torch.bfloat16).contiguous()
                 raw = (tensor.view(torch.int16) if not small else tensor).numpy().tobytes()
-                pad = (-offset) % 64  # aligned, as onnx writes external data
+                pad = padding(offset, len(raw))  # aligned: onnxruntime maps large tensors from the file
                 data.write(b"\0" * pad)
                 offset += pad
                 data.write(raw)
@@ -555,7 +555,7 @@ def save_streamed(proto: Any, dest: Path, file: str, data_file: str | None = Non
         for t in proto.graph.initializer:
             if t.data_location == TensorProto.EXTERNAL or not t.HasField("raw_data") or len(t.raw_data) <= 1024:
                 continue
-            pad = (-offset) % 64
+            pad = padding(offset, len(t.raw_data))
             data.write(b"\0" * pad)
             offset += pad
             raw = t.raw_data

@@ -26,7 +26,7 @@ import torch
 
 from porting.errors import InputError
 
-from .onnx_components import Traceable
+from .onnx_components import Traceable, padding
 from .ort import require
 
 _HOLLOW: contextvars.ContextVar[torch.dtype | None] = contextvars.ContextVar("flux_port_hollow", default=None)
@@ -161,7 +161,7 @@ def stream_component(traced: Traceable, folder: Path, keys: dict[str, str], dtyp
                                  hint="The safetensors files and config.json of this component do not match.")
             tensor = tensor.to(want.dtype).contiguous()
             raw = (tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor).numpy().tobytes()
-            pad = (-offset) % 64
+            pad = padding(offset, len(raw))
             data.write(b"\0" * pad)
             offset += pad
             data.write(raw)

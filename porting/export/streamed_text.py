@@ -30,7 +30,7 @@ import torch
 
 from porting.errors import InputError
 
-from .onnx_components import Traceable
+from .onnx_components import Traceable, padding
 from .ort import require
 
 PENDING = "__flux_port_pending__.data"  # where the hollow trace's initializers point until their bytes are written
@@ -195,9 +195,10 @@ def stream_int4_text_encoder(folder: Path, profile: Any, dest: Path) -> tuple[An
     block = profile.block_size
     offset = 0
     with open(dest / data_file, "wb") as data:
-        def write(raw: bytes, align: bool = True) -> int:
+        def write(raw: bytes, align: int | None = None) -> int:
+            """Append `raw`; `align`: the whole tensor's size when `raw` starts a tensor (aligned for mmap)."""
             nonlocal offset
-            pad = (-offset) % 64 if align else 0  # a tensor starts aligned, as onnx writes external data
+            pad = padding(offset, align) if align is not None else 0
             data.write(b"\0" * pad)
             offset += pad
             start = offset
@@ -222,9 +223,9 @@ def stream_int4_text_encoder(folder: Path, profile: Any, dest: Path) -> tuple[An
                 del w_t
                 q_name, s_name = f"{t.name}.T_Q4", f"{t.name}.T_scales"
                 q_t = TensorProto(name=q_name, data_type=TensorProto.UINT8, dims=list(packed.shape))
-                _external(q_t, data_file, write(packed.tobytes()), packed.nbytes)
+                _external(q_t, data_file, write(packed.tobytes(), packed.nbytes), packed.nbytes)
                 s_t = TensorProto(name=s_name, data_type=TensorProto.FLOAT, dims=list(scales.shape))
-                _external(s_t, data_file, write(scales.astype(np.float32).tobytes()), scales.nbytes)
+                _external(s_t, data_file, write(scales.astype(np.float32).tobytes(), scales.nbytes), scales.nbytes)
                 new_inits += [q_t, s_t]
                 del packed, scales
                 attrs = {"K": k, "N": n, "bits": 4, "block_size": block}
@@ -243,7 +244,7 @@ def stream_int4_text_encoder(folder: Path, profile: Any, dest: Path) -> tuple[An
             start = None
             for chunk in chunks:
                 part = source.read(key, chunk).to(torch.float32).contiguous()
-                at = write(part.numpy().tobytes(), align=start is None)
+                at = write(part.numpy().tobytes(), align=4 * math.prod(want) if start is None else None)
                 start = at if start is None else start
                 del part
             t.data_type = TensorProto.FLOAT
