@@ -75,7 +75,7 @@ def quiet_from_pretrained(cls: Any, folder: Path, dtype: torch.dtype, **kw: Any)
     config with hollow weights instead (nothing read: the streamed export writes them tensor by tensor)."""
     import warnings
 
-    from .streamed import hollow_dtype, hollow_pretrained
+    from .hollow import hollow_dtype, hollow_pretrained
 
     if hollow_dtype() is not None:
         return hollow_pretrained(cls, folder, hollow_dtype())
@@ -114,16 +114,6 @@ def load_vae_decoder(cls_name: str, facts: Callable[[Any], dict[str, Any]]) -> C
                          {"latent_sample": {0: "batch", 2: "latent_height", 3: "latent_width"}}, ["sample"],
                          facts(vae.config))
     return load
-
-
-# external data layout: a tensor of at least 1 MiB starts on a 64 KiB boundary (onnx's `allocation_granularity`, the
-# largest mmap granularity: Windows'), so onnxruntime can map it from the file instead of copying it; smaller ones on 64
-ALIGN_THRESHOLD, ALIGN_LARGE, ALIGN_SMALL = 2**20, 2**16, 64
-
-
-def padding(offset: int, size: int) -> int:
-    """Zero bytes to write at `offset` before a tensor of `size` bytes in an external data file."""
-    return (-offset) % (ALIGN_LARGE if size >= ALIGN_THRESHOLD else ALIGN_SMALL)
 
 
 def nbytes(params: int, dtype: torch.dtype) -> int:

@@ -28,7 +28,8 @@ import torch
 
 from porting.errors import UsageError
 
-from .onnx_components import Traceable, padding
+from .external import padding, save_streamed  # noqa: F401  (save_streamed: used by the export engine)
+from .onnx_components import Traceable
 from .ort import require
 
 OPSET = 17
@@ -540,29 +541,3 @@ def add_casts(proto: Any, weights: set[str]) -> list[str]:
     del proto.graph.node[:]
     proto.graph.node.extend(nodes)
     return names
-
-
-def save_streamed(proto: Any, dest: Path, file: str, data_file: str | None = None) -> None:
-    """Save a graph whose weights already sit in `data_file` (default `file`.data); the folded constants over 1 KB
-    that the graph still holds inline are appended to it (as `save` does), the smaller ones stay in the graph."""
-    import onnx
-    from onnx import TensorProto, external_data_helper
-
-    data_file = data_file or file + ".data"
-    data_path = dest / data_file
-    with open(data_path, "ab") as data:
-        offset = data.tell()
-        for t in proto.graph.initializer:
-            if t.data_location == TensorProto.EXTERNAL or not t.HasField("raw_data") or len(t.raw_data) <= 1024:
-                continue
-            pad = padding(offset, len(t.raw_data))
-            data.write(b"\0" * pad)
-            offset += pad
-            raw = t.raw_data
-            data.write(raw)
-            external_data_helper.set_external_data(t, data_file, offset, len(raw))
-            t.data_location = TensorProto.EXTERNAL
-            t.ClearField("raw_data")
-            offset += len(raw)
-    onnx.save_model(proto, str(dest / file))
-    onnx.checker.check_model(str(dest / file))

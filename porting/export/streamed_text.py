@@ -30,7 +30,8 @@ import torch
 
 from porting.errors import InputError
 
-from .onnx_components import Traceable, padding
+from .external import padding
+from .onnx_components import Traceable
 from .ort import require
 
 PENDING = "__flux_port_pending__.data"  # where the hollow trace's initializers point until their bytes are written
