@@ -454,3 +454,19 @@ def test_ort_threads_is_refused_where_it_does_not_apply(tmp_path, capsys, argv, 
     save_file({"x": torch.zeros(1)}, model)
     code, _, err = run_cli([a.replace("{m}", str(model)) for a in argv], capsys)
     assert code != 0 and named in err
+
+
+def test_text_encoder_estimate_is_the_largest_linear_not_the_embedding(tmp_path) -> None:
+    """The embedding is written in row chunks and never held whole: the estimate counts the largest Linear."""
+    import torch
+    from safetensors.torch import save_file
+
+    from porting.export.streamed_text import CHUNK_BYTES, streamed_text_encoder_bytes
+    from porting.resources import MEMORY_OVERHEAD, STREAMED_GRAPH_BYTES
+
+    save_file({"model.embed_tokens.weight": torch.zeros(4096, 64, dtype=torch.bfloat16),
+               "model.layers.0.mlp.up_proj.weight": torch.zeros(96, 64, dtype=torch.bfloat16),
+               "model.norm.weight": torch.zeros(64, dtype=torch.bfloat16)}, tmp_path / "model.safetensors")
+    need, breakdown = streamed_text_encoder_bytes(tmp_path)
+    assert need == MEMORY_OVERHEAD + STREAMED_GRAPH_BYTES + int(2.5 * 96 * 64 * 4) + CHUNK_BYTES
+    assert "model.layers.0.mlp.up_proj.weight" in breakdown

@@ -212,7 +212,11 @@ def _dims(traced: Traceable) -> dict[str, dict[int, Any]]:
 def _plan(layout: Layout, component: str, source: Path, dtype: torch.dtype) -> tuple[Traceable, dict[str, str]] | None:
     """The hollow traceable of a component and its parameters' source keys when it can be streamed (every parameter
     found by name in its safetensors files), else None (exported in memory)."""
-    traced = hollow_traceable(layout.spec.components[component], source, dtype)
+    try:
+        traced = hollow_traceable(layout.spec.components[component], source, dtype)
+    except (ValueError, TypeError, AttributeError, KeyError, NotImplementedError, OSError) as e:
+        logging.getLogger(__name__).info("%s: no hollow build (%s); exported in memory", component, e)
+        return None  # a class that cannot be built from its config alone: the in-memory export, as before
     keys, missing = key_map(traced, source)
     return (traced, keys) if not missing else None
 
@@ -332,6 +336,7 @@ def export_onnx(folder: str | Path, out: str | Path, *, dtype: str = "fp32", ops
             else:
                 traced = layout.spec.components[c].load(sources[c], torch_dtype)
                 produced = export_component(traced, staging / c, opset)
+                traced.facts = {**traced.facts, "streamed": False}  # its keys do not match its module's names
             produced_opsets.add(produced)
             results.append(ComponentResult(
                 name=c, inputs=traced.inputs, outputs=traced.outputs, dynamic_axes=traced.dynamic, params=params[c],
