@@ -413,10 +413,10 @@ def _export_ryzenai(folder: Path, out: Path, *, opset: int, components: Sequence
     require("onnxruntime")  # the int4 quantizer
     layout, wanted, params = _selected(folder, components)
     sources, kind = layout.sources, layout.kind
+    from .streamed_text import streamed_text_encoder_bytes
+
     for c in wanted:  # every component is traced hollow and its weights streamed tensor by tensor: the estimate is
         # the interpreter, the graph and the largest tensor in flight (resources.streamed_export_bytes)
-        from .streamed_text import streamed_text_encoder_bytes
-
         check_streamed_export_memory(c, sources[c], available=available_bytes,
                                      estimate=streamed_text_encoder_bytes if c == "text_encoder" else None)
     copies = files_to_copy(folder, layout)
@@ -453,16 +453,8 @@ def _export_ryzenai(folder: Path, out: Path, *, opset: int, components: Sequence
                     graphs[str(size)] = _graph_facts(proto, c, facts["file"])
                     del proto
                     gc.collect()
-            else:
-                say(f"exporting {c} for ryzenai ({params[c] / 1e6:.1f} M parameters, opset {opset}, static shapes)")
-                traced = layout.spec.components[c].load(sources[c], torch.float32)
-                proto, facts = ryzenai.finish_component(c, traced, profile)
-                del traced
-                gc.collect()
-                ryzenai.save(proto, staging / c, facts["file"])
-                graphs[str(profile.size)] = _graph_facts(proto, c, facts["file"])
-                del proto
-                gc.collect()
+            else:  # the families declare no other ryzenai component (ryzenai.finish_component: the in-memory reference)
+                raise ValueError(f"{c}: the ryzenai profile has no export for this component")
             first = next(iter(graphs.values()))
             if (sources[c] / "config.json").is_file():
                 shutil.copy2(sources[c] / "config.json", staging / c / "config.json")
