@@ -470,3 +470,14 @@ def test_text_encoder_estimate_is_the_largest_linear_not_the_embedding(tmp_path)
     need, breakdown = streamed_text_encoder_bytes(tmp_path)
     assert need == MEMORY_OVERHEAD + STREAMED_GRAPH_BYTES + int(2.5 * 96 * 64 * 4) + CHUNK_BYTES
     assert "model.layers.0.mlp.up_proj.weight" in breakdown
+
+
+@pytest.mark.slow
+def test_generate_picks_the_graph_of_its_size_or_names_the_sizes(sized_export) -> None:
+    from porting.errors import PortError
+    from porting.export.ort_pipeline import graph_for_size
+
+    _, out, _ = sized_export
+    assert graph_for_size(out, (48, 48)) == "model_48.onnx"
+    with pytest.raises(PortError, match="32x32, 48x48 only; --size 64x64 has none"):
+        graph_for_size(out, (64, 64))

@@ -364,7 +364,8 @@ def generate(folder: str | Path, prompt: str, *, device: str = "cpu", steps: int
         say(f"transformer: onnxruntime {provider} on {folder / 'transformer'}; the rest: torch from {onnx_source}")
         from porting.export.ort import SessionSettings
 
-        pipe = load_onnx_pipeline(folder, DTYPES[dtype_name], provider, SessionSettings(threads=ort_threads)).to(dev)
+        pipe = load_onnx_pipeline(folder, DTYPES[dtype_name], provider, SessionSettings(threads=ort_threads),
+                                  size=(width, height)).to(dev)
     else:
         pipe = load_pipeline(folder, dev, DTYPES[dtype_name], cpu_offload, swap, svdq_compute)
     pipe.set_progress_bar_config(disable=not (progress and debug()))
