@@ -63,7 +63,8 @@ ORT_SCRIPT = STEP_INPUTS + textwrap.dedent("""
     from porting.export.ort import SessionSettings, open_session
     t0 = time.perf_counter()
     threads = int(os.environ["BENCH_ORT_THREADS"]) if os.environ.get("BENCH_ORT_THREADS") else None
-    settings = SessionSettings(threads=threads, lean=os.environ.get("BENCH_ORT") != "default")
+    how = os.environ.get("BENCH_ORT", "lean")
+    settings = SessionSettings(threads=threads, lean=how != "default", prepack=how != "lean-unpacked")
     session = open_session(folder, settings=settings)  # what port validate / port generate open
     load = time.perf_counter() - t0
     dtype = torch.float16 if session.get_inputs()[0].type == "tensor(float16)" else torch.float32
@@ -83,7 +84,8 @@ ORT_TEXT_SCRIPT = textwrap.dedent("""
     from porting.export.ort import SessionSettings, open_session
     t0 = time.perf_counter()
     threads = int(os.environ["BENCH_ORT_THREADS"]) if os.environ.get("BENCH_ORT_THREADS") else None
-    settings = SessionSettings(threads=threads, lean=os.environ.get("BENCH_ORT") != "default")
+    how = os.environ.get("BENCH_ORT", "lean")
+    settings = SessionSettings(threads=threads, lean=how != "default", prepack=how != "lean-unpacked")
     session = open_session(Path(path).parent, file=Path(path).name, settings=settings)
     load = time.perf_counter() - t0
     ids = np.random.default_rng(0).integers(0, 1000, (1, text), dtype=np.int64)
@@ -145,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="ryzenai: measure the int4 text encoder at this geometry instead of the transformer")
     parser.add_argument("--ort-settings", default="lean",
                         help="onnxruntime session settings to measure, comma-separated: lean (SessionSettings(), what "
-                             "validate and generate open), default (onnxruntime's own defaults)")
+                             "validate and generate open), lean-unpacked (also no weight prepacking), default "
+                             "(onnxruntime's own defaults)")
     parser.add_argument("--layers", type=int, default=None, help="--text-encoder: decoder layers (default: real)")
     parser.add_argument("--export-only", action="store_true", help="measure the export only (no onnxruntime or torch "
                                                                    "step)")

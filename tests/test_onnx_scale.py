@@ -426,7 +426,7 @@ def _bf16_cast_graph(path: Path) -> Path:
 
 
 def test_sessions_open_lean_by_default(tmp_path) -> None:
-    """What validate and generate open: no arena, no memory pattern, no prepacked weight copies, the threads asked."""
+    """What validate and generate open: no arena, no memory pattern, the threads asked (prepacking off on request)."""
     import numpy as np
 
     from porting.export.ort import SessionSettings, open_session
@@ -435,7 +435,8 @@ def test_sessions_open_lean_by_default(tmp_path) -> None:
     lean = open_session(folder, settings=SessionSettings(threads=1))
     opts = lean.get_session_options()
     assert not opts.enable_cpu_mem_arena and not opts.enable_mem_pattern and opts.intra_op_num_threads == 1
-    assert opts.get_session_config_entry("session.disable_prepacking") == "1"
+    unpacked = open_session(folder, settings=SessionSettings(prepack=False)).get_session_options()
+    assert unpacked.get_session_config_entry("session.disable_prepacking") == "1"
     default = open_session(folder, settings=SessionSettings(lean=False))
     assert default.get_session_options().enable_cpu_mem_arena
     x = np.ones((1, 64), dtype=np.float32)
