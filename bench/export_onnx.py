@@ -3,6 +3,7 @@
     flock /work/bench.lock python bench/export_onnx.py                    # klein-4B shapes, fp16
     flock /work/bench.lock python bench/export_onnx.py --torch-dtypes fp16,bf16 --workdir /work/scratch/issue12/b
     flock /work/bench.lock python bench/export_onnx.py --target ryzenai --model klein-4b --size 256 --text-len 512
+    flock /work/bench.lock python bench/export_onnx.py --target ryzenai --text-encoder qwen3-4b --text-len 512
 
 A synthetic transformer folder with klein-4B's shapes (diffusers naming, bf16, 7.75 GB, `fill="tiled"` weights as
 in bench/convert.py) is generated first; its generation is not measured. Then, each as a child process timed with
@@ -15,6 +16,12 @@ wall-clock and its peak RSS (GNU time's %M):
       on the export: session load, then the step;
   (c) the same step in torch (`Flux2Transformer2DModel.from_pretrained(..., dtype)` on CPU) for each of
       --torch-dtypes; the outputs are compared with onnxruntime's (relative L2).
+
+With --text-encoder qwen3-4b|qwen3-8b (ryzenai only) the text encoder is measured instead: a synthetic Qwen3 folder
+at that geometry (bf16, `fill="tiled"`, Qwen3-4B 8.0 GB / Qwen3-8B 16.4 GB, `--layers N` to cut it) inside a pipeline
+folder whose transformer holds one placeholder tensor, `port export ... --target ryzenai --components text_encoder`
+(hollow trace, every Linear quantized to int4 as it is read), then one text-encoder call of --text-len tokens in
+onnxruntime's CPU provider.
 
 Not part of CI. Needs about 2.2 x 7.75 GB of free disk in --workdir; everything is deleted afterwards.
 """
@@ -53,14 +60,12 @@ ORT_SCRIPT = STEP_INPUTS + textwrap.dedent("""
     import numpy as np, onnxruntime as ort
     folder, cfg_path, out = sys.argv[1:4]
     cfg = json.load(open(cfg_path))
+    from porting.export.ort import SessionSettings, open_session
     t0 = time.perf_counter()
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    if os.environ.get("BENCH_ORT_LEAN") == "1":  # bf16 weights: no load-time folding of Cast into fp32 copies
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-        options.enable_mem_pattern = False
-        options.enable_cpu_mem_arena = False
-    session = ort.InferenceSession(folder + "/model.onnx", sess_options=options, providers=["CPUExecutionProvider"])
+    threads = int(os.environ["BENCH_ORT_THREADS"]) if os.environ.get("BENCH_ORT_THREADS") else None
+    how = os.environ.get("BENCH_ORT", "lean")
+    settings = SessionSettings(threads=threads, lean=how != "default", prepack=how != "lean-unpacked")
+    session = open_session(folder, settings=settings)  # what port validate / port generate open
     load = time.perf_counter() - t0
     dtype = torch.float16 if session.get_inputs()[0].type == "tensor(float16)" else torch.float32
     feed = {k: v.numpy() for k, v in step_inputs(cfg, dtype).items()}
@@ -68,6 +73,25 @@ ORT_SCRIPT = STEP_INPUTS + textwrap.dedent("""
     (y,) = session.run(None, feed)
     step = time.perf_counter() - t0
     np.save(out, y.astype(np.float32))
+    print(json.dumps({"load_s": load, "step_s": step, "finite": bool(np.isfinite(y).all())}))
+""")
+
+ORT_TEXT_SCRIPT = textwrap.dedent("""
+    import json, os, sys, time
+    import numpy as np, onnxruntime as ort
+    path, text = sys.argv[1], int(sys.argv[2])
+    from pathlib import Path
+    from porting.export.ort import SessionSettings, open_session
+    t0 = time.perf_counter()
+    threads = int(os.environ["BENCH_ORT_THREADS"]) if os.environ.get("BENCH_ORT_THREADS") else None
+    how = os.environ.get("BENCH_ORT", "lean")
+    settings = SessionSettings(threads=threads, lean=how != "default", prepack=how != "lean-unpacked")
+    session = open_session(Path(path).parent, file=Path(path).name, settings=settings)
+    load = time.perf_counter() - t0
+    ids = np.random.default_rng(0).integers(0, 1000, (1, text), dtype=np.int64)
+    t0 = time.perf_counter()
+    (y,) = session.run(None, {"input_ids": ids, "attention_mask": np.ones_like(ids)})
+    step = time.perf_counter() - t0
     print(json.dumps({"load_s": load, "step_s": step, "finite": bool(np.isfinite(y).all())}))
 """)
 
@@ -119,6 +143,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--torch-dtypes", default="fp16,bf16", help="torch steps to compare with (comma-separated)")
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--keep", action="store_true")
+    parser.add_argument("--text-encoder", choices=["qwen3-4b", "qwen3-8b"], default=None,
+                        help="ryzenai: measure the int4 text encoder at this geometry instead of the transformer")
+    parser.add_argument("--ort-settings", default="lean",
+                        help="onnxruntime session settings to measure, comma-separated: lean (SessionSettings(), what "
+                             "validate and generate open), lean-unpacked (also no weight prepacking), default "
+                             "(onnxruntime's own defaults)")
+    parser.add_argument("--layers", type=int, default=None, help="--text-encoder: decoder layers (default: real)")
     parser.add_argument("--export-only", action="store_true", help="measure the export only (no onnxruntime or torch "
                                                                    "step)")
     args = parser.parse_args(argv)
@@ -131,6 +162,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average before: {os.getloadavg()}")
     src, out = work / "transformer", work / "onnx"
     results: dict[str, dict] = {}
+    if args.text_encoder:
+        try:
+            return _text_encoder(args, work, out)
+        finally:
+            if not args.keep:
+                shutil.rmtree(work, ignore_errors=True)
     try:
         start = time.perf_counter()
         write_random_checkpoint(src / "diffusion_pytorch_model.safetensors", config, "diffusers", "BF16", seed=0,
@@ -142,7 +179,6 @@ def main(argv: list[str] | None = None) -> int:
         port = [sys.executable, "-m", "porting"]
         os.environ["BENCH_SIDE"], os.environ["BENCH_TEXT"] = str(args.size // 16), str(args.text_len)
         if args.target == "ryzenai":
-            os.environ["BENCH_ORT_LEAN"] = "1"
             how = ["--target", "ryzenai", "--size", str(args.size), "--text-len", str(args.text_len)]
         else:
             how = ["--dtype", args.dtype, "--opset", str(args.opset or 18)]
@@ -163,11 +199,14 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         cfg_path = work / "config-only.json"
         cfg_path.write_text(json.dumps({k: v for k, v in config.items() if not k.startswith("_")}))
-        wall, rss, code = measure([sys.executable, "-c", ORT_SCRIPT, str(out / "transformer"), str(cfg_path),
-                                   str(work / "ort.npy")], work / "ort.log")
-        results["onnxruntime CPU"] = {"wall": wall, "rss": rss, "code": code, **last_json(work / "ort.log")}
-        if code != 0:
-            print((work / "ort.log").read_text()[-3000:], file=sys.stderr)
+        for how in args.ort_settings.split(","):
+            os.environ["BENCH_ORT"] = how
+            log = work / f"ort-{how}.log"
+            wall, rss, code = measure([sys.executable, "-c", ORT_SCRIPT, str(out / "transformer"), str(cfg_path),
+                                       str(work / "ort.npy")], log)
+            results[f"onnxruntime {how}"] = {"wall": wall, "rss": rss, "code": code, **last_json(log)}
+            if code != 0:
+                print(log.read_text()[-3000:], file=sys.stderr)
         for name in [d for d in args.torch_dtypes.split(",") if d]:
             log = work / f"torch-{name}.log"
             wall, rss, code = measure([sys.executable, "-c", TORCH_SCRIPT, str(src), name,
@@ -184,6 +223,53 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
+    print(f"load average after: {os.getloadavg()}")
+    _report(results)
+    return 0
+
+
+def _text_encoder(args: argparse.Namespace, work: Path, out: Path) -> int:
+    """The ryzenai text encoder at Qwen3-4B / Qwen3-8B geometry: streamed int4 export, then one onnxruntime call."""
+    import torch
+    from safetensors.torch import save_file
+
+    from porting.demo.tiny import REAL_FLUX2, REAL_QWEN3, write_random_text_encoder
+
+    pipe = work / "pipe"
+    geometry = dict(REAL_QWEN3[args.text_encoder])
+    if args.layers:
+        geometry["num_hidden_layers"] = args.layers
+    start = time.perf_counter()
+    write_random_text_encoder(pipe / "text_encoder", geometry)
+    transformer = {"qwen3-4b": "klein-4b", "qwen3-8b": "klein-9b"}[args.text_encoder]
+    (pipe / "transformer").mkdir()
+    (pipe / "transformer" / "config.json").write_text(json.dumps(dict(REAL_FLUX2[transformer])))
+    save_file({"placeholder": torch.zeros(1)}, pipe / "transformer" / "diffusion_pytorch_model.safetensors")
+    (pipe / "model_index.json").write_text(json.dumps({"_class_name": "Flux2KleinPipeline",
+                                                        "transformer": ["diffusers", "Flux2Transformer2DModel"],
+                                                        "text_encoder": ["transformers", "Qwen3ForCausalLM"]}))
+    size = sum(f.stat().st_size for f in (pipe / "text_encoder").glob("*.safetensors"))
+    print(f"generated {args.text_encoder} ({geometry['num_hidden_layers']} layers), bf16, {size / 1e9:.2f} GB in "
+          f"{time.perf_counter() - start:.1f} s (not measured)")
+    results: dict[str, dict] = {}
+    cmd = [sys.executable, "-m", "porting", "export", str(pipe), "--format", "onnx", "--target", "ryzenai",
+           "--text-len", str(args.text_len), "--components", "text_encoder", "--out", str(out), "--json", "--force"]
+    wall, rss, code = measure(cmd, work / "export.log")
+    results["export"] = {"wall": wall, "rss": rss, "code": code}
+    if code != 0:
+        print((work / "export.log").read_text()[-3000:], file=sys.stderr)
+        _report(results)
+        return 1
+    graph = next((out / "text_encoder").glob("*.onnx"))
+    results["export"]["data_gb"] = Path(str(graph) + ".data").stat().st_size / 1e9
+    if not args.export_only:
+        for how in args.ort_settings.split(","):
+            os.environ["BENCH_ORT"] = how
+            log = work / f"ort-{how}.log"
+            wall, rss, code = measure([sys.executable, "-c", ORT_TEXT_SCRIPT, str(graph), str(args.text_len)], log)
+            results[f"onnxruntime {how}"] = {"wall": wall, "rss": rss, "code": code, **last_json(log)}
+            if code != 0:
+                print(log.read_text()[-3000:], file=sys.stderr)
     print(f"load average after: {os.getloadavg()}")
     _report(results)
     return 0

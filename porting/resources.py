@@ -177,7 +177,10 @@ def streamed_export_bytes(folder: Path) -> tuple[int, str]:
                   f"interpreter {gib(MEMORY_OVERHEAD)}")
 
 
-def check_streamed_export_memory(component: str, folder: Path, *, available: int | None = None) -> int:
-    need, breakdown = streamed_export_bytes(folder)
+def check_streamed_export_memory(component: str, folder: Path, *, available: int | None = None,
+                                 estimate: Callable[[Path], tuple[int, str]] | None = None) -> int:
+    """Refuse (exit 2, before any work) a streamed export whose estimate does not fit. `estimate`: a
+    component-specific estimate (folder -> (bytes, breakdown)); default `streamed_export_bytes`."""
+    need, breakdown = (estimate or streamed_export_bytes)(folder)
     return require_memory(f"{component}: a streamed export", need, breakdown, available=available,
                           hint="The weights are streamed one tensor at a time; free some memory.")

@@ -31,7 +31,8 @@ def validate(model: str | Path, *, device: str = "cpu", dtype: str | None = None
              prepare_device_model: Callable[[torch.nn.Module], None] | None = None,
              on_stage: Callable[[str, int], None] | None = None,
              runtime: str = "torch", provider: str = "CPUExecutionProvider",
-             devices: str | Sequence[str] | None = None, svdq_compute: str | None = None) -> Report:
+             devices: str | Sequence[str] | None = None, svdq_compute: str | None = None,
+             ort_threads: int | None = None) -> Report:
     """Run golden, intrinsic reference and device under test in lock-step and judge the device.
 
     `runtime="torch"`: `model` is a transformer (folder or file) run on `device` in `dtype` (default bf16).
@@ -43,10 +44,14 @@ def validate(model: str | Path, *, device: str = "cpu", dtype: str | None = None
     `devices` (two or more, e.g. `cuda:0,cuda:1`): the staged run split as pipeline stages over them with
     torch.distributed (validation.distributed); the report is the one a single-device run writes. Under torchrun,
     ranks other than 0 return None.
+    `ort_threads`: onnxruntime's intra-op threads (its sessions open lean: `porting.export.ort.SessionSettings`).
     `svdq_compute` ("w4a4" or "w4a16", a Nunchaku SVDQuant `model` only): the intrinsic and device runs keep the
     quantized linears packed and compute them so (validation.packed); the golden stays the float32 run of the
     dequantized weights. Without it an SVDQuant file runs as plain linears of its dequantized weights.
     """
+    if ort_threads is not None and runtime != "onnxruntime":
+        raise PortError(f"--ort-threads {ort_threads}: only with --runtime onnxruntime.",
+                        hint="Leave --ort-threads out, or validate an ONNX export with --runtime onnxruntime.")
     if svdq_compute is not None and (devices is not None or runtime != "torch"):
         raise PortError("--svdq-compute runs the packed linears in the torch staged runner on one device; drop "
                         "--devices / --runtime onnxruntime, or --svdq-compute.")
@@ -73,18 +78,18 @@ def validate(model: str | Path, *, device: str = "cpu", dtype: str | None = None
     if runtime == "onnxruntime":
         if device_weight_transform is not None or prepare_device_model is not None:
             raise PortError("weight transforms and model hooks act on a torch model; the onnxruntime runner has none.")
-        from porting.export.ort import check_provider
+        from porting.export.ort import SessionSettings, check_provider
 
         check_provider(provider)  # before any heavy loading: a missing provider is a usage error
         if _is_text_encoder_export(Path(model)):
             from .text_encoder import validate_text_encoder
 
             return validate_text_encoder(Path(model), out=out, max_ratio=max_ratio, provider=provider,
-                                         prompt=prompt)
+                                         prompt=prompt, settings=SessionSettings(threads=ort_threads))
         export, weights_path = _export_source(Path(model), dtype)
         dtype = export["dtype"]
-        if export.get("target") == "ryzenai":  # a static graph: its one size and text length are the inputs
-            resolution, text_len = export["profile"]["size"], export["profile"]["text_len"]
+        if export.get("target") == "ryzenai":  # a static graph: its size and text length are the inputs
+            resolution, text_len = ryzenai_size(export, resolution), export["profile"]["text_len"]
     dtype = dtype or "bf16"
     golden_dtype = golden_dtype or ("fp64" if runtime == "onnxruntime" and dtype == "fp32" else "fp32")
     run_dtype, gold_dtype = _dtype(dtype, "--dtype"), _dtype(golden_dtype, "--golden-dtype")
@@ -125,9 +130,13 @@ def validate(model: str | Path, *, device: str = "cpu", dtype: str | None = None
         intrinsic_run = (torch_runner(source, ref, run_dtype, packed=packed) if intrinsic == "native" else
                          torch_runner(source, ref, torch.float32, emulate=run_dtype, packed=packed))
     if runtime == "onnxruntime":
+        from porting.export.ort import SessionSettings
+
         from .runners.onnxruntime import OrtRunner
 
-        device_run: Runner = OrtRunner(Path(model), provider, run_dtype, source.stages.forward_kwargs)
+        device_run: Runner = OrtRunner(Path(model), provider, run_dtype, source.stages.forward_kwargs,
+                                       graph=(export or {}).get("graphs", {}).get(str(resolution)),
+                                       settings=SessionSettings(threads=ort_threads))
     else:
         device_run = torch_runner(source, dev, run_dtype, device_weight_transform, packed=packed)
     golden_weights = GoldenWeights()  # refuses a non-finite weight by name, counts all-zero ones
@@ -144,6 +153,13 @@ def validate(model: str | Path, *, device: str = "cpu", dtype: str | None = None
     if out is not None:
         report.write(Path(out), inputs=read_paths)
     return report
+
+
+def ryzenai_size(export: dict[str, Any], resolution: int) -> int:
+    """The static size a ryzenai transformer export is validated at: `resolution` when the export has a graph for
+    it (several --size values), else its first size (the graphs take no other)."""
+    sizes = export["profile"].get("sizes") or [export["profile"]["size"]]
+    return resolution if resolution in sizes else int(sizes[0])
 
 
 def _is_text_encoder_export(folder: Path) -> bool:
@@ -181,7 +197,9 @@ def _export_source(folder: Path, dtype: str | None) -> tuple[dict[str, Any], Pat
     facts = {"folder": str(root.resolve()), "dtype": manifest["dtype"], "opset": manifest.get("opset"),
              "weights_sha256": manifest["source"]["weights_sha256"], "source": src}
     if manifest.get("target") == "ryzenai":
+        graphs = manifest["components"]["transformer"].get("graphs") or {}
         facts.update(target="ryzenai", profile=manifest["profile"],
+                     graphs={size: Path(g["file"]).name for size, g in graphs.items()},
                      ran=("bf16 weights (initializers stored as bfloat16) cast to float32 by the graph's Cast nodes, "
                           "float32 compute: onnxruntime's CPU provider has no bf16 MatMul; the NPU computes in bf16"))
     return facts, Path(src)

@@ -123,7 +123,8 @@ def check_weights(model_file: Path, source: dict[str, torch.Tensor]) -> dict[str
 
 
 def validate_text_encoder(folder: Path, *, out: Path | None = None, max_ratio: float = 2.0,
-                          provider: str = "CPUExecutionProvider", prompt: str | None = None) -> Report:
+                          provider: str = "CPUExecutionProvider", prompt: str | None = None,
+                          settings: Any = None) -> Report:
     from porting.export.ort import open_session
     from porting.export.ryzenai import int4_dequantize_torch
     from porting.families.flux2_export import load_text_encoder
@@ -163,7 +164,7 @@ def validate_text_encoder(folder: Path, *, out: Path | None = None, max_ratio: f
         intrinsic = torch.cat([module(input_ids=enc.input_ids[i:i + 1],
                                       attention_mask=enc.attention_mask[i:i + 1]) for i in range(len(prompts))])
     del module, traced
-    session = open_session(folder, provider)
+    session = open_session(folder, provider, settings=settings)
     names = [i.name for i in session.get_inputs()]
     device = torch.cat([torch.from_numpy(session.run(None, {
         names[0]: enc.input_ids[i:i + 1].numpy().astype(np.int64),

@@ -100,6 +100,11 @@ def at_least(minimum: int) -> Callable[..., Any]:
     return check
 
 
+OrtThreadsOpt = Annotated[Optional[int], typer.Option(
+    "--ort-threads", callback=at_least(1), help="onnxruntime intra-op threads (default: one per core). Its sessions "
+    "open lean: external data mapped from the file, no memory arena, no prepacked weight copies.")]
+
+
 StepsOpt = Annotated[Optional[int], typer.Option("--steps", callback=at_least(1), help="Denoising steps, at least 1 "
                                                  "(default 4 for distilled models, 50 otherwise).")]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, List, Optional
 
 import typer
 from rich.table import Table
@@ -20,6 +20,7 @@ Examples:
   port export ./transformer --format onnx --out ./onnx --components transformer --opset 23
   port validate ./my-klein-ft-onnx/transformer --runtime onnxruntime --provider CPUExecutionProvider
   port export ./my-klein-ft --format onnx --target ryzenai --size 1024 --text-len 512 --out ./klein-ryzenai
+  port export ./my-klein-ft --format onnx --target ryzenai --size 512 --size 1024 --out ./klein-ryzenai-2
   port export --check ./klein-ryzenai --target ryzenai
 """
 
@@ -54,8 +55,10 @@ def export(
     target: Annotated[ExportTarget, typer.Option("--target", help="generic: dynamic axes, opset 18+; ryzenai: "
                                                  "AMD Ryzen AI NPU form (opset 17, static shapes, bf16 transformer, "
                                                  "int4 text encoder).")] = ExportTarget.generic,
-    size: Annotated[Optional[int], typer.Option("--size", callback=at_least(16), help="ryzenai: image size in "
-                                                "pixels, a multiple of 16 (default 1024).")] = None,
+    size: Annotated[Optional[List[int]], typer.Option("--size", help="ryzenai: image size in pixels, a multiple "
+                                                      "of 16 (default 1024); give it several times for one "
+                                                      "transformer and VAE decoder graph per size, all reading one "
+                                                      "weights file.")] = None,
     text_len: Annotated[Optional[int], typer.Option("--text-len", callback=at_least(1), help="ryzenai: text "
                                                     "tokens (default 512).")] = None,
     block_size: Annotated[Optional[int], typer.Option("--block-size", callback=power_of_two_at_least(16),
@@ -80,7 +83,7 @@ def export(
     if folder is None or out is None:
         raise UsageError("port export needs FOLDER and --out (or --check DIR to lint a folder).")
     profile = None
-    ryzenai_options = {"--size": size, "--text-len": text_len, "--block-size": block_size,
+    ryzenai_options = {"--size": size or None, "--text-len": text_len, "--block-size": block_size,
                        "--accuracy-level": accuracy_level}
     if target is ExportTarget.ryzenai:
         from porting.export import ryzenai
@@ -88,7 +91,7 @@ def export(
         if dtype is not ExportDtype.fp32:
             raise UsageError(f"--dtype {dtype.value}: --target ryzenai sets the dtypes itself (bf16-cast transformer "
                              "and VAE decoder, int4 text encoder); leave --dtype out.")
-        profile = ryzenai.check_profile(ryzenai.DEFAULT_SIZE if size is None else size,
+        profile = ryzenai.check_profile(size or [ryzenai.DEFAULT_SIZE],
                                         ryzenai.DEFAULT_TEXT_LEN if text_len is None else text_len,
                                         ryzenai.DEFAULT_BLOCK_SIZE if block_size is None else block_size,
                                         accuracy_level)

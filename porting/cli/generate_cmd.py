@@ -10,7 +10,7 @@ import typer
 from rich.table import Table
 
 from . import _output
-from ._options import JsonOpt, QuietOpt, StepsOpt, SvdqCompute, SvdqComputeOpt, out_option
+from ._options import JsonOpt, OrtThreadsOpt, QuietOpt, StepsOpt, SvdqCompute, SvdqComputeOpt, out_option
 
 if TYPE_CHECKING:
     from porting.pipeline.generate import GenerateResult
@@ -80,6 +80,7 @@ def generate(
     svdq_compute: SvdqComputeOpt = SvdqCompute.w4a4,
     provider: Annotated[str, typer.Option("--provider", help="onnxruntime execution provider, for an ONNX export "
                                           "folder (port export).")] = "CPUExecutionProvider",
+    ort_threads: OrtThreadsOpt = None,
     force: Annotated[bool, typer.Option("--force", help="Replace --output if it exists (only an image flux-port "
                                         "wrote).")] = False,
     json_: JsonOpt = False,
@@ -110,7 +111,8 @@ def generate(
                               cpu_offload=cpu_offload.value if cpu_offload else None, images=image or [],
                               dtype=dtype.value if dtype else None, guidance_scale=guidance_scale,
                               progress=not out.quiet, on_status=out.status, provider=provider, force=force,
-                              on_step=on_step, transformer=transformer, svdq_compute=svdq_compute.value)
+                              ort_threads=ort_threads, on_step=on_step, transformer=transformer,
+                              svdq_compute=svdq_compute.value)
     finally:
         if bar is not None:
             bar.stop()

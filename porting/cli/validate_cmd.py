@@ -12,7 +12,15 @@ from porting.errors import CheckFailed, PortError
 from porting.reports import REPORTS, run_folder
 
 from . import _output
-from ._options import JsonOpt, QuietOpt, SvdqCompute, WorkspaceOpt, out_option, transformer_of
+from ._options import (
+    JsonOpt,
+    OrtThreadsOpt,
+    QuietOpt,
+    SvdqCompute,
+    WorkspaceOpt,
+    out_option,
+    transformer_of,
+)
 from ._recipe import as_recipe
 
 VALIDATE_EXAMPLES = """\b
@@ -66,6 +74,7 @@ def validate(
     provider: Annotated[str, typer.Option("--provider", help="onnxruntime execution provider: CPUExecutionProvider, "
                                           "CUDAExecutionProvider, CANNExecutionProvider, ...")] =
     "CPUExecutionProvider",
+    ort_threads: OrtThreadsOpt = None,
     svdq_compute: Annotated[Optional[SvdqCompute], typer.Option(
         "--svdq-compute", help="A Nunchaku SVDQuant MODEL run packed on the reference and the device: w4a4 computes "
                                "what the kernel does (4-bit activations), w4a16 the dequantized weights; the golden "
@@ -120,7 +129,7 @@ def validate(
                               timesteps=timestep_list, seeds=seed_list, base=base, prompt=prompt,
                               max_ratio=max_ratio, config=config, intrinsic=intrinsic,
                               on_stage=on_stage, runtime=runtime, provider=provider, devices=devices,
-                              svdq_compute=svdq_compute.value if svdq_compute else None)
+                              ort_threads=ort_threads, svdq_compute=svdq_compute.value if svdq_compute else None)
     finally:
         if bar is not None:
             bar.stop()

@@ -70,3 +70,39 @@ def write_random_checkpoint(path: str | Path, config: Mapping[str, Any], naming:
         path.mkdir(parents=True, exist_ok=True)
         write_shards(path, "model", entries, tensors, max_shard_bytes or 2**62, metadata={"format": "pt"})
     return path
+
+
+# Qwen/Qwen3-4B and Qwen/Qwen3-8B config.json geometry (klein-4B's and klein-9B's text encoders; as bench/offload.py)
+REAL_QWEN3: Mapping[str, Mapping[str, Any]] = {
+    "qwen3-4b": {"hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36, "num_attention_heads": 32,
+                 "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": True,
+                 "max_position_embeddings": 40960},
+    "qwen3-8b": {"hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
+                 "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": False,
+                 "max_position_embeddings": 40960},
+}
+
+
+def write_random_text_encoder(folder: str | Path, config: Mapping[str, Any], seed: int = 0, dtype: str = "BF16",
+                              max_shard_bytes: int = 5 * 10**9) -> Path:
+    """A Qwen3ForCausalLM folder (config.json, sharded safetensors with an index) of `config`'s geometry, written
+    one tensor at a time (`fill="tiled"` values; norms at 1), keys as transformers saves them: `lm_head.weight` only
+    when the embeddings are not tied (Qwen3-4B stores no lm_head, Qwen3-8B stores both)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = Qwen3Config(**config, architectures=["Qwen3ForCausalLM"])
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(cfg)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if cfg.tie_word_embeddings:
+        shapes.pop("lm_head.weight", None)
+    entries = [Entry(k, s, dtype) for k, s in shapes.items()]
+    gen = torch.Generator().manual_seed(seed)
+    pool = (0.02 * torch.randn(POOL_SIZE, generator=gen)).to(ST_TO_TORCH[dtype])
+    tensors = (torch.ones(e.shape, dtype=ST_TO_TORCH[dtype]) if "norm" in e.key else
+               tiled_tensor(e.shape, pool, (7919 * i) % POOL_SIZE) for i, e in enumerate(entries))
+    write_shards(folder, "model", entries, tensors, max_shard_bytes, metadata={"format": "pt"})
+    cfg.to_json_file(str(folder / "config.json"))
+    return folder

@@ -32,6 +32,7 @@ from porting.resources import MEMORY_OVERHEAD, check_streamed_export_memory, req
 
 from .onnx_components import ExportSpec, Traceable, gib, nbytes
 from .ort import MODEL_FILE, require
+from .streamed import hollow_traceable, key_map, stream_component, streamed_bytes
 
 MANIFEST = "flux-port-export.json"
 DATA_SUFFIX = ".data"
@@ -208,6 +209,18 @@ def _dims(traced: Traceable) -> dict[str, dict[int, Any]]:
             for k, axes in traced.dynamic.items()}
 
 
+def _plan(layout: Layout, component: str, source: Path, dtype: torch.dtype) -> tuple[Traceable, dict[str, str]] | None:
+    """The hollow traceable of a component and its parameters' source keys when it can be streamed (every parameter
+    found by name in its safetensors files), else None (exported in memory)."""
+    try:
+        traced = hollow_traceable(layout.spec.components[component], source, dtype)
+    except (ValueError, TypeError, AttributeError, KeyError, NotImplementedError, OSError) as e:
+        logging.getLogger(__name__).info("%s: no hollow build (%s); exported in memory", component, e)
+        return None  # a class that cannot be built from its config alone: the in-memory export, as before
+    keys, missing = key_map(traced, source)
+    return (traced, keys) if not missing else None
+
+
 def export_component(traced: Traceable, dest: Path, opset: int) -> int:
     """Trace, save with external data, check by path; returns the opset actually produced.
 
@@ -301,9 +314,13 @@ def export_onnx(folder: str | Path, out: str | Path, *, dtype: str = "fp32", ops
     torch_dtype = DTYPES[dtype]
     layout, wanted, params = _selected(folder, components)
     sources, kind = layout.sources, layout.kind
+    plans = {c: _plan(layout, c, sources[c], torch_dtype) for c in wanted}  # hollow builds: no weight read
     for c in wanted:  # refuse before any tracing
-        check_fits(c, params[c], torch_dtype, available_bytes)
-
+        if plans[c] is not None:
+            check_streamed_export_memory(c, sources[c], available=available_bytes,
+                                         estimate=lambda f: streamed_bytes(f, torch_dtype))
+        else:
+            check_fits(c, params[c], torch_dtype, available_bytes)
     copies = files_to_copy(folder, layout)
     read_paths = {"source": folder, "component": list(sources.values()),
                   "copied folder": [folder / name for name in copies]}
@@ -321,8 +338,16 @@ def export_onnx(folder: str | Path, out: str | Path, *, dtype: str = "fp32", ops
             say(f"exporting {c} ({params[c] / 1e6:.1f} M parameters, {dtype}, opset {opset})",
                 **_sizes(wanted, c, params))
             t0 = time.perf_counter()
-            traced = layout.spec.components[c].load(sources[c], torch_dtype)
-            produced = export_component(traced, staging / c, opset)
+            plan = plans.pop(c)
+            if plan is not None:  # hollow trace, the weights written from the source one tensor at a time
+                traced, keys = plan
+                produced = stream_component(traced, sources[c], keys, torch_dtype, opset, _dims(traced), staging / c,
+                                            MODEL_FILE)
+                traced.facts = {**traced.facts, "streamed": True}
+            else:
+                traced = layout.spec.components[c].load(sources[c], torch_dtype)
+                produced = export_component(traced, staging / c, opset)
+                traced.facts = {**traced.facts, "streamed": False}  # its keys do not match its module's names
             produced_opsets.add(produced)
             results.append(ComponentResult(
                 name=c, inputs=traced.inputs, outputs=traced.outputs, dynamic_axes=traced.dynamic, params=params[c],
@@ -373,6 +398,13 @@ def _copy_folders(folder: Path, staging: Path, copies: dict[str, list[Path]]) ->
     return copied
 
 
+def _graph_facts(proto: Any, component: str, file: str) -> dict[str, Any]:
+    """A static graph's file (relative to the export), inputs, outputs and input shapes, for the manifest."""
+    return {"file": f"{component}/{file}", "inputs": [i.name for i in proto.graph.input],
+            "outputs": [o.name for o in proto.graph.output],
+            "input_shapes": {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in proto.graph.input}}
+
+
 def _export_ryzenai(folder: Path, out: Path, *, opset: int, components: Sequence[str] | None, force: bool,
                     available_bytes: int | None, profile: Any, say: Callable[[str], None],
                     started: float) -> ExportResult:
@@ -394,14 +426,12 @@ def _export_ryzenai(folder: Path, out: Path, *, opset: int, components: Sequence
     require("onnxruntime")  # the int4 quantizer
     layout, wanted, params = _selected(folder, components)
     sources, kind = layout.sources, layout.kind
-    for c in wanted:  # the text encoder is traced with its float32 weights (the int4 quantizer reads them); the
-        # transformer and VAE decoder are traced hollow and streamed tensor by tensor (resources.streamed_export_bytes)
-        if c in ryzenai.STREAMED:
-            check_streamed_export_memory(c, sources[c], available=available_bytes)
-        else:
-            check_fits(c, params[c], torch.float32, available_bytes,
-                       hint="The ryzenai text encoder is estimated at 2 x its float32 weights: use a machine with "
-                            "more memory, or --components to export one component at a time.")
+    from .streamed_text import streamed_text_encoder_bytes
+
+    for c in wanted:  # every component is traced hollow and its weights streamed tensor by tensor: the estimate is
+        # the interpreter, the graph and the largest tensor in flight (resources.streamed_export_bytes)
+        check_streamed_export_memory(c, sources[c], available=available_bytes,
+                                     estimate=streamed_text_encoder_bytes if c == "text_encoder" else None)
     copies = files_to_copy(folder, layout)
     read_paths = {"source": folder, "component": list(sources.values()),
                   "copied folder": [folder / name for name in copies]}
@@ -413,31 +443,44 @@ def _export_ryzenai(folder: Path, out: Path, *, opset: int, components: Sequence
     results: list[ComponentResult] = []
     with atomic_folder(out, force=force, verb="export", inputs=read_paths) as staging:
         for c in wanted:
-            say(f"exporting {c} for ryzenai ({params[c] / 1e6:.1f} M parameters, opset {opset}, static shapes)",
-                **_sizes(wanted, c, params))
             t0 = time.perf_counter()
-            file = ryzenai.FILES[c]
-            if c in ryzenai.STREAMED:
-                proto, facts = ryzenai.stream_bf16_component(c, sources[c], profile, staging / c)
-                ryzenai.save_streamed(proto, staging / c, file)
-            else:
-                traced = layout.spec.components[c].load(sources[c], torch.float32)
-                proto, facts = ryzenai.finish_component(c, traced, profile)
-                del traced
+            graphs: dict[str, dict[str, Any]] = {}
+            if c == "text_encoder":
+                say(f"exporting {c} for ryzenai ({params[c] / 1e6:.1f} M parameters, opset {opset}, static shapes, "
+                    f"int4 blocks of {profile.block_size} quantized as read)", **_sizes(wanted, c, params))
+                from .streamed_text import stream_int4_text_encoder
+
+                proto, facts = stream_int4_text_encoder(sources[c], profile, staging / c)
+                ryzenai.save_streamed(proto, staging / c, facts["file"], facts["data_file"])
+                graphs[str(profile.size)] = _graph_facts(proto, c, facts["file"])
+                del proto
                 gc.collect()
-                ryzenai.save(proto, staging / c, file)
-            inputs = [i.name for i in proto.graph.input]
-            shapes = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in proto.graph.input}
-            outputs = [o.name for o in proto.graph.output]
-            del proto
-            gc.collect()
+            elif c in ryzenai.STREAMED:
+                written: dict[str, Any] = {}  # the first size writes the weights, the others point at them
+                for size in (profile.sizes if c in ryzenai.SIZED else (profile.size,)):
+                    say(f"exporting {c} for ryzenai ({params[c] / 1e6:.1f} M parameters, opset {opset}, static "
+                        f"shapes" + (f", size {size}" if c in ryzenai.SIZED else "") + ")", **_sizes(wanted, c, params))
+                    proto, facts = ryzenai.stream_bf16_component(c, sources[c], profile, staging / c, size=size,
+                                                                 written=written)
+                    ryzenai.save_streamed(proto, staging / c, facts["file"], facts["data_file"])
+                    graphs[str(size)] = _graph_facts(proto, c, facts["file"])
+                    del proto
+                    gc.collect()
+            else:  # the families declare no other ryzenai component (ryzenai.finish_component: the in-memory reference)
+                raise ValueError(f"{c}: the ryzenai profile has no export for this component")
+            first = next(iter(graphs.values()))
             if (sources[c] / "config.json").is_file():
                 shutil.copy2(sources[c] / "config.json", staging / c / "config.json")
-            data = staging / c / (file + DATA_SUFFIX)
+            data = staging / c / (ryzenai.FILES[c] + DATA_SUFFIX)
+            facts = {k: v for k, v in facts.items() if k not in ("size", "weights_written")}
+            facts.update(file=first["file"].split("/", 1)[1], input_shapes=first["input_shapes"])
+            if c in ryzenai.SIZED and len(profile.sizes) > 1:
+                facts["graphs"] = graphs  # one static graph per --size, all reading facts["data_file"]
             results.append(ComponentResult(
-                name=c, inputs=inputs, outputs=outputs, dynamic_axes={}, params=params[c],
-                onnx_bytes=(staging / c / file).stat().st_size, data_bytes=data.stat().st_size if data.is_file() else 0,
-                export_s=round(time.perf_counter() - t0, 2), facts={**facts, "input_shapes": shapes}))
+                name=c, inputs=first["inputs"], outputs=first["outputs"], dynamic_axes={}, params=params[c],
+                onnx_bytes=sum((staging / g["file"]).stat().st_size for g in graphs.values()),
+                data_bytes=data.stat().st_size if data.is_file() else 0,
+                export_s=round(time.perf_counter() - t0, 2), facts=facts))
         if copies:
             say(f"copying {', '.join(copies)} from {folder}")
         copied = _copy_folders(folder, staging, copies)
@@ -458,7 +501,7 @@ def _export_ryzenai(folder: Path, out: Path, *, opset: int, components: Sequence
                        "tokenizer": str((folder / "tokenizer").resolve()) if (folder / "tokenizer").is_dir() else None,
                        "weights_sha256": weights},
             "dtype": "bf16", "compute_dtype": "fp32", "opset": {"requested": opset, "produced": opset},
-            "profile": {"size": profile.size, "text_len": profile.text_len, "batch": 1,
+            "profile": {"size": profile.size, "sizes": list(profile.sizes), "text_len": profile.text_len, "batch": 1,
                         "block_size": profile.block_size, "accuracy_level": profile.accuracy_level},
             "components": {r.name: {"file": f"{r.name}/{r.facts['file']}", "inputs": r.inputs, "outputs": r.outputs,
                                     "dynamic_axes": {}, "params": r.params, **r.facts} for r in results},

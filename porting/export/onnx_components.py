@@ -71,7 +71,14 @@ def read_component_config(folder: Path) -> dict[str, Any]:
 
 
 def quiet_from_pretrained(cls: Any, folder: Path, dtype: torch.dtype, **kw: Any) -> Any:
+    """`cls.from_pretrained(folder, dtype)`, quietly; inside `streamed.hollow_loading` the module is built from its
+    config with hollow weights instead (nothing read: the streamed export writes them tensor by tensor)."""
     import warnings
+
+    from .hollow import hollow_dtype, hollow_pretrained
+
+    if hollow_dtype() is not None:
+        return hollow_pretrained(cls, folder, hollow_dtype())
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

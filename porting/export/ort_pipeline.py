@@ -21,15 +21,16 @@ from porting._files import read_config
 from porting.errors import InputError, PortError
 
 from .onnx import MANIFEST, find_manifest
-from .ort import open_session
+from .ort import SessionSettings, open_session
 
 NUMPY_DTYPES = {"tensor(float)": torch.float32, "tensor(float16)": torch.float16}
 
 
 class OrtTransformer(nn.Module):
-    def __init__(self, folder: Path, config: dict[str, Any], provider: str = "CPUExecutionProvider") -> None:
+    def __init__(self, folder: Path, config: dict[str, Any], provider: str = "CPUExecutionProvider",
+                 settings: SessionSettings | None = None, file: str | None = None) -> None:
         super().__init__()
-        self.session = open_session(folder, provider)
+        self.session = open_session(folder, provider, file, settings)
         self.input_names = [i.name for i in self.session.get_inputs()]
         first = self.session.get_inputs()[0]
         self._dtype = NUMPY_DTYPES.get(first.type, torch.float32)
@@ -89,8 +90,24 @@ def export_source(folder: Path) -> Path | None:
     return path
 
 
-def load_onnx_pipeline(folder: Path, dtype: torch.dtype, provider: str = "CPUExecutionProvider") -> Any:
-    """The source pipeline with its transformer replaced by the exported graph."""
+def graph_for_size(folder: Path, size: tuple[int, int] | None) -> str | None:
+    """The transformer graph of a ryzenai export with several sizes (one static graph per --size) for a square
+    `size`; None for a one-graph export. A size the export has no graph for is an error naming those it has."""
+    _, manifest = find_manifest(folder)
+    graphs = manifest.get("components", {}).get("transformer", {}).get("graphs") or {}
+    if not graphs:
+        return None
+    if size is not None and size[0] == size[1] and str(size[0]) in graphs:
+        return Path(graphs[str(size[0])]["file"]).name
+    raise PortError(f"{folder}: the ryzenai export has static graphs for {', '.join(f'{s}x{s}' for s in graphs)} "
+                    f"only; --size {'x'.join(map(str, size)) if size else '(default)'} has none.",
+                    hint=f"Generate with --size {next(iter(graphs))}, or export that size too.")
+
+
+def load_onnx_pipeline(folder: Path, dtype: torch.dtype, provider: str = "CPUExecutionProvider",
+                       settings: SessionSettings | None = None, size: tuple[int, int] | None = None) -> Any:
+    """The source pipeline with its transformer replaced by the exported graph (for a ryzenai export with several
+    sizes, the graph of `size`)."""
     from diffusers import DiffusionPipeline
     from diffusers.utils import logging as diffusers_logging
 
@@ -99,7 +116,8 @@ def load_onnx_pipeline(folder: Path, dtype: torch.dtype, provider: str = "CPUExe
         raise InputError(f"{folder}: no {MANIFEST}; not written by port export.")
     config = {k: v for k, v in read_config(source / "transformer" / "config.json", "the transformer's config")
               .items() if not k.startswith("_")}
-    transformer = OrtTransformer(Path(folder) / "transformer", config, provider)
+    transformer = OrtTransformer(Path(folder) / "transformer", config, provider, settings,
+                                 graph_for_size(Path(folder), size))
     level = diffusers_logging.get_verbosity()
     diffusers_logging.set_verbosity_error()  # "expected <transformer class>" is the point of the seam
     try:

@@ -19,15 +19,16 @@ from __future__ import annotations
 
 import logging
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 
 from porting.errors import UsageError
 
+from .external import padding, save_streamed  # noqa: F401  (save_streamed: used by the export engine)
 from .onnx_components import Traceable
 from .ort import require
 
@@ -49,10 +50,29 @@ RESIZE_18_ATTRS = {"antialias": 0, "keep_aspect_ratio_policy": b"stretch"}
 
 @dataclass(frozen=True)
 class Profile:
+    """The static shapes and int4 settings of a ryzenai export. `size` is the first (or only) image size;
+    `more_sizes` the others when `--size` is given several times (one transformer / VAE decoder graph per size, all
+    reading one weights file)."""
+
     size: int = DEFAULT_SIZE
     text_len: int = DEFAULT_TEXT_LEN
     block_size: int = DEFAULT_BLOCK_SIZE
     accuracy_level: int | None = None
+    more_sizes: tuple[int, ...] = ()
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return (self.size, *self.more_sizes)
+
+
+def graph_file(component: str, size: int, profile: Profile) -> str:
+    """The graph file of `component` at `size`: FILES[component] for a one-size export; `model_SIZE.onnx` for a sized
+    component (transformer, VAE decoder) when the export has several sizes. Their weights file is always
+    FILES[component] + '.data', shared by every size."""
+    if component not in SIZED or len(profile.sizes) == 1:
+        return FILES[component]
+    stem = FILES[component].removesuffix(".onnx")
+    return f"{stem}_{size}.onnx"
 
 
 def _dynamo_export(traced: Any) -> Any:
@@ -66,13 +86,22 @@ def _dynamo_export(traced: Any) -> Any:
     return program.model
 
 
-def check_profile(size: int, text_len: int, block_size: int, accuracy_level: int | None) -> Profile:
-    """The ryzenai options, or UsageError (exit 2) naming the one that is wrong."""
-    for name, value in (("--size", size), ("--text-len", text_len), ("--block-size", block_size)):
+def check_profile(size: int | Sequence[int], text_len: int, block_size: int, accuracy_level: int | None) -> Profile:
+    """The ryzenai options, or UsageError (exit 2) naming the one that is wrong. `size`: one image size or several
+    (`--size` given several times: one static graph per size, in the order given, no repeats)."""
+    sizes = [size] if isinstance(size, int) else list(size)
+    if not sizes:
+        raise UsageError("--size: at least one image size is needed.")
+    for name, value in [("--size", s) for s in sizes] + [("--text-len", text_len), ("--block-size", block_size)]:
         if isinstance(value, bool) or not isinstance(value, int):
             raise UsageError(f"{name} {value!r}: an integer is needed.")
-    if size < 16 or size % 16:
-        raise UsageError(f"--size {size}: a multiple of 16 (the VAE's 8x and the 2x2 patches), at least 16.")
+    for s in sizes:
+        if s < 16 or s % 16:
+            raise UsageError(f"--size {s}: a multiple of 16 (the VAE's 8x and the 2x2 patches), at least 16.")
+    repeated = sorted({s for s in sizes if sizes.count(s) > 1})
+    if repeated:
+        raise UsageError(f"--size {repeated[0]} is given twice; each size makes one graph.",
+                         hint="Give each --size once.")
     if text_len < 1:
         raise UsageError(f"--text-len {text_len}: at least 1.")
     if block_size < 16 or block_size & (block_size - 1):
@@ -80,7 +109,7 @@ def check_profile(size: int, text_len: int, block_size: int, accuracy_level: int
     if accuracy_level is not None and accuracy_level not in (0, 1, 2, 3, 4):
         raise UsageError(f"--accuracy-level {accuracy_level}: onnxruntime's MatMulNBits takes 0 to 4 (0: unset, "
                          "1: fp32, 2: fp16, 3: bf16, 4: int8 compute).")
-    return Profile(size, text_len, block_size, accuracy_level)
+    return Profile(sizes[0], text_len, block_size, accuracy_level, tuple(sizes[1:]))
 
 
 # ---------------------------------------------------------------- static traceables (batch 1, one shape)
@@ -120,7 +149,9 @@ def static_text_encoder(traced: Traceable, profile: Profile) -> Traceable:
                      {**traced.facts, "text_len": profile.text_len})
 
 
-STREAMED = ("transformer", "vae_decoder")  # exported with hollow weights, the weights streamed to disk
+STREAMED = ("transformer", "vae_decoder")  # bf16-cast, exported with hollow weights, the weights streamed to disk
+# the text encoder is streamed too (porting/export/streamed_text.py), its Linear weights quantized as they are read
+SIZED = ("transformer", "vae_decoder")  # one graph per --size; the text encoder's shape is the text length only
 STATIC = {"transformer": static_transformer, "vae_decoder": static_vae_decoder, "text_encoder": static_text_encoder}
 
 
@@ -392,12 +423,29 @@ def _tensor_index(folder: Path) -> dict[str, Path]:
     return index
 
 
-def stream_bf16_component(name: str, folder: Path, profile: Profile, dest: Path) -> tuple[Any, dict[str, Any]]:
+@dataclass(frozen=True)
+class Written:
+    """Where a streamed weight sits in the component's weights file: what a second graph of the same component
+    (another --size) points at instead of writing it again."""
+
+    offset: int
+    length: int
+    dtype: Any  # onnx_ir.DataType
+    shape: tuple[int, ...]
+
+
+def stream_bf16_component(name: str, folder: Path, profile: Profile, dest: Path, *, size: int | None = None,
+                          written: dict[str, Written] | None = None) -> tuple[Any, dict[str, Any]]:
     """Export a bf16-cast component (transformer, VAE decoder) holding at most one weight tensor at a time.
 
-    The module is traced with hollow weights; then every weight is read from the safetensors files one tensor at a
-    time, rounded to bfloat16 (float32 when smaller than BF16_MIN_ELEMENTS, as in `torch_bf16_weights`) and appended
-    to `dest/model.onnx.data`; the graph's initializers point at it. Returns the proto (weights external) and facts.
+    The module is traced with hollow weights at `size` (default the profile's first); then every weight is read from
+    the safetensors files one tensor at a time, rounded to bfloat16 (float32 when smaller than BF16_MIN_ELEMENTS, as
+    in `torch_bf16_weights`) and appended to `dest/FILES[name].data`; the graph's initializers point at it. Returns
+    the proto (weights external) and facts.
+
+    `written`: an empty dict is filled with where each weight went; a filled one (from the first size's call) makes
+    this graph point at those bytes and write no weight (several sizes, one weights file). A weight this graph needs
+    that the first did not write is an error naming it.
 
     Memory: the hollow graph plus one tensor. Nothing folds a node that reads a streamed weight (onnxscript's folder
     would otherwise load every Linear weight to fold its Transpose, and store the result inline: klein-4B's weights
@@ -409,40 +457,57 @@ def stream_bf16_component(name: str, folder: Path, profile: Profile, dest: Path)
     from onnx_ir.passes.common import RemoveUnusedNodesPass
     from safetensors import safe_open
 
-    traced, prefix = hollow_traceable(name, folder, profile)
+    size = profile.size if size is None else size
+    traced, prefix = hollow_traceable(name, folder, replace(profile, size=size, more_sizes=()))
     model = _dynamo_export(traced)
     params = {k for k, _ in traced.module.named_parameters()}
     dest.mkdir(parents=True, exist_ok=True)
-    file = FILES[name]
-    data_path = dest / (file + ".data")
-    index = _tensor_index(folder)
+    data_file = FILES[name] + ".data"
+    data_path = dest / data_file
+    reuse = bool(written)
+    written = {} if written is None else written
+    index = {} if reuse else _tensor_index(folder)
     weights: set[str] = set()
-    offset = 0
-    with open(data_path, "wb") as data:
+
+    def point(value: Any, value_name: str, at: Written) -> None:
+        value.const_value = ir.ExternalTensor(data_file, at.offset, at.length, at.dtype, shape=ir.Shape(list(at.shape)),
+                                              name=value_name, base_dir=str(dest))
+        value.dtype = at.dtype
+        if at.dtype == ir.DataType.BFLOAT16:
+            weights.add(value_name)
+
+    if reuse:
         for value_name, value in list(model.graph.initializers.items()):
             if value_name not in params:
                 continue
-            key = value_name[len(prefix):] if value_name.startswith(prefix) else value_name
-            if key not in index:
-                raise ValueError(f"{folder}: no tensor {key} in its safetensors files")
-            with safe_open(str(index[key]), framework="pt") as sf:
-                tensor = sf.get_tensor(key)
-            small = tensor.numel() < BF16_MIN_ELEMENTS
-            tensor = tensor.to(torch.float32 if small else torch.bfloat16).contiguous()
-            raw = (tensor.view(torch.int16) if not small else tensor).numpy().tobytes()
-            pad = (-offset) % 64  # aligned, as onnx writes external data
-            data.write(b"\0" * pad)
-            offset += pad
-            data.write(raw)
-            dtype = ir.DataType.FLOAT if small else ir.DataType.BFLOAT16
-            value.const_value = ir.ExternalTensor(file + ".data", offset, len(raw), dtype,
-                                                  shape=ir.Shape(list(tensor.shape)), name=value_name,
-                                                  base_dir=str(dest))
-            value.dtype = dtype
-            if not small:
-                weights.add(value_name)
-            offset += len(raw)
-            del tensor, raw
+            if value_name not in written:
+                raise ValueError(f"{name} at --size {size}: weight {value_name} was not written by the first size's "
+                                 f"graph into {data_file}")
+            point(value, value_name, written[value_name])
+    else:
+        offset = 0
+        with open(data_path, "wb") as data:
+            for value_name, value in list(model.graph.initializers.items()):
+                if value_name not in params:
+                    continue
+                key = value_name[len(prefix):] if value_name.startswith(prefix) else value_name
+                if key not in index:
+                    raise ValueError(f"{folder}: no tensor {key} in its safetensors files")
+                with safe_open(str(index[key]), framework="pt") as sf:
+                    tensor = sf.get_tensor(key)
+                small = tensor.numel() < BF16_MIN_ELEMENTS
+                tensor = tensor.to(torch.float32 if small else torch.bfloat16).contiguous()
+                raw = (tensor.view(torch.int16) if not small else tensor).numpy().tobytes()
+                pad = padding(offset, len(raw))  # aligned: onnxruntime maps large tensors from the file
+                data.write(b"\0" * pad)
+                offset += pad
+                data.write(raw)
+                at = Written(offset, len(raw), ir.DataType.FLOAT if small else ir.DataType.BFLOAT16,
+                             tuple(tensor.shape))
+                written[value_name] = at
+                point(value, value_name, at)
+                offset += len(raw)
+                del tensor, raw
     # fold only small constants (Reduce axes, shape arithmetic): nothing that reads a streamed weight. onnxscript
     # folds a Transpose of an initializer whatever its size (its `_DEFAULT_ALWAYS_FOLD_OPS`), which loaded every
     # Linear weight from model.onnx.data and stored its transpose inline (the whole model in memory and in the
@@ -455,7 +520,9 @@ def stream_bf16_component(name: str, folder: Path, profile: Profile, dest: Path)
     del model
     proto = downgrade_to_17(proto)
     converted = add_casts(proto, weights)
-    return proto, {"weights": WEIGHTS[name], "file": file, "bf16_initializers": len(converted), "streamed": True}
+    return proto, {"weights": WEIGHTS[name], "file": graph_file(name, size, profile), "data_file": data_file,
+                   "bf16_initializers": len(converted), "streamed": True, "size": size,
+                   "weights_written": not reuse}
 
 
 def add_casts(proto: Any, weights: set[str]) -> list[str]:
@@ -474,28 +541,3 @@ def add_casts(proto: Any, weights: set[str]) -> list[str]:
     del proto.graph.node[:]
     proto.graph.node.extend(nodes)
     return names
-
-
-def save_streamed(proto: Any, dest: Path, file: str) -> None:
-    """Save a graph whose weights already sit in `file`.data; the folded constants over 1 KB that the graph still
-    holds inline are appended to it (as `save` does), the smaller ones stay in the graph."""
-    import onnx
-    from onnx import TensorProto, external_data_helper
-
-    data_path = dest / (file + ".data")
-    with open(data_path, "ab") as data:
-        offset = data.tell()
-        for t in proto.graph.initializer:
-            if t.data_location == TensorProto.EXTERNAL or not t.HasField("raw_data") or len(t.raw_data) <= 1024:
-                continue
-            pad = (-offset) % 64
-            data.write(b"\0" * pad)
-            offset += pad
-            raw = t.raw_data
-            data.write(raw)
-            external_data_helper.set_external_data(t, file + ".data", offset, len(raw))
-            t.data_location = TensorProto.EXTERNAL
-            t.ClearField("raw_data")
-            offset += len(raw)
-    onnx.save_model(proto, str(dest / file))
-    onnx.checker.check_model(str(dest / file))

@@ -293,7 +293,7 @@ def generate(folder: str | Path, prompt: str, *, device: str = "cpu", steps: int
              size: str | int | None = None, output: str | Path = "image.png", cpu_offload: str | None = None,
              images: Sequence[str | Path] = (), dtype: str | None = None, guidance_scale: float | None = None,
              progress: bool = True, on_status: Callable[[str], None] | None = None,
-             provider: str = "CPUExecutionProvider", force: bool = False,
+             provider: str = "CPUExecutionProvider", force: bool = False, ort_threads: int | None = None,
              on_step: Callable[[int, int, float], None] | None = None, transformer: str | Path | None = None,
              svdq_compute: str = "w4a4") -> GenerateResult:
     """Generate one image from a published folder and write it as PNG to `output`.
@@ -335,6 +335,9 @@ def generate(folder: str | Path, prompt: str, *, device: str = "cpu", steps: int
     swap = Path(transformer) if transformer is not None else None
     if swap is not None and onnx_source is not None:
         raise PortError("--transformer swaps a torch transformer; this folder's transformer is an ONNX export.")
+    if ort_threads is not None and onnx_source is None:
+        raise PortError(f"--ort-threads {ort_threads}: this folder's transformer runs in torch; the option is for an "
+                        "ONNX export folder (port export).")
     if onnx_source is None:
         from porting.pipeline.pipeload import check_memory, check_swap_fits
 
@@ -359,7 +362,10 @@ def generate(folder: str | Path, prompt: str, *, device: str = "cpu", steps: int
         from porting.export.ort_pipeline import load_onnx_pipeline
 
         say(f"transformer: onnxruntime {provider} on {folder / 'transformer'}; the rest: torch from {onnx_source}")
-        pipe = load_onnx_pipeline(folder, DTYPES[dtype_name], provider).to(dev)
+        from porting.export.ort import SessionSettings
+
+        pipe = load_onnx_pipeline(folder, DTYPES[dtype_name], provider, SessionSettings(threads=ort_threads),
+                                  size=(width, height)).to(dev)
     else:
         pipe = load_pipeline(folder, dev, DTYPES[dtype_name], cpu_offload, swap, svdq_compute)
     pipe.set_progress_bar_config(disable=not (progress and debug()))

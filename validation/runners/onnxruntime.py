@@ -12,7 +12,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 import torch
 
-from porting.export.ort import check_provider, model_path, open_session, require
+from porting.export.ort import SessionSettings, check_provider, model_path, open_session, require
 
 from .base import WHOLE, State
 
@@ -28,14 +28,18 @@ class OrtRunner:
     localisation_note = NO_LOCALISATION
 
     def __init__(self, folder: Path, provider: str, dtype: torch.dtype,
-                 forward_kwargs: Callable[[State], Mapping[str, Any]]) -> None:
+                 forward_kwargs: Callable[[State], Mapping[str, Any]], graph: str | None = None,
+                 settings: SessionSettings | None = None) -> None:
         """`forward_kwargs`: the family's inputs state as the diffusers forward's arguments, which are the graph's
-        input names (`TransformerStages.forward_kwargs`)."""
+        input names (`TransformerStages.forward_kwargs`). `graph`: the file to run when the folder holds several
+        (a ryzenai export with several sizes); default model.onnx or the folder's one graph."""
         check_provider(provider)
         self.forward_kwargs = forward_kwargs
         self.folder, self.provider, self.dtype = Path(folder), provider, dtype
         self.device = f"onnxruntime:{provider}"
-        self.session = open_session(self.folder, provider)
+        self.graph = graph
+        self.settings = settings or SessionSettings()
+        self.session = open_session(self.folder, provider, graph, self.settings)
         self.inputs = [i.name for i in self.session.get_inputs()]
         # what the graph takes, not what the export is called: a ryzenai export holds bf16 weights but takes float32
         self.feed_dtypes = {i.name: ORT_FLOATS.get(i.type) for i in self.session.get_inputs()}
@@ -77,5 +81,6 @@ class OrtRunner:
         ort = require("onnxruntime")
         return {"runtime": "onnxruntime", "onnxruntime": ort.__version__, "provider": self.provider,
                 "session_providers": self.session.get_providers(),
-                "available_providers": ort.get_available_providers(), "model": str(model_path(self.folder)),
+                "available_providers": ort.get_available_providers(), "model": str(model_path(self.folder, self.graph)),
+                "session": {"threads": self.settings.threads, "lean": self.settings.lean},
                 "inputs": self.inputs}
