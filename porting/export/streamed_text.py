@@ -191,7 +191,7 @@ def stream_int4_text_encoder(folder: Path, profile: Any, dest: Path) -> tuple[An
     file = FILES["text_encoder"]
     data_file = file + ".data"
     dest.mkdir(parents=True, exist_ok=True)
-    replaced: dict[int, list[Any]] = {}  # id(node) -> what takes its place (MatMulNBits for a MatMul, [] drops it)
+    replaced: dict[str, list[Any]] = {}  # a node's first output -> what takes its place (MatMulNBits, or [] drops it)
     new_inits, dropped = [], set()
     block = profile.block_size
     offset = 0
@@ -232,9 +232,9 @@ def stream_int4_text_encoder(folder: Path, profile: Any, dest: Path) -> tuple[An
                 attrs = {"K": k, "N": n, "bits": 4, "block_size": block}
                 if profile.accuracy_level:  # as onnxruntime's quantizer: 0 / unset is left out
                     attrs["accuracy_level"] = profile.accuracy_level
-                replaced[id(lin.transpose)] = []
+                replaced[lin.transpose.output[0]] = []
                 for mm in lin.matmuls:
-                    replaced[id(mm)] = [helper.make_node("MatMulNBits", [mm.input[0], q_name, s_name],
+                    replaced[mm.output[0]] = [helper.make_node("MatMulNBits", [mm.input[0], q_name, s_name],
                                                          list(mm.output), name=(mm.name + "_Q4") if mm.name else "",
                                                          domain="com.microsoft", **attrs)]
                 dropped.add(t.name)
@@ -252,7 +252,7 @@ def stream_int4_text_encoder(folder: Path, profile: Any, dest: Path) -> tuple[An
             _external(t, data_file, start or 0, 4 * math.prod(want))
     nodes = []
     for node in proto.graph.node:
-        nodes.extend(replaced.get(id(node), [node]))
+        nodes.extend(replaced.get(node.output[0], [node]) if node.output else [node])
     del proto.graph.node[:]
     proto.graph.node.extend(nodes)
     kept = [t for t in proto.graph.initializer if t.name not in dropped]
