@@ -303,3 +303,12 @@ def test_published_card_says_what_it_was_dequantized_from(tmp_path, capsys):
     assert run.code == 0, run.err
     card = (tmp_path / "pub" / "README.md").read_text()
     assert "| dequantized from | `Nunchaku SVDQuant int4, rank 16, group 64" in card
+
+
+@pytest.mark.parametrize("part,value", [("wscales", float("nan")), ("smooth_factor", 0.0), ("wscales", -1.0)])
+def test_a_bad_scale_or_smoothing_factor_is_refused_by_name(flux2_file, tmp_path, capsys, part, value):
+    key = "transformer_blocks.0.attn.to_out.0." + part
+    with safe_open(str(flux2_file.path), "pt") as f:
+        t = f.get_tensor(key)
+    bad = _rewrite(flux2_file.path, tmp_path / "bad.safetensors", replace={key: torch.full_like(t, value)})
+    _refused(capsys, bad, tmp_path / "out", key, "quantization scale", code=1)

@@ -14,6 +14,8 @@ from collections import OrderedDict
 
 import torch
 
+from porting.finite import check_scales
+
 from ..reader import read_stored
 from . import svdq_packing as P
 from .svdq_types import GELU_SHIFT, SvdqFile, SvdqLayer, Target
@@ -47,6 +49,7 @@ class UnpackedLayer:
             self.row_scale = None
         self.smooth = (P.unpack_vector(read_stored(parts["smooth"])).float() if "smooth" in parts
                        else torch.ones(k))
+        self._check(parts)
         if "lora_down" in parts:
             self.down = P.unpack_lowrank(read_stored(parts["lora_down"]), down=True)[:, :k].float()
             self.up = P.unpack_lowrank(read_stored(parts["lora_up"]), down=False)[:n].float()
@@ -55,6 +58,17 @@ class UnpackedLayer:
         self.file_bias = (P.unpack_vector(read_stored(parts["bias"])).float() if "bias" in parts
                           else torch.zeros(n))
         self._bias: torch.Tensor | None = None
+
+    def _check(self, parts: dict) -> None:
+        """Scales are checked as they are unpacked, by name: a NaN, a negative group scale or a zero smoothing
+        factor (the kernel divides by it) would otherwise surface as a non-finite weight far from its cause."""
+        check_scales(self.scales, repr(parts["wscales"].name), parts["wscales"].file, zero_ok=True)  # 0: zero group
+        if "smooth" in parts:
+            check_scales(self.smooth, repr(parts["smooth"].name), parts["smooth"].file)
+        if self.row_scale is not None:
+            role = "wcscales" if "wcscales" in parts else "wtscale"
+            if role in parts:
+                check_scales(self.row_scale, repr(parts[role].name), parts[role].file)
 
     def residual(self, a: int, b: int) -> torch.Tensor:
         """R·diag(1/s) for rows [a, b): the dequantized 4-bit part, unsmoothed."""
