@@ -87,7 +87,7 @@ def read(ckpt: Checkpoint) -> SvdqFile:
     if not layers:
         raise InputError(f"{ckpt.path}: declared as SVDQuant but holds no `qweight` tensor.")
     for prefix in layers:
-        if not _BLOCK_KEY.match(prefix + "x"):
+        if not _BLOCK_LAYER.match(prefix):
             raise UnsupportedQuantizationError(
                 f"{ckpt.path}: packed 4-bit layer {prefix[:-1]!r} (qweight, wscales) is not in a Nunchaku SVDQuant "
                 "layout flux-port reads: SVDQuant files quantize the diffusers-named transformer blocks only. "
@@ -154,6 +154,7 @@ def _config(ckpt: Checkpoint) -> dict | None:
 
 
 _BLOCK_KEY = re.compile(r"^(transformer_blocks|single_transformer_blocks)\.(\d+)\.(.+)$")
+_BLOCK_LAYER = re.compile(r"^(transformer_blocks|single_transformer_blocks)\.(\d+)\.(.+)\.$")  # a layer prefix
 
 
 def _stored_layers(ckpt: Checkpoint) -> dict[str, dict[str, TensorInfo]]:
@@ -176,8 +177,8 @@ def _map_blocks(ckpt: Checkpoint, fam: Mapping[str, Any], stored: Mapping[str, d
     """Build the targets of every block from the table; collect 16-bit in-block renames; refuse leftovers."""
     found_blocks: dict[tuple[str, int], set[str]] = {}
     for prefix in stored:
-        m = _BLOCK_KEY.match(prefix + "x")
-        found_blocks.setdefault((m.group(1), int(m.group(2))), set()).add(m.group(3)[:-2])
+        m = _BLOCK_LAYER.match(prefix)
+        found_blocks.setdefault((m.group(1), int(m.group(2))), set()).add(m.group(3))
     spellings: set[int] = set()
     for (blocks, index), local_layers in sorted(found_blocks.items()):
         base = f"{blocks}.{index}."
