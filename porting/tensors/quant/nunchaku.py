@@ -344,8 +344,8 @@ def _drop_biases(ckpt: Checkpoint, fam: Mapping[str, Any], info: SvdqFile) -> No
 
 def _all_zero(info: TensorInfo) -> bool:
     raw = read_bytes(info)
-    if info.dtype in ("BF16", "F16"):
-        return all(raw[i] == 0 and raw[i + 1] in (0, 0x80) for i in range(0, len(raw), 2))
+    if info.dtype in ("BF16", "F16"):  # every value +0 or -0: only the sign bits may be set
+        return int.from_bytes(raw, "little") & int.from_bytes(b"\xff\x7f" * (len(raw) // 2), "little") == 0
     return not any(raw)
 
 
