@@ -269,3 +269,10 @@ def test_compare_and_bench_on_both_families_and_precisions(family, precision, va
     assert run.code == 0, run.err
     doc = json.loads(run.out)
     assert doc["svdq"]["compute"] == "w4a4" and doc["rows"][0]["status"] == "ok"
+
+
+def test_svdq_compute_with_devices_is_refused_before_any_rank_starts(tmp_path, capsys):
+    svdq = write_svdq_file(tmp_path / "src", "flux2", "int4").path
+    run = run_port(capsys, "validate", svdq, "--svdq-compute", "w4a4", "--devices", "cpu,cpu", "--json")
+    assert run.code == 2 and "--svdq-compute" in json.loads(run.out)["error"]
+    assert "pipeline stages" not in run.err  # refused before the ranks were announced or spawned

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from porting.errors import CheckFailed, PortError
+from porting.errors import CheckFailed, PortError, UsageError
 from porting.reports import REPORTS, run_folder
 
 from . import _output
@@ -92,6 +92,9 @@ def validate(
 
     if devices is not None:
         parse_devices(devices)  # a malformed list is refused (exit 2, naming --devices) before any work
+    if svdq_compute is not None and (devices is not None or runtime != "torch"):  # before any rank is spawned
+        raise UsageError("--svdq-compute runs the packed linears in the torch staged runner on one device; drop "
+                         "--devices / --runtime onnxruntime, or --svdq-compute.")
     follower = devices is not None and launched_by_torchrun() and os.environ.get("RANK", "0") != "0"
     output = _output.use(json_mode=json_, quiet=quiet or follower, heavy=True)
     recipe = as_recipe(model, workspace)
