@@ -126,6 +126,20 @@ def examples(text: str, width: int = 76) -> str:
     return "\n".join(fitted) + ("\n" if text.endswith("\n") else "")
 
 
+def wrap_lines(text: str, width: int = 80) -> str:
+    """Each line of `text` wrapped at spaces to `width`, its continuation indented under it (under the text after
+    a "[3/9] " step label); a word longer than a line (a path) is kept whole."""
+    out = []
+    for line in text.splitlines():
+        body = line.lstrip(" ")
+        indent = line[: len(line) - len(body)]
+        label = re.match(r"\[\d+/\d+\] ", body)
+        follow = " " * len(label.group(0)) if label else indent + "  "
+        out.extend(textwrap.wrap(body, width, initial_indent=indent, subsequent_indent=follow,
+                                 break_long_words=False, break_on_hyphens=False) or [""])
+    return "\n".join(out)
+
+
 def cell(*lines: object) -> Text:
     """A table cell of several lines: each line shown as plain text (control characters escaped), one per line."""
     return Text("\n".join(printable(line, lines=False) for line in lines))
