@@ -148,6 +148,7 @@ def validate(
         output.warning(notice)
     output.table(terminal_table(data))
     output.status(f"report: {out / 'report.json'} and {out / 'report.md'}")
+    _say_chart(output, out, bool(data["blocks"]))
     if report.verdict != "pass":
         where = ("the first bad block is where to look" if data["localisation"]["per_block"] else
                  "an ONNX graph gives no per-block rows; validate the source weights with --runtime torch to "
@@ -173,3 +174,13 @@ def next_step_hint(model: Path, out: Path, recipe: str | None) -> str:
                 "--out DIR")
     return (f"publish it next: port publish --transformer {model} --report {out / 'report.json'} "
             "--base BASE_DIR --out DIR")
+
+
+def _say_chart(output: _output.Output, out: Path, has_blocks: bool) -> None:
+    """Where the per-block chart is, or why there is only its text form in report.md."""
+    from porting.charts import BLOCKS_PNG, missing
+
+    if (out / BLOCKS_PNG).is_file():
+        output.status(f"chart: {out / BLOCKS_PNG} (per-block error against the budget)")
+    elif has_blocks and missing():
+        output.warning(f"{missing()}; report.md has the per-block chart as text")
