@@ -262,9 +262,12 @@ def write_record(lay: Layout, step: str, record: dict[str, Any]) -> None:
 
 def produced(step: str, doc: dict[str, Any], lay: Layout) -> str:
     """The hash a step produced: the weights identity where the verb reports one (convert, validate, publish;
-    porting/tensors/identity.py), else the identity of what it wrote."""
+    porting/tensors/identity.py; validate's with its report's), else the identity of what it wrote."""
     if doc.get("weights_sha256"):
-        return f"{doc['weights_sha256']}:{doc.get('verdict', '')}"
+        key = f"{doc['weights_sha256']}:{doc.get('verdict', '')}"
+        if step == "validate":  # publish carries the report: one made under other options is another input
+            key += ":" + _sha(fingerprint(lay.reports / "report.json"))
+        return key
     out = STEPS[step].out
     target = getattr(lay, out) if out else (lay.root / "finetune", lay.base_dir)
     return _sha([fingerprint(p) for p in (target if isinstance(target, tuple) else (target,))])
