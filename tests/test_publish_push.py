@@ -61,3 +61,143 @@ def test_push_lands_byte_identical_and_checked(cli, hubs, port, tmp_path):
     assert header["summary"].startswith("flux-port ") and "validation pass" in header["summary"]
     assert doc["checked_files"] == len(local) and sorted(doc["uploaded_files"]) == sorted(local)
     assert_no_token(r.stdout, r.stderr, (folder / "manifest.json").read_text())
+
+
+def writes(hubs: FakeHubs, since: int = 0) -> list[str]:
+    """Every request after `since` that could send content or create something."""
+    return [f"{r.method} {r.path}" for r in hubs.log[since:] if r.method in ("POST", "PUT")]
+
+
+def test_second_push_sends_nothing_and_says_so(cli, hubs, port, tmp_path):
+    assert push(cli, hubs, port, tmp_path).code == 0
+    first = hubs.hf[REPO].branches["main"]
+    mark = len(hubs.log)
+    r = push(cli, hubs, port, tmp_path, "--force")
+    assert r.code == 0, r
+    doc = r.json["push"]
+    assert doc["nothing_uploaded"] and doc["uploaded_files"] == [] and doc["uploaded_bytes"] == 0
+    assert writes(hubs, mark) == [] and sum(x.received for x in hubs.log[mark:]) == 0
+    argv = [a for a in publish_argv(port, tmp_path / "pub", "--push", REPO, "--send-token", "--force")]
+    text = cli.run(argv, client_env(tmp_path, hubs, HF_TOKEN=GOOD_TOKEN), tmp_path)
+    assert text.code == 0, text
+    assert "nothing to upload" in text.err and "nothing uploaded: the hub already holds these files" in text.stdout
+    assert writes(hubs, mark) == []
+    assert hubs.hf[REPO].branches["main"] == first and len(hubs.hf[REPO].commits) == 2
+    assert doc["revision"] == hubs.hf[REPO].commits[0][1]        # the card still names the files' revision
+
+
+def test_changed_folder_uploads_only_what_changed(cli, hubs, port, tmp_path):
+    assert push(cli, hubs, port, tmp_path).code == 0
+    mark = len(hubs.log)
+    argv = ["publish", "--base", str(port["base"]), "--transformer", str(port["transformer"]), "--report",
+            str(port["pass"]), "--out", str(tmp_path / "pub"), "--force", "--base-model", "acme/other-base",
+            "--push", REPO, "--send-token", "--json"]
+    r = cli.run(argv, client_env(tmp_path, hubs, HF_TOKEN=GOOD_TOKEN), tmp_path)
+    assert r.code == 0, r
+    doc = r.json["push"]
+    assert doc["uploaded_files"] == ["README.md", "manifest.json"] and not doc["nothing_uploaded"]
+    assert not [w for w in writes(hubs, mark) if "lfs" in w]      # no weights sent again
+    assert len(hubs.hf[REPO].commits) == 4                         # one commit of the change, one stamping the card
+    assert hubs.hf[REPO].history[doc["revision"]] == published(tmp_path / "pub")
+
+
+def test_interrupted_push_resumes_without_sending_stored_files_again(cli, hubs, port, tmp_path):
+    weights = port["transformer"] / "diffusion_pytorch_model.safetensors"
+    held = hashlib.sha256(weights.read_bytes()).hexdigest()
+    hubs.hold_uploads.add(held)
+    argv = publish_argv(port, tmp_path / "pub", "--push", REPO, "--send-token")
+    env = client_env(tmp_path, hubs, HF_TOKEN=GOOD_TOKEN)
+    running = cli.start(argv, env, tmp_path)
+    def others_stored() -> bool:
+        stored = {hashlib.sha256(d).hexdigest() for p, d in published(tmp_path / "pub").items()
+                  if p.endswith(".safetensors")} - {held}
+        return hubs.stalled.is_set() and stored <= set(hubs.lfs_store)
+
+    wait_until(lambda: (tmp_path / "pub").exists() and others_stored())
+    running.kill()
+    running.wait()
+    assert hubs.hf[REPO].commits == []                             # killed before its commit
+    hubs.hold_uploads.clear()
+    mark = len(hubs.log)
+    r = cli.run(argv + ["--force", "--json"], env, tmp_path)
+    assert r.code == 0, r
+    puts = [x.path for x in hubs.log[mark:] if x.method == "PUT"]
+    assert puts == [f"/lfs-upload/{held}"], puts                   # only the file the killed run had not stored
+    assert hubs.hf[REPO].history[r.json["push"]["revision"]] == published(tmp_path / "pub")
+
+
+def test_tampered_upload_is_caught_naming_the_file(cli, hubs, port, tmp_path):
+    hubs.tamper.add("transformer/diffusion_pytorch_model.safetensors")
+    r = push(cli, hubs, port, tmp_path)
+    assert r.code == 1, r
+    assert "transformer/diffusion_pytorch_model.safetensors: sha256" in r.err
+    assert "what landed is not what was validated" in r.err
+    assert len(hubs.hf[REPO].commits) == 1                         # the card was not stamped with that revision
+
+
+@pytest.mark.parametrize("case", ["no-token", "wrong-token", "someone-else", "other-account", "gate", "name",
+                                  "skip-validation", "third-party-endpoint"])
+def test_refusals_send_nothing_and_create_nothing(cli, hubs, port, tmp_path, case):
+    hubs.add_hf(Repo("mallory/theirs", {"README.md": b"# theirs\n"}))
+    extra: list[str] = []
+    token: str | None = GOOD_TOKEN
+    repo = REPO
+    if case == "no-token":
+        token = None
+    elif case == "wrong-token":
+        token = WRONG_TOKEN
+    elif case == "someone-else":
+        repo = "mallory/theirs"
+    elif case == "other-account":
+        token = OTHER_TOKEN
+    elif case == "name":
+        repo = "just-a-name"
+    argv = ["publish", "--base", str(port["base"]), "--transformer", str(port["transformer"]), "--report",
+            str(port["fail" if case == "gate" else "pass"]), "--out", str(tmp_path / "pub"), "--push", repo, "--json",
+            *([] if case == "third-party-endpoint" else ["--send-token"]),
+            *(["--skip-validation"] if case == "skip-validation" else []), *extra]
+    env = client_env(tmp_path, hubs, **({"HF_TOKEN": token} if token else {}))
+    r = cli.run(argv, env, tmp_path)
+    expected = {"gate": 1, "name": 2, "skip-validation": 2}.get(case, 3)
+    assert r.code == expected, r
+    assert r.json["exit_code"] == expected
+    assert writes(hubs) == [] and hubs.created == [] and REPO not in hubs.hf
+    assert_no_token(r.stdout, r.stderr)
+    if case != "gate":
+        assert not (tmp_path / "pub").exists()                     # refused before publish did any work
+    if case in ("no-token", "name", "skip-validation", "third-party-endpoint"):
+        assert hubs.log == []                                      # not even a read
+    message = r.json["error"] + " " + (r.json.get("hint") or "")
+    assert {"no-token": "No Hugging Face token found", "wrong-token": "rejected the token (HTTP 401)",
+            "someone-else": "belongs to 'mallory'", "other-account": "belongs to 'alice'",
+            "gate": "validation", "name": "not a repository id of the form ORG/NAME",
+            "skip-validation": "--skip-validation", "third-party-endpoint": "--send-token"}[case] in message
+
+
+def test_token_never_printed_logged_or_written(cli, hubs, port, tmp_path):
+    r = push(cli, hubs, port, tmp_path, token=GOOD_TOKEN)
+    assert r.code == 0, r
+    bad = push(cli, hubs, port, tmp_path, token=WRONG_TOKEN, out="pub2")
+    assert bad.code == 3
+    written = "".join(p.read_text(errors="replace") for p in tmp_path.rglob("*") if p.is_file())
+    assert_no_token(r.stdout, r.stderr, bad.stdout, bad.stderr, written, json.dumps(r.json))
+    assert hubs.requests(method="POST")[0].authorization == f"Bearer {GOOD_TOKEN}"   # it was sent, to the hub
+
+
+def test_xet_path_refused_by_an_endpoint_without_xet(hubs, port, tmp_path):
+    """hf_xet is installed: without HF_HUB_DISABLE_XET the client uploads through Xet, has no fallback, and this
+    server (like any endpoint without Xet storage) refuses it. A fresh interpreter, since the client reads the
+    setting when it is imported."""
+    pytest.importorskip("hf_xet", reason="the Xet path exists only with hf_xet installed")
+    runner = CliRunner(spawn=True)
+    try:
+        env = client_env(tmp_path, hubs, HF_TOKEN=GOOD_TOKEN)
+        env.pop("HF_HUB_DISABLE_XET")
+        r = runner.run(publish_argv(port, tmp_path / "pub", "--push", REPO, "--send-token", "--json"), env, tmp_path)
+    finally:
+        runner.close()
+    assert r.code == 2, r
+    assert "Xet" in r.json["error"] and "HF_HUB_DISABLE_XET=1" in r.json["hint"]
+    assert hubs.requests(contains="/xet-write-token/") and hubs.hf[REPO].commits == []
+    assert not hubs.requests(method="PUT")
+    assert_no_token(r.stdout, r.stderr)
