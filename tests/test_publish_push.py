@@ -201,3 +201,48 @@ def test_xet_path_refused_by_an_endpoint_without_xet(hubs, port, tmp_path):
     assert hubs.requests(contains="/xet-write-token/") and hubs.hf[REPO].commits == []
     assert not hubs.requests(method="PUT")
     assert_no_token(r.stdout, r.stderr)
+
+
+def ms_push(cli: CliRunner, hubs: FakeHubs, port: dict, tmp_path: Path, *extra: str, token: str = GOOD_TOKEN):
+    argv = publish_argv(port, tmp_path / "pub", "--push", REPO, "--push-to", "modelscope", "--send-token", "--json",
+                        *extra)
+    return cli.run(argv, client_env(tmp_path, hubs, MODELSCOPE_API_TOKEN=token), tmp_path)
+
+
+def test_modelscope_push_lands_tagged_checked_and_idempotent(cli, hubs, port, tmp_path):
+    r = ms_push(cli, hubs, port, tmp_path)
+    assert r.code == 0, r
+    doc = r.json["push"]
+    repo = hubs.ms[REPO]
+    local = published(tmp_path / "pub")
+    assert repo.private and hubs.created == [f"ms:{REPO}"] and REPO not in hubs.hf
+    tag = doc["revision"]
+    manifest_sha = hashlib.sha256(local["manifest.json"]).hexdigest()
+    assert tag == f"flux-port-{manifest_sha[:12]}"
+    assert repo.history[repo.branches[tag]] == local               # the tag holds exactly the folder
+    card = repo.files["README.md"].decode()
+    assert card.startswith(local["README.md"].decode()) and f"revision `{tag}`" in card
+    assert {p: d for p, d in repo.files.items() if p != "README.md"} == {p: d for p, d in local.items()
+                                                                          if p != "README.md"}
+    assert hubs.requests(server="ms", method="PUT")                # weights went through the LFS blob upload
+    assert not (tmp_path / "pub" / ".ms_upload_cache").exists()    # the published folder is left as it was
+    mark = len(hubs.log)
+    again = ms_push(cli, hubs, port, tmp_path, "--force")
+    assert again.code == 0, again
+    assert again.json["push"]["nothing_uploaded"] and again.json["push"]["revision"] == tag
+    assert writes(hubs, mark) == []
+    assert_no_token(r.stdout, r.stderr, again.stdout, again.stderr)
+
+
+def test_modelscope_refusals_and_tamper(cli, hubs, port, tmp_path):
+    bad = ms_push(cli, hubs, port, tmp_path, token=WRONG_TOKEN)
+    assert bad.code == 3 and "rejected the token (HTTP 401)" in bad.json["error"], bad
+    other = ms_push(cli, hubs, port, tmp_path, token=OTHER_TOKEN)
+    assert other.code == 3 and "belongs to 'alice'" in other.json["error"], other
+    assert writes(hubs) == [] and hubs.created == [] and not (tmp_path / "pub").exists()
+    hubs.tamper.add("vae/diffusion_pytorch_model.safetensors")
+    r = ms_push(cli, hubs, port, tmp_path)
+    assert r.code == 1, r
+    assert r.json["error"].startswith("vae/diffusion_pytorch_model.safetensors: sha256")
+    assert not [t for t in hubs.ms[REPO].branches if t.startswith("flux-port-")]   # nothing pinned
+    assert_no_token(bad.stdout, bad.stderr, other.stdout, other.stderr, r.stdout, r.stderr)

@@ -19,6 +19,7 @@ from typing import Any
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 from .upload import HfUploadRoutes
+from .upload_ms import MsUploadRoutes
 
 GOOD_TOKEN = "hf_good_test_token"
 OTHER_TOKEN = "hf_other_user_token"   # a valid token of another account (for "belongs to someone else")
@@ -160,7 +161,7 @@ class FakeHubs:
         return None
 
 
-class _Handler(HfUploadRoutes, BaseHTTPRequestHandler):
+class _Handler(HfUploadRoutes, MsUploadRoutes, BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_name_ = ""
     owner: FakeHubs
@@ -349,11 +350,13 @@ class _Handler(HfUploadRoutes, BaseHTTPRequestHandler):
     def _ms(self, entry: Logged) -> None:
         url = urlsplit(self.path)
         q = {k: v[0] for k, v in parse_qs(url.query).items()}
+        if self._ms_read_extra(entry):
+            return None
         m = re.fullmatch(r"/api/v1/models/([^/]+/[^/]+)/(repo/files|repo|revisions)", unquote(url.path))
         if not m:
             return self._ms_error(entry, 404, "not found")
         repo = self.owner.ms.get(m.group(1))
-        if repo is None:
+        if repo is None or self._ms_hidden(repo):
             return self._ms_error(entry, 404, f"model {m.group(1)} not found")
         if not self._auth_ms(entry, repo):
             return None
@@ -366,13 +369,15 @@ class _Handler(HfUploadRoutes, BaseHTTPRequestHandler):
             return self._ms_error(entry, 404, f"revision {rev} not found")
         if m.group(2) == "repo/files":
             files = [{"Path": p, "Name": p.rsplit("/", 1)[-1], "Type": "blob", "Size": len(d), "Sha256": sha256(d),
-                      "IsLFS": p in repo.lfs, "Revision": commit} for p, d in repo.files.items()]
+                      "IsLFS": p in repo.lfs, "Revision": commit}
+                     for p, d in repo.history.get(commit, repo.files).items()]
             return self._json(entry, 200, {"Code": 200, "Success": True,
                                            "Data": {"Files": files + repo.extra_listing}})
         fpath = q.get("FilePath", "")
-        if fpath not in repo.files:
+        files = repo.history.get(commit, repo.files)
+        if fpath not in files:
             return self._ms_error(entry, 404, f"file {fpath} not found")
-        self._body(entry, fpath, repo.files[fpath], {"Content-Type": "application/octet-stream"})
+        self._body(entry, fpath, files[fpath], {"Content-Type": "application/octet-stream"})
 
 
 def tiny_pipeline_files(weights: int = 300_000) -> dict[str, bytes]:

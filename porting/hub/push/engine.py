@@ -32,9 +32,10 @@ class Pusher(Protocol):
     def head(self) -> str: ...
     def listing(self, revision: str | None = None) -> dict[str, RemoteFile]: ...
     def read(self, path: str, revision: str | None = None) -> bytes: ...
-    def create(self) -> None: ...
+    def create(self, card: bytes = b"") -> None: ...
     def commit(self, adds: list[tuple[str, Path | bytes]], deletes: list[str], message: str,
                description: str) -> str: ...
+    def pin(self, revision: str, identity: str) -> str: ...
 
 
 @dataclass
@@ -159,7 +160,7 @@ def _push(pusher: Pusher, folder: Path, say: Callable[[str], None]) -> PushResul
         return result
     if not pusher.exists:
         say(f"creating {'private' if t.private else 'public'} repository {t.source.label} on {t.source.host}")
-        pusher.create()
+        pusher.create(card)
     uploads = changed + ([] if card_same else [CARD])
     result.uploaded = sorted(uploads)
     result.uploaded_bytes = sum(local[p].size for p in uploads)
@@ -174,6 +175,10 @@ def _push(pusher: Pusher, folder: Path, say: Callable[[str], None]) -> PushResul
         result.revision = pusher.head()
     say(f"checking {t.source.label} at revision {result.revision} against manifest.json")
     result.checked = check_landed(pusher, result.revision, local, None)
+    pinned = pusher.pin(result.revision, local[MANIFEST].sha256)
+    if pinned != result.revision:  # a tag (ModelScope): checked again at what it points at
+        result.revision = pinned
+        check_landed(pusher, pinned, local, None)
     stamped_card = stamp(card, t.repo, pusher.url, result.revision)
     result.card_revision = pusher.commit([(CARD, stamped_card)], [], f"flux-port: model card names revision "
                                          f"{result.revision}", "Adds the 'Hub revision' section; no other change.")

@@ -96,7 +96,7 @@ class HfPusher:
         except Exception as exc:
             raise self.translate(exc, f"reading {path} of {self.target.repo}") from exc
 
-    def create(self) -> None:
+    def create(self, card: bytes = b"") -> None:
         try:
             self.api.create_repo(self.target.repo, private=self.target.private, exist_ok=True)
         except Exception as exc:
@@ -116,6 +116,10 @@ class HfPusher:
         except Exception as exc:
             raise self.translate(exc, f"uploading to {self.target.repo}") from exc
         return str(info.oid)
+
+    def pin(self, revision: str, identity: str) -> str:
+        """A Hub commit id already pins its files."""
+        return revision
 
     def translate(self, exc: BaseException, doing: str) -> PortError:
         """huggingface_hub / httpx2 errors as flux-port errors (exit 2, 3, 4); never quoting a token."""
