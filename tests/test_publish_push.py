@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.hubserver.harness import CliRunner, cli, client_env, hubs, local_files, wait_until  # noqa: F401
 from porting.ownership import RECORD
+from tests.hubserver.harness import CliRunner, cli, client_env, hubs, local_files, wait_until  # noqa: F401
 from tests.hubserver.server import GOOD_TOKEN, OTHER_TOKEN, FakeHubs, Repo
 
 REPO = "alice/tiny-klein-ft"
@@ -246,3 +246,49 @@ def test_modelscope_refusals_and_tamper(cli, hubs, port, tmp_path):
     assert r.json["error"].startswith("vae/diffusion_pytorch_model.safetensors: sha256")
     assert not [t for t in hubs.ms[REPO].branches if t.startswith("flux-port-")]   # nothing pinned
     assert_no_token(bad.stdout, bad.stderr, other.stdout, other.stderr, r.stdout, r.stderr)
+
+
+BATCH_VALIDATE = 'validate = { resolution = 64, text-len = 32, timesteps = "0.5", intrinsic = "emulated" }'
+
+
+def _batch(tmp_path: Path, hubs: FakeHubs, jobs: str, **env: str):
+    import subprocess
+    import sys
+
+    (tmp_path / "jobs.toml").write_text(jobs)
+    e = {**client_env(tmp_path, hubs, **env), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    return subprocess.run([sys.executable, "-m", "porting", "batch", "jobs.toml", "--out", "out", "--json"],
+                          env=e, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow  # a batch of two jobs (convert, validate, publish + push) in fresh worker processes: ~12 s
+def test_batch_publish_step_pushes_each_job(hubs, port, tmp_path):
+    from porting.demo.tiny import TINY_FLUX2, write_random_checkpoint
+
+    for seed, name in ((11, "one"), (12, "two")):
+        write_random_checkpoint(tmp_path / f"{name}.safetensors", TINY_FLUX2, seed=seed)
+    jobs = (f'[defaults]\nbase = "{port["base"]}"\nsteps = ["convert", "validate", "publish"]\n{BATCH_VALIDATE}\n'
+            'publish = { push = "alice/{job}", send-token = true }\n\n'
+            '[[job]]\nname = "one"\nsource = "one.safetensors"\n\n[[job]]\nname = "two"\nsource = "two.safetensors"\n')
+    r = _batch(tmp_path, hubs, jobs, HF_TOKEN=GOOD_TOKEN)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    for job in doc["jobs"]:
+        repo = hubs.hf[f"alice/{job['name']}"]
+        local = published(tmp_path / "out" / job["name"] / "published")
+        files_rev = repo.commits[0][1]
+        assert repo.history[files_rev] == local and repo.private
+        assert job["pushed"] == f"hf:alice/{job['name']}@{files_rev}"
+    written = "".join(p.read_text(errors="replace") for p in (tmp_path / "out").rglob("*.json"))
+    written += "".join(p.read_text(errors="replace") for p in (tmp_path / "out").rglob("*.md"))
+    assert_no_token(r.stdout, r.stderr, written)
+
+
+@pytest.mark.parametrize("push, why", [("no-slash", "not a repository id"), ("alice/same", "each job needs its own")])
+def test_batch_refuses_a_bad_push_before_any_work(hubs, tmp_path, push, why):
+    (tmp_path / "a.safetensors").write_bytes(b"x")
+    jobs = (f'[defaults]\nsteps = ["convert", "publish"]\npublish = {{ push = "{push}" }}\n\n'
+            '[[job]]\nname = "one"\nsource = "a.safetensors"\n\n[[job]]\nname = "two"\nsource = "a.safetensors"\n')
+    r = _batch(tmp_path, hubs, jobs)
+    assert r.returncode == 2, r.stderr
+    assert why in json.loads(r.stdout)["error"] and not (tmp_path / "out").exists() and hubs.log == []

@@ -159,7 +159,13 @@ def publish(
     if pusher is not None:
         from porting.hub.push import push_folder
 
-        doc["push"] = push_folder(pusher, result.out, say=output.status).to_dict()
+        try:
+            doc["push"] = push_folder(pusher, result.out, say=output.status).to_dict()
+        except PortError as err:
+            err.hint = (f"{err.hint + ' ' if err.hint else ''}The folder {result.out} is published; the same "
+                        "command with --force publishes it again identically and resumes the upload (what the hub "
+                        "already stores is not sent again).")
+            raise
     if recipe is not None:
         from porting.hub.workspace import record_step
         record_step(paths, "publish", doc)
