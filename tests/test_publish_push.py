@@ -292,3 +292,91 @@ def test_batch_refuses_a_bad_push_before_any_work(hubs, tmp_path, push, why):
     r = _batch(tmp_path, hubs, jobs)
     assert r.returncode == 2, r.stderr
     assert why in json.loads(r.stdout)["error"] and not (tmp_path / "out").exists() and hubs.log == []
+
+
+def test_push_stopped_before_the_card_commit_resumes_with_the_card_only(cli, hubs, port, tmp_path):
+    hubs.fail_commits.append("flux-port: model card")
+    r = push(cli, hubs, port, tmp_path)
+    assert r.code == 4, r                                          # the hub failed: network / server kind
+    assert "resumes the upload" in r.json["hint"] and "--force" in r.json["hint"]
+    files_rev = hubs.hf[REPO].commits[0][1]
+    mark = len(hubs.log)
+    again = push(cli, hubs, port, tmp_path, "--force")
+    assert again.code == 0, again
+    doc = again.json["push"]
+    assert doc["revision"] == files_rev and doc["uploaded_files"] == []
+    assert not [w for w in writes(hubs, mark) if "lfs" in w]
+    assert len(hubs.hf[REPO].commits) == 2 and hubs.hf[REPO].commits[1][0]["summary"].startswith("flux-port: model")
+    assert f"revision `{files_rev}`" in hubs.hf[REPO].files["README.md"].decode()
+
+
+def test_repository_with_files_flux_port_did_not_push_is_refused(cli, hubs, port, tmp_path):
+    hubs.add_hf(Repo(REPO, {"README.md": b"# my other model\n", "model.safetensors": b"\0" * 64}))
+    r = push(cli, hubs, port, tmp_path)
+    assert r.code == 2, r
+    assert "already holds 2 file(s) that port publish did not upload" in r.json["error"]
+    assert writes(hubs) == [] and hubs.hf[REPO].files["README.md"] == b"# my other model\n"
+
+
+def test_explicit_endpoint_and_push_options_without_push(cli, hubs, port, tmp_path):
+    argv = publish_argv(port, tmp_path / "pub", "--push", REPO, "--endpoint", hubs.hub_url + "/", "--send-token",
+                        "--json")
+    env = client_env(tmp_path, hubs, HF_TOKEN=GOOD_TOKEN)
+    env.pop("HF_ENDPOINT")
+    r = cli.run(argv, env, tmp_path)
+    assert r.code == 0 and r.json["push"]["endpoint"] == hubs.hub_url, r
+    lone = cli.run(publish_argv(port, tmp_path / "p2", "--public", "--json"), env, tmp_path)
+    assert lone.code == 2 and "only apply with --push" in lone.json["error"], lone
+
+
+def test_plain_lfs_path_with_xet_disabled(cli, hubs, port, tmp_path):
+    r = push(cli, hubs, port, tmp_path, HF_HUB_DISABLE_XET="1")
+    assert r.code == 0, r
+    puts = hubs.requests(method="PUT")
+    lfs = [p for p in published(tmp_path / "pub") if p.endswith(".safetensors")]
+    assert len(puts) == len(lfs) and all(p.path.startswith("/lfs-upload/") for p in puts)
+    assert not hubs.requests(contains="xet")
+
+
+def test_folder_changed_after_publish_is_refused(port, tmp_path):
+    from porting.errors import CheckFailed
+    from porting.hub.push.identity import local_identity
+    from porting.pipeline.publish import publish
+
+    out = tmp_path / "pub"
+    publish(port["base"], port["transformer"], out, report=port["pass"])
+    local_identity(out)
+    with open(out / "vae" / "config.json", "a") as f:
+        f.write(" ")
+    with pytest.raises(CheckFailed, match="vae/config.json"):
+        local_identity(out)
+    (out / "vae" / "config.json").unlink()
+    (out / "notes.txt").write_text("added by hand")
+    with pytest.raises(CheckFailed, match="missing"):
+        local_identity(out)
+
+
+def test_modelscope_interrupted_push_resumes(cli, hubs, port, tmp_path):
+    weights = port["transformer"] / "diffusion_pytorch_model.safetensors"
+    held = hashlib.sha256(weights.read_bytes()).hexdigest()
+    hubs.hold_uploads.add(held)
+    argv = publish_argv(port, tmp_path / "pub", "--push", REPO, "--push-to", "modelscope", "--send-token")
+    env = client_env(tmp_path, hubs, MODELSCOPE_API_TOKEN=GOOD_TOKEN)
+    running = cli.start(argv, env, tmp_path)
+
+    def others_stored() -> bool:
+        stored = {hashlib.sha256(d).hexdigest() for p, d in published(tmp_path / "pub").items()
+                  if p.endswith(".safetensors")} - {held}
+        return hubs.stalled.is_set() and stored <= set(hubs.lfs_store)
+
+    wait_until(lambda: (tmp_path / "pub").exists() and others_stored())
+    running.kill()
+    running.wait()
+    hubs.hold_uploads.clear()
+    mark = len(hubs.log)
+    r = cli.run(argv + ["--force", "--json"], env, tmp_path)
+    assert r.code == 0, r
+    puts = [x.path for x in hubs.log[mark:] if x.method == "PUT"]
+    assert puts == [f"/ms-blob/{held}"], puts
+    repo = hubs.ms[REPO]
+    assert repo.history[repo.branches[r.json["push"]["revision"]]] == published(tmp_path / "pub")

@@ -89,6 +89,7 @@ class FakeHubs:
         self.created: list[str] = []              # repositories created through the API
         self.tamper: set[str] = set()             # repo paths stored with other bytes (same size) at commit
         self.hold_uploads: set[str] = set()       # LFS oids whose upload hangs (until `release`)
+        self.fail_commits: list[str] = []         # commit summaries (prefixes) answered once with HTTP 500
         self._lock = threading.Lock()
         self._silent: list[socket.socket] = []
         self._servers = {name: self._start(name) for name in ("hub", "cdn", "ms")}

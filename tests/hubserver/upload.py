@@ -3,7 +3,8 @@
 transfers, and the ndjson commit. A mixin of server.py's request handler; the state lives on `FakeHubs`.
 
 Test switches on `FakeHubs`: `tamper` (repo paths stored reversed at commit: same size, other bytes),
-`hold_uploads` (LFS oids whose PUT is read and then left hanging until `release`, for kill-and-resume tests).
+`hold_uploads` (LFS oids whose PUT is read and then left hanging until `release`, for kill-and-resume tests),
+`fail_commits` (commit summaries, by prefix, answered once with HTTP 500).
 Xet is refused (501 on the write-token route), as a server without a CAS does.
 """
 
@@ -182,6 +183,11 @@ class HfUploadRoutes:
 
     def _commit(self, entry: Any, repo: Any, revision: str, body: bytes) -> None:
         lines = [json.loads(line) for line in body.splitlines() if line.strip()]
+        summary = lines[0]["value"].get("summary", "") if lines and lines[0]["key"] == "header" else ""
+        for prefix in list(self.owner.fail_commits):
+            if summary.startswith(prefix):  # once: a hub failing that commit
+                self.owner.fail_commits.remove(prefix)
+                return self._json(entry, 500, {"error": "Internal Error - We're working hard to fix this"})
         files = dict(repo.files)
         for line in lines:
             key, value = line["key"], line["value"]
