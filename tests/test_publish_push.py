@@ -101,13 +101,14 @@ def test_changed_folder_uploads_only_what_changed(cli, hubs, port, tmp_path):
     assert hubs.hf[REPO].history[doc["revision"]] == published(tmp_path / "pub")
 
 
-def test_interrupted_push_resumes_without_sending_stored_files_again(cli, hubs, port, tmp_path):
-    weights = port["transformer"] / "diffusion_pytorch_model.safetensors"
-    held = hashlib.sha256(weights.read_bytes()).hexdigest()
+def kill_mid_upload(cli: CliRunner, hubs: FakeHubs, port: dict, tmp_path: Path, argv: list[str],
+                    env: dict[str, str]) -> str:
+    """Run a push whose transformer weights upload hangs, kill it once every other LFS file is stored; returns the
+    sha256 of the file it did not finish."""
+    held = hashlib.sha256((port["transformer"] / "diffusion_pytorch_model.safetensors").read_bytes()).hexdigest()
     hubs.hold_uploads.add(held)
-    argv = publish_argv(port, tmp_path / "pub", "--push", REPO, "--send-token")
-    env = client_env(tmp_path, hubs, HF_TOKEN=GOOD_TOKEN)
     running = cli.start(argv, env, tmp_path)
+
     def others_stored() -> bool:
         stored = {hashlib.sha256(d).hexdigest() for p, d in published(tmp_path / "pub").items()
                   if p.endswith(".safetensors")} - {held}
@@ -116,8 +117,15 @@ def test_interrupted_push_resumes_without_sending_stored_files_again(cli, hubs, 
     wait_until(lambda: (tmp_path / "pub").exists() and others_stored())
     running.kill()
     running.wait()
-    assert hubs.hf[REPO].commits == []                             # killed before its commit
     hubs.hold_uploads.clear()
+    return held
+
+
+def test_interrupted_push_resumes_without_sending_stored_files_again(cli, hubs, port, tmp_path):
+    argv = publish_argv(port, tmp_path / "pub", "--push", REPO, "--send-token")
+    env = client_env(tmp_path, hubs, HF_TOKEN=GOOD_TOKEN)
+    held = kill_mid_upload(cli, hubs, port, tmp_path, argv, env)
+    assert hubs.hf[REPO].commits == []                             # killed before its commit
     mark = len(hubs.log)
     r = cli.run(argv + ["--force", "--json"], env, tmp_path)
     assert r.code == 0, r
@@ -357,22 +365,9 @@ def test_folder_changed_after_publish_is_refused(port, tmp_path):
 
 
 def test_modelscope_interrupted_push_resumes(cli, hubs, port, tmp_path):
-    weights = port["transformer"] / "diffusion_pytorch_model.safetensors"
-    held = hashlib.sha256(weights.read_bytes()).hexdigest()
-    hubs.hold_uploads.add(held)
     argv = publish_argv(port, tmp_path / "pub", "--push", REPO, "--push-to", "modelscope", "--send-token")
     env = client_env(tmp_path, hubs, MODELSCOPE_API_TOKEN=GOOD_TOKEN)
-    running = cli.start(argv, env, tmp_path)
-
-    def others_stored() -> bool:
-        stored = {hashlib.sha256(d).hexdigest() for p, d in published(tmp_path / "pub").items()
-                  if p.endswith(".safetensors")} - {held}
-        return hubs.stalled.is_set() and stored <= set(hubs.lfs_store)
-
-    wait_until(lambda: (tmp_path / "pub").exists() and others_stored())
-    running.kill()
-    running.wait()
-    hubs.hold_uploads.clear()
+    held = kill_mid_upload(cli, hubs, port, tmp_path, argv, env)
     mark = len(hubs.log)
     r = cli.run(argv + ["--force", "--json"], env, tmp_path)
     assert r.code == 0, r

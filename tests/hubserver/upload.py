@@ -169,17 +169,23 @@ class HfUploadRoutes:
                    {"Content-Type": "application/vnd.git-lfs+json"})
 
     def _lfs_put(self, entry: Any, oid: str, body: bytes) -> None:
+        if self._store_upload(entry, oid, body):
+            self._send(entry, 200)
+
+    def _store_upload(self, entry: Any, oid: str, body: bytes) -> bool:
+        """Keep an uploaded object (both hubs); False after hanging (`hold_uploads`) or answering 400."""
         from .server import sha256
 
         if oid in self.owner.hold_uploads:
             self.owner.stalled.set()
             self.owner.release.wait(120)
             self.close_connection = True
-            return None
+            return False
         if sha256(body) != oid:
-            return self._json(entry, 400, {"error": f"body does not hash to {oid}"})
+            self._json(entry, 400, {"error": f"body does not hash to {oid}", "Code": 400, "Success": False})
+            return False
         self.owner.lfs_store[oid] = body
-        self._send(entry, 200)
+        return True
 
     def _commit(self, entry: Any, repo: Any, revision: str, body: bytes) -> None:
         lines = [json.loads(line) for line in body.splitlines() if line.strip()]

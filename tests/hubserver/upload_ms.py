@@ -106,17 +106,8 @@ class MsUploadRoutes:
         self._json(entry, 200, {"Code": 200, "Success": True, "Data": {}})
 
     def _ms_blob(self, entry: Any, oid: str, body: bytes) -> None:
-        from .server import sha256
-
-        if oid in self.owner.hold_uploads:
-            self.owner.stalled.set()
-            self.owner.release.wait(120)
-            self.close_connection = True
-            return None
-        if sha256(body) != oid:
-            return self._ms_error(entry, 400, f"body does not hash to {oid}")
-        self.owner.lfs_store[oid] = body
-        self._json(entry, 200, {"Code": 200, "Success": True})
+        if self._store_upload(entry, oid, body):
+            self._json(entry, 200, {"Code": 200, "Success": True})
 
     def _ms_commit(self, entry: Any, repo: Any, doc: dict[str, Any]) -> None:
         files = dict(repo.files)
