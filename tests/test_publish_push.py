@@ -192,6 +192,7 @@ def test_token_never_printed_logged_or_written(cli, hubs, port, tmp_path):
     assert hubs.requests(method="POST")[0].authorization == f"Bearer {GOOD_TOKEN}"   # it was sent, to the hub
 
 
+@pytest.mark.slow  # a fresh interpreter (the client reads HF_HUB_DISABLE_XET at import): 4-10 s on 2 busy cores
 def test_xet_path_refused_by_an_endpoint_without_xet(hubs, port, tmp_path):
     """hf_xet is installed: without HF_HUB_DISABLE_XET the client uploads through Xet, has no fallback, and this
     server (like any endpoint without Xet storage) refuses it. A fresh interpreter, since the client reads the

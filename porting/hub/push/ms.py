@@ -33,7 +33,6 @@ class MsPusher:
     hub = "modelscope"
 
     def __init__(self, target: PushTarget) -> None:
-        os.environ.setdefault("MODELSCOPE_DOWNLOAD_INTRA_CLOUD", "false")
         import modelscope_hub
         from modelscope_hub import HubApi, get_default_config
 
