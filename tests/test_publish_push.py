@@ -376,3 +376,16 @@ def test_modelscope_interrupted_push_resumes(cli, hubs, port, tmp_path):
     assert puts == [f"/ms-blob/{held}"], puts
     repo = hubs.ms[REPO]
     assert repo.history[repo.branches[r.json["push"]["revision"]]] == published(tmp_path / "pub")
+
+
+@pytest.mark.parametrize("hub", ["hf", "modelscope"])
+def test_an_endpoint_that_never_answers_is_exit_4_not_a_hang(cli, hubs, port, tmp_path, hub):
+    silent = hubs.silent_url()
+    argv = publish_argv(port, tmp_path / "pub", "--push", REPO, "--push-to", hub, "--endpoint", silent,
+                        "--send-token", "--timeout", "1", "--json")
+    env = client_env(tmp_path, hubs, HF_TOKEN=GOOD_TOKEN, MODELSCOPE_API_TOKEN=GOOD_TOKEN,
+                     MODELSCOPE_API_MAX_RETRIES="1")
+    r = cli.run(argv, env, tmp_path, timeout=60)
+    assert r.code == 4, r
+    assert "127.0.0.1" in r.json["error"] and not (tmp_path / "pub").exists()
+    assert_no_token(r.stdout, r.stderr)

@@ -125,6 +125,9 @@ def publish(
     send_token: Annotated[bool, typer.Option("--send-token", rich_help_panel="Upload",
                                              help="Send the token to an --endpoint that is not the hub's own "
                                                   "host.")] = False,
+    timeout: Annotated[float, typer.Option("--timeout", min=1, rich_help_panel="Upload",
+                                           help="Seconds --push waits for an answer before giving up (exit 4).")
+                       ] = 120.0,
     force: ForceOpt = False,
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -147,7 +150,7 @@ def publish(
     if missing:
         raise PortError(f"port publish needs {', '.join(missing)} (or a RECIPE).",
                         hint="port publish --base BASE_DIR --transformer CONVERTED_DIR --report REPORT --out DIR")
-    pusher = _push_preflight(push, push_to, public, endpoint, send_token, skip_validation, output)
+    pusher = _push_preflight(push, push_to, public, endpoint, send_token, timeout, skip_validation, output)
     with output.bytes_progress("publishing") as (on_start, on_bytes):
         from porting.pipeline.publish import publish as run_publish
 
@@ -181,11 +184,12 @@ def publish(
 
 
 def _push_preflight(push: str | None, push_to: PushHub, public: bool, endpoint: str | None, send_token: bool,
-                    skip_validation: bool, output: Any) -> Any:
+                    timeout: float, skip_validation: bool, output: Any) -> Any:
     """Every refusal of --push that needs no folder (name, token, owner), before publish does any work."""
     if push is None:
         given = [flag for flag, on in (("--push-to", push_to != PushHub.hf), ("--public", public),
-                                       ("--endpoint", endpoint is not None), ("--send-token", send_token)) if on]
+                                       ("--endpoint", endpoint is not None), ("--send-token", send_token),
+                                       ("--timeout", timeout != 120.0)) if on]
         if given:
             raise PortError(f"{', '.join(given)} only apply with --push ORG/NAME.")
         return None
@@ -195,6 +199,7 @@ def _push_preflight(push: str | None, push_to: PushHub, public: bool, endpoint: 
                                       "with --skip-validation and upload that folder yourself.")
     from porting.hub.push import preflight, push_target
 
-    target = push_target(push, push_to.value, endpoint=endpoint, public=public, send_token=send_token)
+    target = push_target(push, push_to.value, endpoint=endpoint, public=public, send_token=send_token,
+                         timeout=timeout)
     output.status(f"checking the token and {target.source.label} on {target.source.host} before publishing")
     return preflight(target)

@@ -14,7 +14,7 @@ from typing import Any
 
 from porting.errors import AuthError, InputError, NetworkError, PortError
 
-from ..fetch.hf_backend import _short
+from ..fetch.hf_backend import _bound_all_requests, _short
 from ..fetch.verify import RemoteFile
 from .target import PushTarget, no_token
 
@@ -27,6 +27,7 @@ class HfPusher:
         from huggingface_hub import HfApi
 
         self.target = target
+        _bound_all_requests(target.timeout)  # some client calls (whoami, the tree listing) would wait forever
         self.token = huggingface_hub.get_token()  # HF_TOKEN, else the stored `hf auth login`
         if not self.token:
             raise no_token(target)

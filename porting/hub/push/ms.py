@@ -33,6 +33,8 @@ class MsPusher:
     hub = "modelscope"
 
     def __init__(self, target: PushTarget) -> None:
+        t = str(int(max(1, target.timeout)))  # read by modelscope_hub when it is first imported
+        os.environ.update({"MODELSCOPE_API_TIMEOUT": t, "MODELSCOPE_API_CONNECT_TIMEOUT": t})
         import modelscope_hub
         from modelscope_hub import HubApi, get_default_config
 

@@ -18,6 +18,7 @@ class PushTarget:
     source: Source      # hub, repo id and endpoint (the same type port fetch reads from)
     private: bool
     send_token: bool    # the user allowed a token to go to an endpoint that is not the hub's own host
+    timeout: float = 120.0  # seconds without an answer (per request / socket operation) before giving up
 
     @property
     def hub(self) -> str:
@@ -29,7 +30,7 @@ class PushTarget:
 
 
 def push_target(repo: str, hub: str = "hf", *, endpoint: str | None = None, public: bool = False,
-                send_token: bool = False) -> PushTarget:
+                send_token: bool = False, timeout: float = 120.0) -> PushTarget:
     """Check the name (exit 2) and that a token may be sent to the endpoint (exit 3), before any work."""
     if hub not in PUSH_HUBS:
         raise InputError(f"--push-to {hub!r}: choose one of {', '.join(PUSH_HUBS)}.")
@@ -44,7 +45,7 @@ def push_target(repo: str, hub: str = "hf", *, endpoint: str | None = None, publ
                         "unless told to, and a push needs one.",
                         hint="Pass --send-token if you trust this endpoint, or unset "
                              f"{'HF_ENDPOINT' if hub == 'hf' else 'MODELSCOPE_ENDPOINT'} / --endpoint.")
-    return PushTarget(source=source, private=not public, send_token=send_token)
+    return PushTarget(source=source, private=not public, send_token=send_token, timeout=timeout)
 
 
 def no_token(target: PushTarget) -> AuthError:
