@@ -389,3 +389,21 @@ def test_an_endpoint_that_never_answers_is_exit_4_not_a_hang(cli, hubs, port, tm
     assert r.code == 4, r
     assert "127.0.0.1" in r.json["error"] and not (tmp_path / "pub").exists()
     assert_no_token(r.stdout, r.stderr)
+
+
+def test_ctrl_c_during_the_upload_names_the_resume(cli, hubs, port, tmp_path):
+    import os
+    import signal
+
+    held = hashlib.sha256((port["transformer"] / "diffusion_pytorch_model.safetensors").read_bytes()).hexdigest()
+    hubs.hold_uploads.add(held)
+    argv = publish_argv(port, tmp_path / "pub", "--push", REPO, "--send-token", "--timeout", "2", "--json")
+    running = cli.start(argv, client_env(tmp_path, hubs, HF_TOKEN=GOOD_TOKEN), tmp_path)
+    wait_until(hubs.stalled.is_set)
+    os.kill(running.pid, signal.SIGINT)
+    hubs.hold_uploads.clear()
+    hubs.release.set()  # the held request ends; the client waits 1 s before its retry, long before SIGINT lands
+    r = running.wait()
+    assert r.code == 130, r
+    assert r.json["error"].startswith(f"Interrupted during the upload to hf:{REPO}") and "--force" in r.json["hint"]
+    assert hubs.hf[REPO].commits == [] and (tmp_path / "pub" / "manifest.json").is_file()

@@ -165,10 +165,14 @@ def publish(
         try:
             doc["push"] = push_folder(pusher, result.out, say=output.status).to_dict()
         except PortError as err:
-            err.hint = (f"{err.hint + ' ' if err.hint else ''}The folder {result.out} is published; the same "
-                        "command with --force publishes it again identically and resumes the upload (what the hub "
-                        "already stores is not sent again).")
+            err.hint = f"{err.hint + ' ' if err.hint else ''}{_resume_hint(result.out)}"
             raise
+        except KeyboardInterrupt:
+            from porting.errors import Interrupted
+
+            raise Interrupted(f"Interrupted during the upload to {pusher.target.source.label}: the folder "
+                              f"{result.out} is published, the upload is incomplete.",
+                              hint=_resume_hint(result.out)) from None
     if recipe is not None:
         from porting.hub.workspace import record_step
         record_step(paths, "publish", doc)
@@ -181,6 +185,11 @@ def publish(
         output.warning(notice)
     output.hint(f'try it: port generate {result.out} --prompt "a red fox in the snow" --device cpu --size 256 '
                 "--steps 4 --output fox.png")
+
+
+def _resume_hint(out: Path) -> str:
+    return (f"The folder {out} is published; the same command with --force publishes it again identically and "
+            "resumes the upload (what the hub already stores is not sent again).")
 
 
 def _push_preflight(push: str | None, push_to: PushHub, public: bool, endpoint: str | None, send_token: bool,
