@@ -108,5 +108,5 @@ def check(root: Path, manifest: Mapping[str, Any], *, own: bool = True) -> None:
                                f"{str(entry.get('identity'))[:16]}..., now {now[:16]}{'...' if now != GONE else ''}")
     if changed:
         raise InputError(f"{root}: {len(changed)} component(s) changed since the export; running it would mix two "
-                         "models: " + "; ".join(changed) + ".",
+                         "models: " + "; ".join(changed),
                          hint="Export again from the current source folder, or put the exported-from model back.")
