@@ -154,8 +154,9 @@ def terminal_table(d: dict[str, Any], max_rows: int = 80) -> Table:
     """The per-block table at 80 columns: short stage names, no original names (report.md and --json carry both),
     and a flag column only when some row is flagged."""
     intrinsic = "intrinsic " + ("emu." if d.get("intrinsic") == "emulated" else "err")
-    table = Table(title=f"port validate: {d['verdict'].upper()}  (device {d['device']} {d['dtype']} vs golden "
-                        f"{d['reference']} {d['golden_dtype']}; limit ratio {d['rule']['max_ratio']})")
+    # short enough for the table's own width (rich wraps a title to it, which split the longer one mid-phrase)
+    table = Table(title=f"{d['verdict'].upper()}: {d['device']} {d['dtype']} vs golden {d['reference']} "
+                        f"{d['golden_dtype']}, limit ratio {d['rule']['max_ratio']}")
     blame = d["blame"]["stage"] if d["blame"] else None
     blocks = d["blocks"][:max_rows]
     flags = ["BLAME" if b["stage"] == blame else ("growth" if b["growth_flag"] else "") for b in blocks]
