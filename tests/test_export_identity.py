@@ -141,3 +141,15 @@ def test_compare_refuses_the_mixed_export_on_either_side(mixed, tmp_path, capsys
                            capsys)
     _assert_refused(code, err, mixed)
     assert not (tmp_path / "c").exists()
+
+
+def test_a_recorded_component_without_a_path_or_gone_is_named(tmp_path) -> None:
+    part = tmp_path / "vae"
+    part.mkdir()
+    (part / "config.json").write_text("{}")
+    manifest = {"identities": {"source": {"vae": {"path": str(part), "identity": identity.identity(part)},
+                                          "text_encoder": {"path": "", "identity": "ab" * 32}},
+                               "export": {}}}
+    with pytest.raises(InputError, match=r"text_encoder \(\.?\) is gone") as err:
+        identity.check(tmp_path, manifest)
+    assert "vae" not in str(err.value)  # unchanged: not named

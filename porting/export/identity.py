@@ -101,7 +101,7 @@ def check(root: Path, manifest: Mapping[str, Any], *, own: bool = True) -> None:
     for side, where in sides:
         for name, entry in recorded[side].items():
             path = Path(entry.get("path") or "") if side == "source" else Path(root) / name
-            now = identity(path)
+            now = identity(path) if side == "export" or entry.get("path") else GONE  # no path: nothing to find
             if now != entry.get("identity"):
                 state = "is gone" if now == GONE else "changed"
                 changed.append(f"{where} {name} ({path}) {state}: recorded identity "
