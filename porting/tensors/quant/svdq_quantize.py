@@ -92,8 +92,8 @@ def top_singular(ws: torch.Tensor, rank: int, seed: int = 0) -> tuple[torch.Tens
     with a fixed seed: the same file every run)."""
     n, k = ws.shape
     r = min(rank, n, k)
-    if min(n, k) <= FULL_SVD_MAX:
-        u, sv, vh = torch.linalg.svd(ws, full_matrices=False)
+    if min(n, k) <= FULL_SVD_MAX:  # in float64: the bf16 factors then do not depend on the thread count
+        u, sv, vh = (t.float() for t in torch.linalg.svd(ws.double(), full_matrices=False))
     else:
         gen = torch.Generator().manual_seed(seed)
         q = min(r + OVERSAMPLE, n, k)
