@@ -73,9 +73,10 @@ def layer_memory(layout: L.FileLayout, shapes: Mapping[str, tuple[int, ...]]) ->
     return need, f"the interpreter and the largest layer {biggest.name} [{biggest.n}, {biggest.k}] in float32"
 
 
-def reread(path: Path, family: str, layout: L.FileLayout, quality: writer.Quality, tensors: PlanTensors,
+def reread(path: Path, family: str, layout: L.FileLayout, quality: writer.Quality, tensors: PlanTensors | None,
            biases: Mapping[str, float]) -> dict[str, Any]:
-    """Open the written file as any input and check it holds what the writer meant (module docstring)."""
+    """Open the written file as any input and check it holds what the writer meant (module docstring); without
+    `tensors` (the source can not be read a second time) only that it is the model meant."""
     detection = open_source(path, kind="weights").detection
     written = detection.ckpt
     meant = {key for _, key, _ in layout.plain} | set(quality.targets) | set(biases)
@@ -85,6 +86,9 @@ def reread(path: Path, family: str, layout: L.FileLayout, quality: writer.Qualit
                           f"{detection.table.name}, {len(got_keys ^ meant)} keys differ).",
                           hint="This is a flux-port bug; please report it with the command line.")
     worst = (0.0, "")
+    if tensors is None:
+        return {"layout": written.quantization.label, "worst_rel_l2": math.sqrt(max(
+            (e / n if n else 0.0) for e, _, n in quality.targets.values())), "worst_key": "", "values": "not reread"}
     for _, key, _ in layout.plain:
         if not torch.equal(written.read(key), tensors.get(key).to(torch.bfloat16)):
             raise CheckFailed(f"{path}: {key} does not read back as the source's tensor in bf16.",
@@ -121,7 +125,10 @@ def _sha256(path: Path) -> str:
 def convert_svdquant(src: SourceLike, out: str | Path, quantize: str, rank: int = 32,
                      config: str | Path | None = None, strict: bool = True, force: bool = False,
                      on_start: Callable[[int], None] | None = None, on_bytes: Callable[[int], None] | None = None,
-                     tables: Mapping[str, MappingTable] | None = None) -> ConvertResult:
+                     tables: Mapping[str, MappingTable] | None = None, tensors: type[PlanTensors] = PlanTensors,
+                     extra_meta: Mapping[str, Any] | None = None, verb: str = "convert") -> ConvertResult:
+    """`tensors`: what hands the diffusers weights to the writer (merge --requantize folds deltas in on the way;
+    those are used once, so its values are then not reread); `extra_meta` goes into the header metadata."""
     precision = PRECISIONS[quantize]
     check_rank(rank)
     started = time.perf_counter()
@@ -144,17 +151,16 @@ def convert_svdquant(src: SourceLike, out: str | Path, quantize: str, rank: int 
     name = L.file_name(precision, rank, source.path)
     out = Path(out)
     read_paths = {"source": source.path, "--config": config}
-    check_output(out, force=force, verb="convert", inputs=read_paths)
+    check_output(out, force=force, verb=verb, inputs=read_paths)
     if on_start:
         on_start(plan.output_bytes)
     made = {"tool": "flux-port", "version": __version__, "smoothing": SMOOTHING}
     meta = L.metadata(family, {**detection.config, "_class_name": detection.table.diffusers_class},
-                      precision, rank, {"flux_port": made})
-    with atomic_folder(out, force=force, verb="convert", inputs=read_paths) as staging:
-        quality = writer.write(staging / name, layout, precision, rank, PlanTensors(ckpt, plan), meta,
-                               str(source.path))
-        biases = quality.biases
-        checked = reread(staging / name, family, layout, quality, PlanTensors(ckpt, plan), biases)
+                      precision, rank, {"flux_port": made, **(extra_meta or {})})
+    with atomic_folder(out, force=force, verb=verb, inputs=read_paths) as staging:
+        quality = writer.write(staging / name, layout, precision, rank, tensors(ckpt, plan), meta, str(source.path))
+        again = PlanTensors(ckpt, plan) if tensors is PlanTensors else None
+        checked = reread(staging / name, family, layout, quality, again, quality.biases)
         size = (staging / name).stat().st_size
         kinds = quality.by_kind()
         extra = {"quantized_to": f"{writer.NAME} {precision}, rank {rank}", "file": name,
