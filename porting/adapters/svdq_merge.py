@@ -186,10 +186,14 @@ def _requantized_awq(layer: SvdqLayer, delta: torch.Tensor, decoder: SvdqDecoder
     check_tensor(w, f"{layer.prefix[:-1]} plus its delta", None, into=torch.bfloat16, hint=SUM_HINT)
     q = quantize_awq(w)
     s = layer.awq_splits
-    groups = layer.k // 64
-    return {"qweight": pack.pack_awq_codes(pack.interleave_rows(q.codes, s)),
-            "wscales": pack.interleave_rows(q.scales, s).t().contiguous()[:groups],
-            "wzeros": pack.interleave_rows(q.zeros, s).t().contiguous()[:groups]}
+    rows = layer.parts["wscales"].shape[0]  # deepcompressor pads small layers' groups to 16 rows: kept as stored
+
+    def groups(t: torch.Tensor, fill: float) -> torch.Tensor:
+        t = pack.interleave_rows(t, s).t()
+        return torch.cat([t, t.new_full((rows - t.shape[0], t.shape[1]), fill)]).contiguous()
+
+    return {"qweight": pack.pack_awq_codes(pack.interleave_rows(q.codes, s)), "wscales": groups(q.scales, 1.0),
+            "wzeros": groups(q.zeros, 0.0)}
 
 
 def merged_name(name: str, total: int) -> str:
