@@ -27,7 +27,7 @@ from porting.resources import MEMORY_OVERHEAD, require_memory
 from porting.tensors.checkpoint import Checkpoint
 from porting.tensors.export import svdquant as writer
 from porting.tensors.quant import svdq_layout as L
-from porting.tensors.quant.svdq_quantize import ALPHA
+from porting.tensors.quant.svdq_quantize import ALPHA, BAND
 
 from .convert import MANIFEST, ConvertResult, plan_source, stranded_sidecars, strict_error, weights_source
 from .mapping import MappingTable
@@ -95,10 +95,13 @@ def reread(path: Path, family: str, layout: L.FileLayout, quality: writer.Qualit
                               hint="This is a flux-port bug; please report it with the command line.")
         tensors.release(key)
     for key, (err, _, norm) in quality.targets.items():
-        want = tensors.get(key).float()
-        got = written.read(key).float()
+        source = tensors.get(key)
+        again = 0.0
+        step = max(1, BAND // source.shape[1])
+        for a in range(0, source.shape[0], step):  # a band of rows at a time: the largest target is 0.6 GB fp32
+            b = min(a + step, source.shape[0])
+            again += float((written.read(key, (a, b)).float() - source[a:b].float()).double().pow(2).sum())
         tensors.release(key)
-        again = float((got - want).double().pow(2).sum())
         if abs(math.sqrt(again) - math.sqrt(err)) > 1e-3 * math.sqrt(err) + 1e-6 * math.sqrt(norm):
             raise CheckFailed(f"{path}: {key} reads back with error {math.sqrt(again):.6g}; the writer meant "
                               f"{math.sqrt(err):.6g} (|W| {math.sqrt(norm):.6g}).",

@@ -73,6 +73,12 @@ def _bands(n: int, k: int) -> range:
     return range(0, n, max(1, BAND // max(k, 1)))
 
 
+def row_norms(w: torch.Tensor) -> torch.Tensor:
+    """Per-row squared norms (float64), a band at a time."""
+    n, k = w.shape
+    return torch.cat([w[a:a + BAND // k].double().pow(2).sum(dim=1) for a in _bands(n, k)])
+
+
 def smoothing(w: torch.Tensor) -> torch.Tensor:
     """The data-free smoothing factors of W (n, k) as bf16 (module docstring)."""
     cmax = torch.zeros(w.shape[1])
@@ -161,7 +167,7 @@ def quantize_w4a4(w: torch.Tensor, precision: str, rank: int, pieces: list[int],
     smaller, only more peaked, and rounds worse) would come out worse than plain rounding; it is stored with s = 1
     and a zero branch instead, which is plain rounding exactly. `w` is used as scratch."""
     n, k = w.shape
-    norm = w.double().pow(2).sum(dim=1)
+    norm = row_norms(w)
     plain = plain_error(w, precision)
     s = smoothing(w)
     w.mul_(s.float())  # W·diag(s)
@@ -221,10 +227,9 @@ def quantize_awq(w: torch.Tensor, group: int = 64) -> AwqParts:
     zeros = lo.to(torch.bfloat16)
     s, z = scales.float().unsqueeze(-1), zeros.float().unsqueeze(-1)
     q = torch.where(s > 0, torch.round((g - z) / torch.where(s > 0, s, 1.0)), 0.0).clamp_(0, 15)
-    deq = q * s + z
-    err = (deq - g).double().pow(2).sum(dim=(1, 2))
-    return AwqParts(q.to(torch.uint8).reshape(n, k), scales, zeros,
-                    LayerErrors(err, plain_error(w, "int4"), w.double().pow(2).sum(dim=1)))
+    err = row_norms((q * s + z - g).reshape(n, k))
+    return AwqParts(q.to(torch.uint8).reshape(n, k), scales, zeros, LayerErrors(err, plain_error(w, "int4"),
+                                                                                row_norms(w)))
 
 
 def rel(err2: float, norm2: float) -> float:
