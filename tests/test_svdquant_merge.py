@@ -109,6 +109,9 @@ def test_merged_reads_back_as_base_plus_delta(flux2_base, tmp_path, capsys, kind
         if key in _lowrank_parts(base) or key == "x_embedder.weight":  # x_embedder: a 16-bit tensor, merged
             continue
         assert torch.equal(t.view(torch.uint8), got[key].view(torch.uint8)), key
+    r = run_port(capsys, "inspect", merged, "--json")
+    details = json.loads(r.out)["quantization"]["details"]
+    assert details["rank"] == svdq["rank"] and details["merged_adapters"][0]["adapter"] == adapter.name
     untouched = "transformer_blocks.0.attn.to_add_out"
     for part, down in (("proj_down", True), ("proj_up", False)):
         old = unpack_lowrank(base[f"{untouched}.{part}"], down)

@@ -147,6 +147,7 @@ def test_header_is_nunchakus(written, family, precision):
         fused = "transformer_blocks.0.qkv_proj" if family == "flux1" else "transformer_blocks.0.attn.to_qkv"
         assert f"{fused}.wcscales" in tensors and f"{fused}.wtscale" not in tensors
     assert doc["svdq"]["file_bytes"] == path.stat().st_size < doc["svdq"]["bf16_bytes"]
+    assert json.loads(meta["flux_port"])["smoothing"].startswith("data-free")
 
 
 @pytest.mark.parametrize("family,precision", CASES)
@@ -248,6 +249,15 @@ def test_non_finite_weight_is_refused_and_nothing_written(tmp_path, capsys):
     r = run_port(capsys, "convert", src, "--quantize", "svdq-int4", "--out", tmp_path / "out")
     assert r.code != 0 and "NaN" in r.err and "ff.linear_in" in r.err
     assert leftovers(tmp_path / "out") == []
+
+
+def test_inspect_shows_how_it_was_written(written, capsys):
+    r = run_port(capsys, "inspect", written["flux2", "int4"]["path"], "--json")
+    details = json.loads(r.out)["quantization"]["details"]
+    assert details["precision"] == "int4" and details["rank"] == 32
+    assert details["written_by"]["tool"] == "flux-port" and "SmoothQuant" in details["written_by"]["smoothing"]
+    r = run_port(capsys, "inspect", written["flux2", "int4"]["path"])
+    assert "written by" in r.out and "data-free" in r.out
 
 
 def test_rank_is_padded_to_16(tmp_path, capsys, sources):
