@@ -273,3 +273,25 @@ def test_rank_is_padded_to_16(tmp_path, capsys, sources):
 
     assert not unpack_lowrank(down, True)[20:].any()
     assert math.isfinite(doc["reread"]["worst_rel_l2"])
+
+
+@pytest.mark.parametrize("precision", ["int4", "nvfp4"])
+def test_structure_the_branch_takes_out(precision):
+    """The data-free rule on the shapes trained weights have (a low-rank part over noise; spread column ranges)
+    lowers the error well below plain rounding; on i.i.d. uniform values, where there is nothing to take out, the
+    layer falls back to plain rounding (s = 1, zero branch) instead of coming out worse."""
+    from porting.tensors.quant.svdq_quantize import quantize_w4a4
+
+    gen = torch.Generator().manual_seed(0)
+    n, k = 256, 384
+    noise = torch.randn(n, k, generator=gen) / k ** 0.5
+    shapes = {"low rank + noise": noise + 3 * (torch.randn(n, 8, generator=gen) @ torch.randn(8, k, generator=gen)) / k,
+              "spread columns": noise * torch.exp(0.7 * torch.randn(k, generator=gen)),
+              "uniform": (torch.rand(n, k, generator=gen) * 2 - 1) / k ** 0.5}
+    for name, w in shapes.items():
+        q = quantize_w4a4(w.clone(), precision, 32, [n])
+        ratio = math.sqrt(float(q.errors.quantized.sum() / q.errors.plain.sum()))
+        if name == "uniform" and precision == "int4":
+            assert ratio == pytest.approx(1.0, abs=1e-6) and not q.up.any() and torch.all(q.smooth == 1), name
+        else:
+            assert ratio < (0.9 if name == "uniform" else 0.8), (name, ratio)
