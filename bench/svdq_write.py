@@ -10,7 +10,8 @@ process under GNU time (wall, peak RSS):
 
   (a) `port convert SRC --quantize svdq-int4 --rank 32 --out DIR --json`: data-free quantization, streamed one
       layer at a time, then the reread of the written file through the reader (part of the command);
-  (b) `port merge SVDQ_FILE LORA --out DIR --json` with a peft-named rank-64 LoRA on every 2-D weight: factors
+  (b) `port merge SVDQ_FILE LORA --out DIR --json` with a rank-64 LoRA (bench/merge.py's, kohya keys of the
+      diffusers module names) on every 2-D weight: factors
       appended to the low-rank branches (rank 32 -> 96), 16-bit tensors merged, everything else copied.
 
 Targets (issue 32): (a) peak RSS <= 3 GiB. Needs about 30 GB free on --workdir; the files are deleted afterwards
@@ -31,39 +32,18 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import merge as merge_bench  # noqa: E402  (bench/merge.py, same folder)
 
 GIB = 2**30
 TARGET_RSS_GIB = 3.0
 
 
 def measure(cmd: list[str], log: Path) -> dict[str, float]:
-    """Run `cmd` under GNU time: wall, user and system CPU seconds, peak RSS (GiB), exit code."""
-    stats = log.with_suffix(".time")
-    with open(log, "wb") as out:
-        code = subprocess.run(["/usr/bin/time", "-f", "%e %U %S %M", "-o", str(stats)] + cmd, stdout=out,
-                              stderr=subprocess.PIPE).returncode
-    wall, user, system, kib = stats.read_text().split()[-4:]
-    if code:
-        raise SystemExit(f"{' '.join(cmd)} failed ({code}); see {log}")
-    return {"wall": float(wall), "user": float(user), "sys": float(system), "rss": int(kib) * 1024 / GIB}
-
-
-def write_lora(path: Path, shapes: dict[str, tuple[int, ...]], rank: int) -> int:
-    """A peft-named (transformer.*.lora_A / lora_B) LoRA on every 2-D weight; returns its module count."""
-    import torch
-    from safetensors.torch import save_file
-
-    gen = torch.Generator().manual_seed(0)
-    tensors = {}
-    for key, shape in shapes.items():
-        if len(shape) != 2 or not key.endswith(".weight"):
-            continue
-        stem = "transformer." + key[: -len(".weight")]
-        out, inp = shape
-        tensors[stem + ".lora_A.weight"] = (torch.randn(rank, inp, generator=gen) / inp ** 0.5).bfloat16()
-        tensors[stem + ".lora_B.weight"] = (0.01 * torch.randn(out, rank, generator=gen)).bfloat16()
-    save_file(tensors, str(path))
-    return len(tensors) // 2
+    """bench/merge.py's GNU time run, refused on a failure (the log holds the output)."""
+    res = merge_bench.measure(cmd, log)
+    if res["code"]:
+        raise SystemExit(f"{' '.join(cmd)} failed ({res['code']}); see {log}")
+    return res
 
 
 def uptime() -> str:
@@ -117,7 +97,7 @@ def main() -> None:
 
         shapes = model_shapes(config, "diffusers", "flux2")
         lora = work / "lora.safetensors"
-        modules = write_lora(lora, shapes, args.lora_rank)
+        modules = merge_bench.write_lora(lora, shapes, args.lora_rank)  # kohya keys of the diffusers names
         os.sync()
         print(f"uptime before (b): {uptime()}", flush=True)
         b = measure([*port, "merge", str(svdq_file), str(lora), "--out", str(work / "merged"), "--json"],

@@ -10,7 +10,6 @@ exactly what the writer meant).
 
 from __future__ import annotations
 
-import hashlib
 import math
 import time
 from pathlib import Path
@@ -20,7 +19,6 @@ import torch
 
 from porting import __version__
 from porting.errors import CheckFailed, UsageError
-from porting.finite import dumps
 from porting.inputs import SourceLike, open_source
 from porting.outputs import atomic_folder, check_output
 from porting.resources import MEMORY_OVERHEAD, require_memory
@@ -29,9 +27,10 @@ from porting.tensors.export import svdquant as writer
 from porting.tensors.quant import svdq_layout as L
 from porting.tensors.quant.svdq_quantize import ALPHA, BAND
 
-from .convert import MANIFEST, ConvertResult, plan_source, stranded_sidecars, strict_error, weights_source
+from .convert import ConvertResult, plan_source, stranded_sidecars, strict_error, weights_source
 from .mapping import MappingTable
 from .plan import Plan
+from .quantize import _sha256, write_manifest
 
 PRECISIONS = {"svdq-int4": "int4", "svdq-nvfp4": "nvfp4"}
 SMOOTHING = (f"data-free: s_j = max|W[:, j]|^-{1 - ALPHA:g} (SmoothQuant, alpha {ALPHA:g}, activation ranges "
@@ -117,14 +116,6 @@ def reread(path: Path, family: str, layout: L.FileLayout, quality: writer.Qualit
     return {"layout": written.quantization.label, "worst_rel_l2": worst[0], "worst_key": worst[1]}
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(2**22):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def convert_svdquant(src: SourceLike, out: str | Path, quantize: str, rank: int = 32,
                      config: str | Path | None = None, strict: bool = True, force: bool = False,
                      on_start: Callable[[int], None] | None = None, on_bytes: Callable[[int], None] | None = None,
@@ -174,10 +165,7 @@ def convert_svdquant(src: SourceLike, out: str | Path, quantize: str, rank: int 
         manifest = {"tool": "flux-port", "version": __version__, "source": str(source.path.resolve()),
                     "source_naming": detection.naming_label, "table": family, "to": "nunchaku",
                     "variant": detection.variant, "files": [name], "config": detection.config, **extra}
-        if ckpt.quantization:
-            manifest["dequantized_from"] = ckpt.quantization.label
-        (staging / MANIFEST).write_text(dumps(manifest, indent=2) + "\n")
-        source.check_unchanged()
+        write_manifest(staging, manifest, ckpt, source)
     if on_bytes:
         on_bytes(plan.output_bytes)
     quant = ckpt.quantization.to_dict() if ckpt.quantization else None
