@@ -236,7 +236,7 @@ def test_refusals(tmp_path, capsys, sources, tiny2_file):
                  tmp_path / "r0")
     assert r.code == 2 and "--rank 0" in r.err and not (tmp_path / "r0").exists()
     r = run_port(capsys, "convert", sources["flux2"], "--rank", "16", "--out", tmp_path / "nq")
-    assert r.code == 2 and "--rank 16 applies to --quantize svdq" in r.err
+    assert r.code == 2 and "--rank applies to --quantize svdq" in r.err
     r = run_port(capsys, "convert", sources["flux2"], "--quantize", "svdq-int4", "--to", "original", "--out",
                  tmp_path / "to")
     assert r.code == 2 and "--to does not apply" in r.err
@@ -295,3 +295,40 @@ def test_structure_the_branch_takes_out(precision):
             assert ratio == pytest.approx(1.0, abs=1e-6) and not q.up.any() and torch.all(q.smooth == 1), name
         else:
             assert ratio < (0.9 if name == "uniform" else 0.8), (name, ratio)
+
+
+@pytest.mark.slow  # builds the demo pipeline and runs it on 4 prompts x 4 steps, twice (about 20-60 s)
+def test_calibrated_smoothing_uses_the_input_maxima(tmp_path, capsys, sources):
+    """--calibrate runs the bf16 model in the tiny demo pipeline (its text encoder and VAE) and sets each layer's
+    smoothing from the recorded input maxima: the file's factors are the rule applied to them."""
+    from porting.demo.tinypipe import build_demo_base
+    from porting.engine.svdq_calibrate import input_maxima
+    from porting.tensors.quant.svdq_packing import unpack_vector
+    from porting.tensors.quant.svdq_quantize import smoothing
+
+    base = build_demo_base(tmp_path / "base")
+    r = run_port(capsys, "convert", sources["flux2"], "--out", tmp_path / "bf16")
+    assert r.code == 0, r.err
+    r = run_port(capsys, "convert", tmp_path / "bf16", "--quantize", "svdq-int4", "--calibrate", base, "--out",
+                 tmp_path / "cal", "--json")
+    assert r.code == 0, r.err
+    doc = json.loads(r.out)
+    assert doc["svdq"]["smoothing"].startswith("calibrated")
+    tensors, meta = _tensors(tmp_path / "cal" / doc["file"])
+    assert json.loads(meta["flux_port"])["smoothing"].startswith("calibrated")
+    maxima = input_maxima(base, tmp_path / "bf16")
+    from safetensors.torch import load_file
+
+    state = {k: v.float() for k, v in load_file(str(next((tmp_path / "bf16").glob("*.safetensors")))).items()}
+    for stored, module, cols in (("transformer_blocks.0.attn.to_out.0", "transformer_blocks.0.attn.to_out.0", None),
+                                 ("single_transformer_blocks.0.attn.mlp_fc2", "single_transformer_blocks.0.attn.to_out",
+                                  (128, 512))):
+        w = state[module + ".weight"]
+        x = maxima[module]
+        if cols:
+            w, x = w[:, cols[0]:cols[1]], x[cols[0]:cols[1]]
+        got = unpack_vector(tensors[stored + ".smooth_factor"])
+        assert torch.equal(got, smoothing(w, x)), stored
+        assert not torch.equal(got, smoothing(w)), stored  # not the data-free factors
+    r = run_port(capsys, "convert", tmp_path / "bf16", "--calibrate", base, "--out", tmp_path / "x")
+    assert r.code == 2 and "--calibrate applies to --quantize svdq" in r.err

@@ -128,6 +128,11 @@ def convert(
                            "rounding.")] = None,
     rank: Annotated[Optional[int], typer.Option("--rank", help="--quantize svdq-*: rank of the low-rank branch "
                                                 "(default 32, as Nunchaku's files).")] = None,
+    calibrate: Annotated[Optional[Path], typer.Option(
+        "--calibrate", help="--quantize svdq-*: a base pipeline folder (text encoder, VAE) to run SRC, a diffusers "
+                            "transformer folder, in on a few prompts; its per-channel input maxima set the "
+                            "smoothing (default: data-free).")] = None,
+    device: Annotated[str, typer.Option("--device", help="--calibrate: where the bf16 model runs.")] = "cpu",
     lora_style: Annotated[Optional[LoraStyle], typer.Option("--lora-style", help="Adapters with --to original: "
                                                             "BFL (diffusion_model.*.lora_A) or kohya keys.")] = None,
     materialise: Annotated[bool, typer.Option("--materialise", help="Adapters: write the exact delta of modules "
@@ -166,9 +171,13 @@ def convert(
     if out is None and not dry_run:
         raise PortError("port convert needs --out DIR (or --dry-run to only print the plan).")
     svdq = quantize is not None and quantize.value.startswith("svdq-")
-    if rank is not None and not svdq:
-        raise UsageError(f"--rank {rank} applies to --quantize svdq-int4 / svdq-nvfp4 only.",
-                         hint="Leave --rank out, or add --quantize svdq-int4.")
+    for flag, given in (("--rank", rank is not None), ("--calibrate", calibrate is not None),
+                        ("--device", device != "cpu")):
+        if given and not svdq:
+            raise UsageError(f"{flag} applies to --quantize svdq-int4 / svdq-nvfp4 only.",
+                             hint=f"Leave {flag} out, or add --quantize svdq-int4.")
+    if device != "cpu" and calibrate is None:
+        raise UsageError("--device says where --calibrate runs the model; without --calibrate nothing runs.")
     if svdq:
         if to != Direction.diffusers:
             raise UsageError(f"--quantize {quantize.value} writes Nunchaku's own layer names; --to does not apply.",
@@ -191,7 +200,8 @@ def convert(
             from porting.engine.svdq_convert import convert_svdquant
 
             result = convert_svdquant(source, out, quantize.value, rank=32 if rank is None else rank, config=config,
-                                      strict=strict, force=force, on_start=on_start, on_bytes=on_bytes)
+                                      strict=strict, force=force, on_start=on_start, on_bytes=on_bytes,
+                                      calibrate=calibrate, device=device)
         elif svdq:
             result = run_convert(source, None, to="diffusers", config=config, strict=strict, dry_run=True,
                                  on_notice=output.warning)

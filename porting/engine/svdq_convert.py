@@ -120,9 +120,11 @@ def convert_svdquant(src: SourceLike, out: str | Path, quantize: str, rank: int 
                      config: str | Path | None = None, strict: bool = True, force: bool = False,
                      on_start: Callable[[int], None] | None = None, on_bytes: Callable[[int], None] | None = None,
                      tables: Mapping[str, MappingTable] | None = None, tensors: type[PlanTensors] = PlanTensors,
-                     extra_meta: Mapping[str, Any] | None = None, verb: str = "convert") -> ConvertResult:
+                     extra_meta: Mapping[str, Any] | None = None, verb: str = "convert",
+                     calibrate: str | Path | None = None, device: str = "cpu") -> ConvertResult:
     """`tensors`: what hands the diffusers weights to the writer (merge --requantize folds deltas in on the way;
-    those are used once, so its values are then not reread); `extra_meta` goes into the header metadata."""
+    those are used once, so its values are then not reread); `extra_meta` goes into the header metadata;
+    `calibrate`: a base pipeline folder to run the source in (on `device`) for calibrated smoothing."""
     precision = PRECISIONS[quantize]
     check_rank(rank)
     started = time.perf_counter()
@@ -148,11 +150,21 @@ def convert_svdquant(src: SourceLike, out: str | Path, quantize: str, rank: int 
     check_output(out, force=force, verb=verb, inputs=read_paths)
     if on_start:
         on_start(plan.output_bytes)
-    made = {"tool": "flux-port", "version": __version__, "smoothing": SMOOTHING}
+    maxima = None
+    smoothing = SMOOTHING
+    if calibrate is not None:
+        from .svdq_calibrate import PROMPTS, STEPS, input_maxima
+
+        maxima = input_maxima(Path(calibrate), source.path, device)
+        smoothing = (f"calibrated: s_j = max|X_j|^{ALPHA:g} / max|W[:, j]|^{1 - ALPHA:g} (SmoothQuant), input maxima "
+                     f"of {len(PROMPTS)} prompts x {STEPS} steps in {Path(calibrate).name} on {device}, geometric "
+                     "mean 1")
+    made = {"tool": "flux-port", "version": __version__, "smoothing": smoothing}
     meta = L.metadata(family, {**detection.config, "_class_name": detection.table.diffusers_class},
                       precision, rank, {"flux_port": made, **(extra_meta or {})})
     with atomic_folder(out, force=force, verb=verb, inputs=read_paths) as staging:
-        quality = writer.write(staging / name, layout, precision, rank, tensors(ckpt, plan), meta, str(source.path))
+        quality = writer.write(staging / name, layout, precision, rank, tensors(ckpt, plan), meta, str(source.path),
+                               maxima)
         again = PlanTensors(ckpt, plan) if tensors is PlanTensors else None
         checked = reread(staging / name, family, layout, quality, again, quality.biases)
         size = (staging / name).stat().st_size
@@ -160,7 +172,7 @@ def convert_svdquant(src: SourceLike, out: str | Path, quantize: str, rank: int 
         extra = {"quantized_to": f"{writer.NAME} {precision}, rank {rank}", "file": name,
                  "file_sha256": _sha256(staging / name),
                  "stored_kinds": {k: v for k, v in _layer_counts(layout).items()}, "reread": checked,
-                 "svdq": {"precision": precision, "rank": rank, "smoothing": SMOOTHING, "quality": kinds,
+                 "svdq": {"precision": precision, "rank": rank, "smoothing": smoothing, "quality": kinds,
                           "file_bytes": size, "bf16_bytes": plan.output_bytes}}
         manifest = {"tool": "flux-port", "version": __version__, "source": str(source.path.resolve()),
                     "source_naming": detection.naming_label, "table": family, "to": "nunchaku",

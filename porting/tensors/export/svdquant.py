@@ -113,10 +113,18 @@ def _bias(layer: LayerPlan, tensors: TensorSource) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def _w4a4(layer: LayerPlan, precision: str, rank: int, tensors: TensorSource, quality: Quality, where: str
-          ) -> Iterator[torch.Tensor]:
+def input_maxima(layer: LayerPlan, maxima: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The calibrated input maxima of a stored layer: those of the diffusers linear it reads the input of (the
+    columns it takes of a column-joined one)."""
+    first = layer.weight[0]
+    x = maxima[first.key[: -len(".weight")]]
+    return x[first.cols[0]:first.cols[1]] if first.cols else x
+
+
+def _w4a4(layer: LayerPlan, precision: str, rank: int, tensors: TensorSource, quality: Quality, where: str,
+          maxima: Mapping[str, torch.Tensor] | None) -> Iterator[torch.Tensor]:
     w = _weight(layer, tensors, where)
-    q = quantize_w4a4(w, precision, rank, list(layer.pieces))
+    q = quantize_w4a4(w, precision, rank, list(layer.pieces), x_max=input_maxima(layer, maxima) if maxima else None)
     del w
     _record(layer, q.errors, quality, "w4a4")
     yield pack.pack_codes(q.codes)
@@ -174,8 +182,9 @@ def _record(layer: LayerPlan, errors, quality: Quality, kind: str) -> None:
 
 
 def write(path: Path, layout: FileLayout, precision: str, rank: int, tensors: TensorSource,
-          metadata: Mapping[str, str], where: str) -> Quality:
-    """Write the whole file at `path`; `where` names the source in errors."""
+          metadata: Mapping[str, str], where: str, maxima: Mapping[str, torch.Tensor] | None = None) -> Quality:
+    """Write the whole file at `path`; `where` names the source in errors; `maxima`: calibrated input maxima per
+    diffusers module (None: data-free smoothing)."""
     specs = layout.entries(precision, rank)
     entries = [Entry(key, shape, dtype) for key, shape, dtype in specs]
     quality = Quality()
@@ -194,7 +203,7 @@ def write(path: Path, layout: FileLayout, precision: str, rank: int, tensors: Te
             if layer.kind == "awq":
                 yield from _awq(layer, tensors, quality, where)
             else:
-                yield from _w4a4(layer, precision, rank, tensors, quality, where)
+                yield from _w4a4(layer, precision, rank, tensors, quality, where, maxima)
             for key in layer.sources:
                 if last[key] == i:
                     tensors.release(key)

@@ -79,8 +79,9 @@ def row_norms(w: torch.Tensor) -> torch.Tensor:
     return torch.cat([w[a:a + BAND // k].double().pow(2).sum(dim=1) for a in _bands(n, k)])
 
 
-def smoothing(w: torch.Tensor) -> torch.Tensor:
-    """The data-free smoothing factors of W (n, k) as bf16 (module docstring)."""
+def smoothing(w: torch.Tensor, x_max: torch.Tensor | None = None) -> torch.Tensor:
+    """The smoothing factors of W (n, k) as bf16: data-free (module docstring), or with `x_max`, the calibrated
+    per-channel input maxima, SmoothQuant's s_j = max|X_j|^α / max|W_:,j|^(1-α) (same floor, same normalisation)."""
     cmax = torch.zeros(w.shape[1])
     for a in _bands(*w.shape):
         cmax = torch.maximum(cmax, w[a:a + BAND // w.shape[1]].abs().amax(dim=0))
@@ -89,6 +90,9 @@ def smoothing(w: torch.Tensor) -> torch.Tensor:
         return torch.ones(w.shape[1], dtype=torch.bfloat16)
     cmax = cmax.clamp_min(top * SMOOTH_FLOOR)
     s = cmax.pow(-(1 - ALPHA))
+    if x_max is not None and x_max.max() > 0:
+        x = x_max.float().clamp_min(x_max.max() * SMOOTH_FLOOR)
+        s = s * x.pow(ALPHA)
     s = s / torch.exp(torch.log(s).mean())
     return s.to(torch.bfloat16)
 
@@ -160,8 +164,10 @@ def plain_error(w: torch.Tensor, precision: str) -> torch.Tensor:
     return out
 
 
-def quantize_w4a4(w: torch.Tensor, precision: str, rank: int, pieces: list[int], seed: int = 0) -> W4A4Parts:
-    """Data-free SVDQuant of W (n, k) float32; `pieces`: the row counts of the fused tensors it is made of.
+def quantize_w4a4(w: torch.Tensor, precision: str, rank: int, pieces: list[int], seed: int = 0,
+                  x_max: torch.Tensor | None = None) -> W4A4Parts:
+    """SVDQuant of W (n, k) float32; `pieces`: the row counts of the fused tensors it is made of; `x_max`: calibrated
+    input maxima (None: data-free smoothing).
 
     A layer whose weights have no low-rank structure to take out (i.i.d.-like values: the residual is then no
     smaller, only more peaked, and rounds worse) would come out worse than plain rounding; it is stored with s = 1
@@ -169,7 +175,7 @@ def quantize_w4a4(w: torch.Tensor, precision: str, rank: int, pieces: list[int],
     n, k = w.shape
     norm = row_norms(w)
     plain = plain_error(w, precision)
-    s = smoothing(w)
+    s = smoothing(w, x_max)
     w.mul_(s.float())  # W·diag(s)
     u, d = top_singular(w, rank, seed)
     up, down = u.to(torch.bfloat16), (d / s.float()).to(torch.bfloat16)
