@@ -205,8 +205,12 @@ def convert(
         elif svdq:
             result = run_convert(source, None, to="diffusers", config=config, strict=strict, dry_run=True,
                                  on_notice=output.warning)
-            result.extra.update(quantize_to=f"Nunchaku SVDQuant ({quantize.value}, rank "
-                                            f"{32 if rank is None else rank})", planned_files=["svdq-*.safetensors"])
+            from porting.engine.svdq_convert import PRECISIONS
+            from porting.tensors.quant.svdq_layout import file_name
+
+            r = 32 if rank is None else rank
+            result.extra.update(quantize_to=f"Nunchaku SVDQuant ({quantize.value}, rank {r})",
+                                planned_files=[file_name(PRECISIONS[quantize.value], r, source.path)])
         elif quantize is not None and dry_run:  # the plan of the original-naming weights, and the file it would be
             from porting.engine.quantize import TARGETS
 
