@@ -119,6 +119,10 @@ def _plan_layers(info: SvdqFile, placement: Placement, max_error: float, requant
         if target.role == "bias":
             raise UsageError(f"{names}: a delta on {key}, the bias of a 4-bit layer; the low-rank branch carries "
                              "weights only.", hint="Merge with --requantize, or --skip the adapter's bias keys.")
+        for p in target.pieces:
+            if p.layer.kind == "w4a4" and "lora_down" not in p.layer.parts:
+                raise UsageError(f"{names}: a delta on {key}, whose layer {p.layer.prefix[:-1]} has no low-rank "
+                                 "branch to append it to.", hint="Merge with --requantize.")
         for part in placement.pop(key):
             for p in target.pieces:
                 entry = layers.setdefault(p.layer.prefix, _Layer(p.layer))
