@@ -183,6 +183,7 @@ def _entry_layers(base: str, entry: Mapping[str, Any], biases: bool, shapes: Map
 def file_name(precision: str, rank: int, source: Path) -> str:
     """Nunchaku's file naming: svdq-{int4|fp4}_r{rank}-{model}.safetensors."""
     stem = source.name[: -len(".safetensors")] if source.name.endswith(".safetensors") else source.name
+    stem = re.sub(r"^svdq-(int4|fp4)_r\d+-", "", stem)  # requantizing an SVDQuant file: one prefix, not two
     stem = re.sub(r"[^A-Za-z0-9._-]+", "-", stem).strip("-.") or "model"
     return f"svdq-{'int4' if precision == 'int4' else 'fp4'}_r{rank}-{stem}.safetensors"
 
