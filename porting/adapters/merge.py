@@ -498,7 +498,8 @@ def merge(base: SourceLike, adapters: list[tuple[SourceLike, float]], out: str |
     from . import svdq_merge
 
     if svdq_merge.svdq_info(ckpt) is not None:
-        return svdq_merge.merge_svdq(source, read, placement, merged, out, to=to, max_shard_size=max_shard_size,
+        return svdq_merge.merge_svdq(source, read, placement, lambda part, key: _Delta(part, key).whole(), merged, out,
+                                     to=to, max_shard_size=max_shard_size,
                                      force=force, dry_run=dry_run, max_error=max_error, requantize=requantize,
                                      on_start=on_start, on_bytes=on_bytes)
     if requantize or max_error is not None:

@@ -46,10 +46,15 @@ from porting.tensors.reader import TensorInfo, read_stored
 from porting.tensors.writer import Entry, Segments, write_shards
 
 from .delta import multiplier, rank, read32
-from .merge import SUM_HINT, Contribution, Placement, _Delta
-from .naming import Adapter
+from .naming import Adapter, ModuleAdapter
 
 MAX_ERROR = 1e-3
+SUM_HINT = "Lower the adapter's strength, or merge into a bf16 / fp32 copy of the base."
+Contribution = tuple[Adapter, ModuleAdapter, float]
+# merge.py's `Placement` (where each delta lands) and the whole float32 delta of one of its parts, handed in by
+# merge.py (which imports this module: importing it back would be a cycle)
+Placement = Any
+DeltaOf = Callable[[Any, str], torch.Tensor]
 
 
 def svdq_info(ckpt: Checkpoint) -> SvdqFile | None:
@@ -109,7 +114,7 @@ def factorise(delta: torch.Tensor, max_error: float) -> tuple[torch.Tensor, torc
         q = min(2 * q, min(n, k))
 
 
-def _plan_layers(info: SvdqFile, placement: Placement, max_error: float, requantized: list[str]
+def _plan_layers(info: SvdqFile, placement: Placement, delta_of: DeltaOf, max_error: float, requantized: list[str]
                  ) -> tuple[dict[str, _Layer], list[dict[str, Any]]]:
     layers: dict[str, _Layer] = {}
     for key, target in info.targets.items():
@@ -132,7 +137,7 @@ def _plan_layers(info: SvdqFile, placement: Placement, max_error: float, requant
                 for p in target.pieces:
                     layers[p.layer.prefix].loras.append((target, part))
                 continue
-            full = _Delta(part, key).whole()
+            full = delta_of(part, key)
             for p in target.pieces:
                 entry = layers[p.layer.prefix]
                 rows, cols, at = _rows_cols(target, p.layer.prefix)
@@ -204,7 +209,7 @@ def merged_name(name: str, total: int) -> str:
     return re.sub(r"_r\d+-", f"_r{total}-", name, count=1)
 
 
-def merge_into_svdq(source: Source, read: list[tuple[Adapter, float]], placement: Placement,
+def merge_into_svdq(source: Source, read: list[tuple[Adapter, float]], placement: Placement, delta_of: DeltaOf,
                     merged: list[dict[str, Any]], out: str | Path, force: bool = False, dry_run: bool = False,
                     max_error: float = MAX_ERROR, on_start: Callable[[int], None] | None = None,
                     on_bytes: Callable[[int], None] | None = None) -> ConvertResult:
@@ -214,7 +219,7 @@ def merge_into_svdq(source: Source, read: list[tuple[Adapter, float]], placement
     assert info is not None
     stored: dict[str, TensorInfo] = ckpt.stored_tensors
     requantized: list[str] = []
-    layers, report = _plan_layers(info, placement, max_error, requantized)
+    layers, report = _plan_layers(info, placement, delta_of, max_error, requantized)
     base_rank = max((layer.rank for layer in info.layers.values() if layer.kind == "w4a4"), default=0)
     added = max((e.added_rank for e in layers.values() if e.layer.kind == "w4a4"), default=0)
     total = padded(base_rank + added)
@@ -296,7 +301,7 @@ def merge_into_svdq(source: Source, read: list[tuple[Adapter, float]], placement
     return ConvertResult(plan, out, [name], None, time.perf_counter() - started, extra=extra)
 
 
-def merge_svdq(source: Source, read: list[tuple[Adapter, float]], placement: Placement,
+def merge_svdq(source: Source, read: list[tuple[Adapter, float]], placement: Placement, delta_of: DeltaOf,
                merged: list[dict[str, Any]], out: str | Path, to: str | None = None,
                max_shard_size: str | int | None = None, force: bool = False, dry_run: bool = False,
                max_error: float | None = None, requantize: bool = False,
@@ -317,7 +322,7 @@ def merge_svdq(source: Source, read: list[tuple[Adapter, float]], placement: Pla
             raise UsageError("--requantize with --dry-run: the dry run checks where each key lands; run it without "
                              "--requantize.")
         return requantize_svdq(source, placement, merged, out, force=force, on_start=on_start, on_bytes=on_bytes)
-    return merge_into_svdq(source, read, placement, merged, out, force=force, dry_run=dry_run,
+    return merge_into_svdq(source, read, placement, delta_of, merged, out, force=force, dry_run=dry_run,
                            max_error=MAX_ERROR if max_error is None else max_error, on_start=on_start,
                            on_bytes=on_bytes)
 
