@@ -297,7 +297,7 @@ def test_structure_the_branch_takes_out(precision):
             assert ratio < (0.9 if name == "uniform" else 0.8), (name, ratio)
 
 
-@pytest.mark.slow  # builds the demo pipeline and runs it on 4 prompts x 4 steps, twice (about 20-60 s)
+@pytest.mark.slow  # builds the demo pipeline and runs it on 4 prompts x 4 steps, twice (6 s idle, 60 s loaded)
 def test_calibrated_smoothing_uses_the_input_maxima(tmp_path, capsys, sources):
     """--calibrate runs the bf16 model in the tiny demo pipeline (its text encoder and VAE) and sets each layer's
     smoothing from the recorded input maxima: the file's factors are the rule applied to them."""
