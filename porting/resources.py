@@ -225,14 +225,14 @@ def config_size(config: Mapping[str, Any]) -> tuple[int, int]:
 
 
 def check_config_size(what: str, config: Mapping[str, Any], *, nbytes: int = 4, available: int | None = None) -> int:
-    """Refuse (exit 2, before the model is built) a config whose implied model would not fit: its parameters in
-    `nbytes`-byte elements, its modules, and the interpreter."""
+    """Refuse (exit 2, before the model is built) a config whose implied model alone would not fit: its parameters
+    in `nbytes`-byte elements and its modules (the verb's own estimate, interpreter included, follows)."""
     params, layers = config_size(config)
-    need = MEMORY_OVERHEAD + params * nbytes + layers * MODULE_BYTES
+    need = params * nbytes + layers * MODULE_BYTES
     fields = ", ".join(f"{f} {config[f]}" for f in LAYER_FIELDS if _size_field(config, f))
     return require_memory(f"{what}: building the model its config describes ({fields or 'no layer count'})", need,
                           f"{params / 1e9:.2f} B parameters {gib(params * nbytes)}, {layers:,} layers' modules "
-                          f"{gib(layers * MODULE_BYTES)}, interpreter {gib(MEMORY_OVERHEAD)}", available=available,
+                          f"{gib(layers * MODULE_BYTES)}", available=available,
                           hint="The config asks for more than the weights can be: check its layer counts and sizes "
                                "against the original model's config.json.")
 
