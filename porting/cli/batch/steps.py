@@ -222,13 +222,11 @@ def check_step_options(step: str, opts: dict[str, Any], where: str) -> None:
     callback) as the command line would take it, before any step runs; UsageError (exit 2) naming `where` (the
     file and job), the step and the option. A boolean goes only to a switch, and false only to one with a --no-
     form; a list only to an option that may repeat."""
-    import click
-
     from porting.errors import PortError, UsageError
 
-    command = verb_command(step)
-    by_flag = {o: p for p in command.params if isinstance(p, click.Option) for o in p.opts if o.startswith("--")}
-    arguments = ["x" for p in command.params if isinstance(p, click.Argument) and p.required]  # batch's paths
+    command = verb_command(step)  # typer's own click: its parameters are told apart by kind, not by class
+    by_flag = {o: p for p in command.params if p.param_type_name == "option" for o in p.opts if o.startswith("--")}
+    arguments = ["x" for p in command.params if p.param_type_name == "argument" and p.required]  # batch's paths
     for key, value in opts.items():
         param = by_flag.get(f"--{key}")
         what = f"{where}: {step}.{key} = {dumps(value)}"
@@ -247,10 +245,12 @@ def check_step_options(step: str, opts: dict[str, Any], where: str) -> None:
             raise UsageError(f"{what}: --{key} of `port {step}` takes one value, not a list.")
         try:
             command.make_context(f"port {step}", arguments + option_args(key, value))
-        except click.ClickException as e:
-            raise UsageError(f"{what}: {e.format_message()}", hint=f"See `port {step} --help`.") from None
         except PortError as e:
             raise UsageError(f"{what}: {e.message}", hint=e.hint) from None
+        except Exception as e:  # click's (typer's copy) BadParameter, NoSuchOption, ...: a usage error
+            if not hasattr(e, "format_message"):
+                raise
+            raise UsageError(f"{what}: {e.format_message()}", hint=f"See `port {step} --help`.") from None
 
 
 def check_job_options(jobs: list[Job], jobs_file: Path) -> None:
