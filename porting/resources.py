@@ -285,3 +285,17 @@ def check_static_inputs_memory(sizes: Sequence[int], text_len: int, config: Mapp
                           f"{text_len:,} text tokens x {joint} {gib(text)}, interpreter {gib(MEMORY_OVERHEAD)}",
                           available=available, hint="Use a smaller --size or --text-len (the defaults are what "
                                                     "the Ryzen AI flow runs).")
+
+
+def check_compare_batch(prompts: int, width: int, height: int, text_dim: int, *, grid_cell: int = 256,
+                        available: int | None = None) -> int:
+    """`port compare` holds, for every prompt at once, its text embedding (TEXT_TOKENS x `text_dim` in float32),
+    both rendered images (RGB bytes) and a grid row of three cells: refuse (exit 2, before any encoding) a prompt
+    count whose total would not fit."""
+    per_prompt = TEXT_TOKENS * text_dim * 4 + 2 * width * height * 3 + grid_cell * (3 * grid_cell) * 3
+    need = MEMORY_OVERHEAD + prompts * per_prompt
+    return require_memory(f"comparing {prompts:,} prompt(s) at {width}x{height}", need,
+                          f"{prompts:,} x (text embedding {gib(TEXT_TOKENS * text_dim * 4)}, two images "
+                          f"{gib(2 * width * height * 3)}, a grid row), interpreter {gib(MEMORY_OVERHEAD)}",
+                          available=available, hint="Compare fewer prompts per run (--prompts FILE with fewer "
+                                                    "lines), or a smaller --size.")

@@ -138,3 +138,13 @@ def test_export_refuses_a_huge_config_before_building_it(capsys, published, tmp_
     doc = refused(capsys, "export", hostile, "--components", "transformer", "--out", tmp_path / "e")
     assert "num_layers 1000000000000" in doc["error"]
     assert not (tmp_path / "e").exists()
+
+
+def test_compare_prompt_count_is_estimated_first(capsys, published, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a fox\n" * 200000)  # each prompt's embedding, images and grid row are held at once
+    out = tmp_path / "c"
+    doc = refused(capsys, "compare", published, published, "--prompts", prompts, "--size", "1024", "--steps", "1",
+                  "--out", out)
+    assert "comparing 200,000 prompt(s) at 1024x1024" in doc["error"]
+    assert not out.exists()
