@@ -158,9 +158,8 @@ def _sealed_doc(folder: Path, doc: dict) -> str:
     return json.dumps(doc, indent=2, sort_keys=True) + "\n"
 
 
-def _verified(folder: Path, name: str) -> dict | None:
-    """The record or marker `name` in `folder`, when it was sealed on this machine for this very folder."""
-    path = folder / name
+def _sealed_record(path: Path) -> dict | None:
+    """The JSON document at `path` (a plain file) when its seal verifies under this user's key, else None."""
     try:
         if not stat.S_ISREG(os.lstat(path).st_mode):
             return None
@@ -169,7 +168,13 @@ def _verified(folder: Path, name: str) -> dict | None:
         return None
     if not isinstance(doc, dict) or doc.get("tool") != "flux-port" or not isinstance(doc.get("seal"), str):
         return None
-    if not hmac.compare_digest(doc["seal"], _seal(doc)):
+    return doc if hmac.compare_digest(doc["seal"], _seal(doc)) else None
+
+
+def _verified(folder: Path, name: str) -> dict | None:
+    """The record or marker `name` in `folder`, when it was sealed on this machine for this very folder."""
+    doc = _sealed_record(folder / name)
+    if doc is None:
         return None
     try:
         return doc if doc.get("folder") == _identity(folder) else None
@@ -347,15 +352,10 @@ def file_is_flux_ports(path: Path) -> bool:
     """Whether the plain file `path` is, byte for byte and inode for inode, one this machine's flux-port wrote."""
     try:
         st = os.lstat(path)
-        if not stat.S_ISREG(st.st_mode):
-            return False
-        record = _file_record_path(st)
-        doc = parse_json(record.read_bytes(), str(record))
-    except (OSError, InputError):
+    except OSError:
         return False
-    if not isinstance(doc, dict) or doc.get("tool") != "flux-port" or not isinstance(doc.get("seal"), str):
-        return False
-    if not hmac.compare_digest(doc["seal"], _seal(doc)):
+    doc = _sealed_record(_file_record_path(st)) if stat.S_ISREG(st.st_mode) else None
+    if doc is None:
         return False
     try:
         return doc.get("file") == _file_facts(path, st)

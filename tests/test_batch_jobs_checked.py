@@ -45,24 +45,37 @@ def _refused(capsys, inputs: Path, tmp_path: Path, job: str, *phrases: str) -> d
     return json.loads(run.out)
 
 
-# --- one test per option type ----------------------------------------------------------------------------------------
+# --- one case per option type: string, boolean, number, list ---------------------------------------------------
 
-@pytest.mark.parametrize("job, shown", [
-    ('steps = ["convert"]\nconvert = { dtype = "" }', 'convert.dtype = ""'),  # a choice
-    ('steps = ["convert", "validate"]\nvalidate = { resolution = "big" }', 'validate.resolution = "big"'),
-])
-def test_a_string_value_is_checked_as_the_verb_checks_it(capsys, inputs, tmp_path, job, shown):
-    _refused(capsys, inputs, tmp_path, job, shown)
+CASES = {
+    # a string: a choice, and text where a number goes
+    "string-choice": ('steps = ["convert"]\nconvert = { dtype = "" }', 'convert.dtype = ""', "is not one of"),
+    "string-for-int": ('steps = ["convert", "validate"]\nvalidate = { resolution = "big" }',
+                       'validate.resolution = "big"', "is not a valid int"),
+    # a boolean: only to a switch, and false only to a switch with a --no- form
+    "bool-for-value": ('steps = ["convert", "validate"]\nvalidate = { resolution = false }',
+                       "validate.resolution = false", "takes a value, not true or false"),
+    "bool-false-no-form": ('steps = ["convert", "publish"]\npublish = { skip-validation = false }',
+                           "publish.skip-validation = false", "no --no-skip-validation"),
+    "number-for-switch": ('steps = ["convert"]\nconvert = { strict = 1 }', "convert.strict = 1", "is a switch"),
+    # a number: the verb's type and range
+    "number-float-for-int": ('steps = ["convert", "validate"]\nvalidate = { resolution = 64.5 }',
+                             "validate.resolution = 64.5", "is not a valid int"),
+    "number-below-range": ('steps = ["convert", "publish", "compare"]\ncompare = { steps = 0 }', "compare.steps = 0",
+                           "needs at least 1"),
+    "number-text": ('steps = ["convert", "publish", "export"]\nexport = { opset = "x" }', 'export.opset = "x"',
+                    "is not a valid int"),
+    # a list: only to an option that repeats, each item checked
+    "list-for-single": ('steps = ["convert", "validate"]\nvalidate = { seeds = ["1", "2"] }',
+                        'validate.seeds = ["1", "2"]', "takes one value, not a list"),
+    "list-bad-item": ('steps = ["convert", "publish", "export"]\nexport = { target = "ryzenai", size = [64, "big"] }',
+                      'export.size = [64, "big"]', "'big' is not a valid int"),
+}
 
 
-@pytest.mark.parametrize("job, shown, why", [
-    ('steps = ["convert", "validate"]\nvalidate = { resolution = false }', "validate.resolution = false",
-     "takes a value, not true or false"),
-    ('steps = ["convert", "publish"]\npublish = { skip-validation = false }', "publish.skip-validation = false",
-     "no --no-skip-validation"),
-    ('steps = ["convert"]\nconvert = { strict = 1 }', "convert.strict = 1", "is a switch"),
-])
-def test_a_boolean_goes_only_to_a_switch_and_false_only_with_a_no_form(capsys, inputs, tmp_path, job, shown, why):
+@pytest.mark.parametrize("case", CASES)
+def test_an_option_value_is_checked_as_its_verb_checks_it(capsys, inputs, tmp_path, case):
+    job, shown, why = CASES[case]
     _refused(capsys, inputs, tmp_path, job, shown, why)
 
 
