@@ -257,10 +257,11 @@ def check_device_count(option: str, devices: int, stages: int) -> None:
 
 def check_ranks_memory(option: str, ranks: int, per_rank: int, breakdown: str, *,
                        available: int | None = None) -> int:
-    """Refuse `ranks` processes on this host whose memory, each `per_rank` bytes, would not fit together."""
-    return require_memory(f"{option}: {ranks} ranks on this host", ranks * per_rank,
+    """Refuse `ranks` processes on this host (validate's ranks, batch's workers) whose memory, each `per_rank`
+    bytes, would not fit together."""
+    return require_memory(f"{option}: {ranks:,} processes on this host", ranks * per_rank,
                           f"{ranks} x ({breakdown})", available=available,
-                          hint="Use fewer devices, or run the ranks on several hosts (torchrun).")
+                          hint=f"Give {option} fewer, or spread the work over several hosts.")
 
 
 # the example inputs of a static-shape export (port export --target ryzenai): drawn in float32, then cast (two

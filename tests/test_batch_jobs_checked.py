@@ -157,3 +157,13 @@ def test_a_ray_address_with_nothing_there_fails_within_the_timeout(capsys, input
     assert time.monotonic() - started < 30
     assert run.code == 2 and f"--address 127.0.0.1:{port}" in json.loads(run.out)["error"]
     assert not out.exists()
+
+
+def test_parallel_workers_that_do_not_fit_together_are_refused_before_anything(capsys, inputs, tmp_path):
+    jobs = tmp_path / "jobs.toml"
+    jobs.write_text(f'[defaults]\nbase = "{inputs / "base"}"\nsteps = ["convert"]\n' + "".join(
+        f'[[job]]\nname = "j{i}"\nsource = "{inputs / "a.safetensors"}"\n' for i in range(1000)))
+    out = tmp_path / "out"
+    run = run_port(capsys, "batch", jobs, "--out", out, "--parallel", "1000000000000", "--json")
+    assert run.code == 2 and "--parallel: 1,000 processes on this host" in json.loads(run.out)["error"], run.out
+    assert not out.exists()

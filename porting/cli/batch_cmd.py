@@ -76,6 +76,11 @@ def batch(
     check_job_options(jobs, jobs_file)  # every value as its verb's command line takes it, before anything exists
     if executor == Executor.ray:
         check_ray_address(address, connect_timeout)
+    elif parallel is not None:  # each worker is an interpreter with torch: they must fit together
+        from porting.resources import MEMORY_OVERHEAD, check_ranks_memory, gib
+
+        check_ranks_memory("--parallel", min(parallel, len(jobs)), MEMORY_OVERHEAD,
+                           f"a worker interpreter {gib(MEMORY_OVERHEAD)}")
     out = Path(os.path.abspath(out))
     from porting.outputs import check_disjoint, check_writable_parent
 

@@ -162,10 +162,10 @@ def run_local(runs: list[JobRun], progress: Progress, parallel: int | None) -> N
     count = _device_count(kind)
     if count == 0:
         raise UsageError(f"the jobs ask for {kind} but this machine has no {kind} device.")
-    slots: queue.Queue[int] = queue.Queue()
-    for i in range(parallel or count):
-        slots.put(i % count)
     workers = min(parallel or count, len(runs))
+    slots: queue.Queue[int] = queue.Queue()
+    for i in range(workers):  # never more slots than jobs: --parallel 10**12 is not a loop of 10**12
+        slots.put(i % count)
     ctx = multiprocessing.get_context("spawn")  # a fresh interpreter per worker: no forked torch or threads
 
     pools = [cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx)]
