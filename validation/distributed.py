@@ -617,7 +617,8 @@ def validate_pipeline(model: str | Path, *, devices: str | Sequence[str], dtype:
     if out is not None and rank == 0:
         check_output(Path(out), verb="validate", replace="owned", inputs=read_paths)
     source = WeightSource(model, config)
-    check_device_count(OPTION, len(specs), source.stage_count())  # before any rank starts
+    world_size = int(os.environ["WORLD_SIZE"]) if torchrun else len(specs)  # torchrun: every host's ranks
+    check_device_count(OPTION, world_size, source.stage_count())  # before any rank starts (or joins)
     if reference == "cpu" or kind == "cpu":  # every rank of this host computes its golden on the host
         check_validate_memory(source.config, [(k, shape) for k, shape, _ in source.plan.outputs()],
                               resolution=resolution, text_len=text_len, batch=len(seeds) * len(timesteps),
