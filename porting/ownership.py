@@ -316,25 +316,28 @@ def _foreign_entry(root: Path, entry: Path, rel: str, owned: dict[str, object]) 
 _FILES = "files"
 
 
-def _file_facts(path: Path, st: os.stat_result) -> dict[str, object]:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
+def _file_facts(path: Path, st: os.stat_result, sha256: str | None = None) -> dict[str, object]:
+    if sha256 is None:
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+        sha256 = digest.hexdigest()
     return {"device": st.st_dev, "inode": st.st_ino, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
-            "sha256": digest.hexdigest()}
+            "sha256": sha256}
 
 
 def _file_record_path(st: os.stat_result) -> Path:
     return _keyed_folder()[0] / _FILES / f"{st.st_dev}-{st.st_ino}.json"
 
 
-def write_file_record(path: Path, verb: str, destination: Path | None = None) -> None:
+def write_file_record(path: Path, verb: str, destination: Path | None = None, sha256: str | None = None) -> None:
     """Record the plain file `path`, as it is now, as written by this flux-port run; `destination`: the name it
-    is about to be renamed to (a rename keeps the inode and the modification time)."""
+    is about to be renamed to (a rename keeps the inode and the modification time); `sha256`: its hash when the
+    caller has just verified it (else it is read once more)."""
     st = os.lstat(path)
     doc = {"format_version": RECORD_VERSION, "tool": "flux-port", "verb": verb, "run": RUN_ID,
-           "path": os.path.abspath(destination or path), "file": _file_facts(path, st)}
+           "path": os.path.abspath(destination or path), "file": _file_facts(path, st, sha256)}
     doc["seal"] = _seal(doc)
     record = _file_record_path(st)
     record.parent.mkdir(mode=0o700, exist_ok=True)

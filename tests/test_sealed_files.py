@@ -17,6 +17,8 @@ from porting.errors import OutputExistsError
 from porting.outputs import UnsafeOutputError
 from porting.ownership import SealingKeyError, file_is_flux_ports, read_record, write_record
 from porting.pipeline.generate import PNG_SOFTWARE, check_image_replaceable, save_png
+from tests.hubserver.harness import cli, client_env, hubs  # noqa: F401  (fixtures)
+from tests.hubserver.server import Repo, tiny_pipeline_files
 
 from .helpers import leftovers, run_port
 
@@ -134,3 +136,31 @@ def test_no_place_for_a_key_is_refused_not_a_throwaway_key(tmp_path, monkeypatch
     folder.mkdir()
     with pytest.raises(SealingKeyError, match="no place to keep the key"):
         write_record(folder, "convert")
+
+
+# --- port fetch: files put in a folder the user names ---------------------------------------------------------------
+
+def test_fetch_never_replaces_a_file_it_did_not_write(cli, hubs, tmp_path):
+    hubs.add_hf(Repo("acme/tiny", tiny_pipeline_files()))
+    out = tmp_path / "out"
+    out.mkdir()
+    mine = out / "model_index.json"
+    mine.write_text('{"_class_name": "MyOwnPipeline"}\n')  # the user's own file, under the name the repo uses
+    r = cli.run(["fetch", "hf:acme/tiny", "--out", "out"], client_env(tmp_path, hubs), tmp_path)
+    assert r.code == 2, r
+    assert f"{mine}: already in" in " ".join(r.err.split()) and "did not write it" in " ".join(r.err.split())
+    assert mine.read_text() == '{"_class_name": "MyOwnPipeline"}\n'
+    assert not hubs.requests("cdn")  # refused before any download
+
+
+def test_fetch_replaces_a_file_it_wrote_when_the_listing_changes(cli, hubs, tmp_path):
+    files = tiny_pipeline_files()
+    hubs.add_hf(Repo("acme/tiny", files))
+    env = client_env(tmp_path, hubs)
+    assert cli.run(["fetch", "hf:acme/tiny", "--out", "out"], env, tmp_path).code == 0
+    newer = {**files, "model_index.json": b'{"_class_name": "Flux2KleinPipeline", "v": 2}\n'}
+    hubs.add_hf(Repo("acme/tiny", newer))  # a new commit on main
+    (tmp_path / "out" / "fetch-manifest.json").unlink()  # no record of the old listing: the file is "unchecked"
+    r = cli.run(["fetch", "hf:acme/tiny", "--out", "out"], env, tmp_path)
+    assert r.code == 0, r
+    assert (tmp_path / "out" / "model_index.json").read_bytes() == newer["model_index.json"]
