@@ -209,7 +209,7 @@ def _size_field(config: Mapping[str, Any], name: str) -> int:
 def config_size(config: Mapping[str, Any]) -> tuple[int, int]:
     """(parameters, layers) a component's config implies, an upper-ish estimate: per layer attention and
     modulation (about 10 x hidden^2) and the MLP (3 x hidden x its width), plus the vocabulary's embedding; a nested
-    `text_config` (multimodal encoders) counts too."""
+    `text_config` (multimodal encoders) counts too; a VAE's levels (`block_out_channels`, `layers_per_block`)."""
     params = layers = 0
     nested = config.get("text_config")
     if isinstance(nested, Mapping):
@@ -221,12 +221,23 @@ def config_size(config: Mapping[str, Any]) -> tuple[int, int]:
     width = _size_field(config, "intermediate_size") or int(hidden * ratio)
     count = sum(_size_field(config, f) for f in LAYER_FIELDS)
     params += count * (10 * hidden * hidden + 3 * hidden * width) + _size_field(config, "vocab_size") * hidden
+    channels = config.get("block_out_channels")
+    if isinstance(channels, list):  # a VAE: per level, encoder and decoder, layers_per_block (+1) 3x3 resnets
+        per_level = _size_field(config, "layers_per_block") + 1
+        sizes = [_size_field({"c": c}, "c") for c in channels]
+        params += sum(2 * per_level * 18 * c * c for c in sizes)
+        count += 2 * per_level * len(sizes)
     return params, layers + count
 
 
-def check_config_size(what: str, config: Mapping[str, Any], *, nbytes: int = 4, available: int | None = None) -> int:
-    """Refuse (exit 2, before the model is built) a config whose implied model alone would not fit: its parameters
-    in `nbytes`-byte elements and its modules (the verb's own estimate, interpreter included, follows)."""
+CONFIG_FLOOR_BYTES = 1  # the fewest bytes per parameter any loader keeps (fp8 / int8): this check is a floor
+
+
+def check_config_size(what: str, config: Mapping[str, Any], *, nbytes: int = CONFIG_FLOOR_BYTES,
+                      available: int | None = None) -> int:
+    """Refuse (exit 2, before the model is built) a config whose implied model alone could not fit even at
+    `nbytes` bytes per parameter, with its modules: a config asking for far more than any weights hold. The verb's
+    own estimate (the stored weights in the run's dtype, the interpreter) follows and decides the real runs."""
     params, layers = config_size(config)
     need = params * nbytes + layers * MODULE_BYTES
     fields = ", ".join(f"{f} {config[f]}" for f in LAYER_FIELDS if _size_field(config, f))

@@ -110,12 +110,16 @@ def test_pipeline_size_is_estimated_first(capsys, published, tmp_path, verb):
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("component, field", [("transformer", "num_layers"), ("transformer", "num_single_layers"),
-                                              ("text_encoder", "num_hidden_layers"),
-                                              ("transformer", "num_attention_heads")])
+@pytest.mark.parametrize("component, field, value", [
+    ("transformer", "num_layers", 10**12), ("transformer", "num_single_layers", 10**12),
+    ("transformer", "num_attention_heads", 10**12), ("transformer", "attention_head_dim", 10**12),
+    ("text_encoder", "num_hidden_layers", 10**12), ("text_encoder", "hidden_size", 10**12),
+    ("text_encoder", "intermediate_size", 10**15), ("text_encoder", "vocab_size", 10**15),
+    ("vae", "layers_per_block", 10**12), ("vae", "block_out_channels", [8, 10**9]),
+])
 def test_a_config_asking_for_a_huge_model_is_refused_before_it_is_built(capsys, published, tmp_path, component,
-                                                                       field):
-    hostile = _with_config(published, tmp_path, component, **{field: 10**12})
+                                                                       field, value):
+    hostile = _with_config(published, tmp_path, component, **{field: value})
     doc = refused(capsys, "generate", hostile, "--prompt", "x", "--size", "32", "--steps", "1",
                   "--output", tmp_path / "x.png")
     assert f"{component}/config.json" in doc["error"] and "building the model its config describes" in doc["error"]
