@@ -248,14 +248,16 @@ def check_config_size(what: str, config: Mapping[str, Any], *, nbytes: int = CON
                                "against the original model's config.json.")
 
 
-def check_component_configs(components: Mapping[str, Path], *, available: int | None = None) -> None:
-    """`check_config_size` for each component folder's config.json (those without one are left to their loader)."""
+def check_component_configs(components: Mapping[str, Path], *, nbytes: int = CONFIG_FLOOR_BYTES,
+                            available: int | None = None) -> None:
+    """`check_config_size` for each component folder's config.json (those without one are left to their loader);
+    `nbytes` 0 for a hollow build (port export: no weight is held, only the modules count)."""
     from porting._files import read_json_object
 
     for name, folder in components.items():
         path = Path(folder) / "config.json"
         if path.is_file():
-            check_config_size(f"{path} ({name})", read_json_object(path, f"the {name}'s config"),
+            check_config_size(f"{path} ({name})", read_json_object(path, f"the {name}'s config"), nbytes=nbytes,
                               available=available)
 
 

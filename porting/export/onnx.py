@@ -277,7 +277,7 @@ def _selected(folder: Path, components: Sequence[str] | None) -> tuple[Layout, l
     if missing:
         raise InputError(f"{folder}: no {', '.join(spec.components[c].source + '/' for c in missing)} folder to "
                          f"export {', '.join(missing)} from.")
-    check_component_configs({c: sources[c] for c in wanted})  # before any model is built from them
+    check_component_configs({c: sources[c] for c in wanted}, nbytes=0)  # hollow builds: the modules only
     params = {c: spec.components[c].count_params(sources[c]) for c in wanted}
     return layout, wanted, params
 
