@@ -194,10 +194,11 @@ def _sizes(resolution: int | None, text_len: int | None, device: str, devices: s
     """--resolution and --text-len as given, else the defaults for where the model runs (said when on the cpu)."""
     on_cpu = runtime == "torch" and devices is None and device.split(":")[0] == "cpu"
     chosen = CPU if on_cpu else FULL
-    if on_cpu and (resolution is None or text_len is None):
-        output.status(f"on cpu: --resolution {resolution or chosen[0]} --text-len {text_len or chosen[1]} by default "
+    sizes = (chosen[0] if resolution is None else resolution, chosen[1] if text_len is None else text_len)
+    if on_cpu and (resolution is None or text_len is None):  # 0 is a value given (and refused later), not a default
+        output.status(f"on cpu: --resolution {sizes[0]} --text-len {sizes[1]} by default "
                       f"({FULL[0]} and {FULL[1]} on an accelerator); pass them for more")
-    return resolution or chosen[0], text_len or chosen[1]
+    return sizes
 
 
 def _say_chart(output: _output.Output, out: Path, has_blocks: bool) -> None:
