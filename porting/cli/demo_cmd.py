@@ -16,7 +16,6 @@ from porting.reports import REPORTS, run_folder
 
 from . import _output
 from ._options import out_option
-from .inspect_cmd import describe
 
 if TYPE_CHECKING:
     from porting.demo.bases import TinyBase
@@ -240,6 +239,8 @@ def _run(workdir: Path, json_: bool, running: list[str], tiny: TinyBase) -> None
     src = write_random_checkpoint(workdir / "finetune" / f"tiny-{tiny.demo}-finetune.safetensors", tiny.transformer,
                                   seed=1, table=tiny.family)
     _recorded(workdir, 'finetune')
+    from .inspect_cmd import describe  # the inspect verb's reading, imported when the demo reaches it
+
     info = describe(src)
     steps["inspect"] = info
     out.result(f"[2/6] tiny fine-tune in original (BFL) naming: {src}\n"
