@@ -19,7 +19,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Mapping
 
 if TYPE_CHECKING:
     import torch
@@ -223,12 +223,17 @@ class _Copier:
         self.sources.close()
 
 
+KnownDigests = Mapping[Path, Mapping[tuple[int, int], str]]  # source file -> (start, length) -> sha256 of those bytes
+
+
 class _SideHashes:
     """The sha256 of copied tensors, read back from their source ranges (in the page cache: the copy just read them,
-    or is about to) on two threads: tensors are hashed in parallel while later ones are copied."""
+    or is about to) on two threads: tensors are hashed in parallel while later ones are copied. A range whose
+    digest is `known` (port fetch took it while verifying the file) is not read again."""
 
-    def __init__(self, hasher: WeightsHasher | None) -> None:
+    def __init__(self, hasher: WeightsHasher | None, known: KnownDigests | None = None) -> None:
         self.hasher = hasher
+        self.known = known or {}
         self.pool = ThreadPoolExecutor(2, thread_name_prefix="flux-port-hash") if hasher else None
         self.local = threading.local()
         self.opened: list[_Sources] = []
@@ -236,8 +241,14 @@ class _SideHashes:
         self.bytes_pending = 0
 
     def submit(self, e: Entry, item: Segments) -> None:
-        if self.pool is None:
+        if self.pool is None or self.hasher is None:
             return
+        if len(item.parts) == 1:  # a whole stored tensor copied as it is: its digest may be known already
+            path, offset, length = item.parts[0]
+            digest = self.known.get(path, {}).get((offset, length))
+            if digest is not None:
+                self.hasher.add(e.key, e.dtype, e.shape, digest)
+                return
         while self.pending and self.bytes_pending + item.nbytes > HASH_BEHIND:
             self._wait_one()
         self.pending.append((self.pool.submit(self._hash, e, item), item.nbytes))
@@ -372,15 +383,16 @@ def write_shards(folder: Path, stem: str, entries: list[Entry],
                  tensors: Iterable[torch.Tensor | Segments | Chunks | Filled],
                  max_shard_bytes: int, metadata: dict[str, str] | None = None,
                  on_bytes: Callable[[int], None] | None = None,
-                 hasher: WeightsHasher | None = None) -> list[str]:
+                 hasher: WeightsHasher | None = None, known: KnownDigests | None = None) -> list[str]:
     """Write `tensors` (yielded in the order of `entries`) as one file or shards plus the standard index.
 
     An item is a tensor (written from memory), `Segments` (byte ranges of source files, copied), `Chunks` (row
     blocks computed one after another) or `Filled` (rows the producer writes into the writer's buffers).
 
     `Segments` are copied file to file by the kernel while two side threads hash the same source ranges (from the
-    page cache). Tensors in memory are computed on a second thread while this one writes the last pieces and a third
-    hashes them (for `hasher`) at the same time. Nothing is read back from the output.
+    page cache), except the whole tensors whose digest is `known` (source file -> (start, length) -> sha256).
+    Tensors in memory are computed on a second thread while this one writes the last pieces and a third hashes them
+    (for `hasher`) at the same time. Nothing is read back from the output.
     """
     shards = plan_shards(entries, max_shard_bytes)
     names = shard_names(stem, len(shards))
@@ -389,7 +401,7 @@ def write_shards(folder: Path, stem: str, entries: list[Entry],
     pool: list[mmap.mmap] = []
     stream = prefetched(_pieces(entries, tensors, budget, pool), depth=64)
     hashing = ThreadPoolExecutor(1, thread_name_prefix="flux-port-hash")
-    copier, side = _Copier(), _SideHashes(hasher)
+    copier, side = _Copier(), _SideHashes(hasher, known)
     try:
         for name, shard in zip(names, shards):
             with open(folder / name, "wb", buffering=0) as f:
