@@ -175,7 +175,8 @@ def convert(
         from porting.hub.workspace import record_step
         record_step(recipe, "convert", result.to_dict())
     output.document(result.to_dict())
-    output.table(summary_table(result))
+    if not output.json_mode:  # the table (and rich) only for a reader
+        output.table(summary_table(result))
     if not result.plan.ok:
         for row in result.plan.problems()[:20]:
             output.warning(f"{row['kind']}: {row['key']}")
