@@ -13,7 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-AS_IS, AFTER, NEVER = "loads as is", "after port convert", "not at all"
+AS_IS, AFTER, NEVER, UNKNOWN = "loads as is", "after port convert", "not at all", "unknown"
+# a verdict is UNKNOWN where the loader's code read does not settle it (docs/adapters.md, "Which runtime loads it")
+BFL_FLUX2_READ = "black-forest-labs/flux2 at ab7cca6"
 COMFY_LAYOUTS = ("ComfyUI",)  # quantized layouts ComfyUI core reads: its own scaled fp8 and comfy_quant files
 
 
@@ -32,6 +34,7 @@ class Facts:
     quantized: str | None  # the quantized layout's label
     title: str = ""  # the family as users name it (FLUX.2)
     single_file_strips_prefix: bool = True  # the family's declaration (`Family.single_file_strips_prefix`)
+    variant: str = ""  # the mapping table's variant name (klein-4B, FLUX.2-dev, FLUX.1-dev, ...; custom)
 
 
 @dataclass(frozen=True)
@@ -96,14 +99,23 @@ def comfyui_core(f: Facts) -> Verdict:
         return Verdict(name, AFTER, "GGUF needs the ComfyUI-GGUF node; core loads safetensors",
                        _original_file(f))
     if f.naming != "original":
-        return Verdict(name, AFTER, f"ComfyUI has no {f.title or f.family} diffusers-naming path (KeyError "
-                       "'x_embedder.bias')", _original_file(f))
+        if f.family == "flux2":  # comfy/model_detection.py convert_diffusers_mmdit reads x_embedder.bias
+            return Verdict(name, AFTER, "ComfyUI's diffusers-naming path reads `x_embedder.bias`, which FLUX.2 has "
+                           "not (KeyError)", _original_file(f))
+        if f.family != "flux1":
+            return Verdict(name, UNKNOWN, f"ComfyUI's diffusers-naming path was not read for {f.title or f.family}")
+        if f.prefix:
+            return Verdict(name, UNKNOWN, f"ComfyUI converts FLUX.1 diffusers keys without a prefix; {f.prefix!r} "
+                           "was not traced through its loader")
     if f.files > 1:
         return Verdict(name, AFTER, "no sharded loader: given shard 1 it detects a smaller model without an error",
                        _original_file(f))
     if f.quantized is not None and not f.quantized.startswith(COMFY_LAYOUTS):
         return Verdict(name, AFTER, f"{f.quantized} is not a ComfyUI layout; convert writes bf16 (or add "
                        "--quantize fp8-scaled)", _original_file(f))
+    if f.naming != "original":
+        return Verdict(name, AS_IS, "diffusers naming, one file: ComfyUI converts FLUX.1 diffusers keys as it loads "
+                       "(convert_diffusers_mmdit)")
     return Verdict(name, AS_IS, "original naming, one file" + (f", prefix {f.prefix!r}" if f.prefix else ""))
 
 
@@ -119,11 +131,25 @@ def bfl_reference(f: Facts) -> Verdict:
     ok = (f.naming == "original" and not f.prefix and not f.respelled and f.files == 1 and f.quantized is None
           and f.container == "safetensors")
     if ok:
-        return Verdict(name, AS_IS, "original naming, one file, no prefix")
+        return _bfl_model(f)
     why = ("diffusers naming" if f.naming != "original" else f"prefix {f.prefix!r}" if f.prefix
            else "ComfyUI-saved `.weight` norm scales" if f.respelled else "sharded" if f.files > 1
            else f"{f.quantized or f.container} weights")
     return Verdict(name, AFTER, f"{why}; it loads one plain original-naming file", _original_file(f))
+
+
+def _bfl_model(f: Facts) -> Verdict:
+    """A plain original-naming file: BFL's loaders build fixed geometries by model name, so the variant decides."""
+    name = "BFL reference code"
+    if f.family == "flux1" and f.variant in ("FLUX.1-dev", "FLUX.1-schnell"):
+        return Verdict(name, AS_IS, "original naming, one file, no prefix (black-forest-labs/flux)")
+    if f.family == "flux2" and f.variant == "FLUX.2-dev":
+        return Verdict(name, AS_IS, f"original naming, one file, no prefix ({BFL_FLUX2_READ}: flux.2-dev)")
+    if f.family == "flux2" and f.variant.startswith("klein"):
+        return Verdict(name, UNKNOWN, f"{BFL_FLUX2_READ}, the code read, defines FLUX.2 [dev] only; later "
+                       "revisions name klein weights in their README, their loader was not read")
+    return Verdict(name, UNKNOWN, f"BFL's loaders build the released geometries by name; {f.variant or 'this'} "
+                   "geometry was not traced through them")
 
 
 RUNTIMES: tuple[Callable[[Facts], Verdict], ...] = (
@@ -135,7 +161,8 @@ def facts_of(path: Path, ckpt: Any, detection: Any) -> Facts:
                  respelled=len(detection.respelled), files=len(ckpt.files),
                  has_config=ckpt.config is not None, container=ckpt.container,
                  quantized=ckpt.quantization.label if ckpt.quantization else None,
-                 title=detection.family.title, single_file_strips_prefix=detection.family.single_file_strips_prefix)
+                 title=detection.family.title, single_file_strips_prefix=detection.family.single_file_strips_prefix,
+                 variant=detection.variant)
 
 
 def runtimes(facts: Facts) -> list[Verdict]:
@@ -197,6 +224,31 @@ def _variant_row(index: Mapping[str, Any], config: Mapping[str, Any], variants: 
 
 # --- adapters ----------------------------------------------------------------------------------------------------
 
+# comfy/lora.py model_lora_keys_unet: the diffusers-naming key prefixes it maps onto a FLUX model
+COMFY_DIFFUSERS_PREFIXES = ("transformer.", "lycoris_", "lora_transformer_")
+# FLUX.2 modules whose diffusers LoRA keys ComfyUI was seen both dropping (v0.18.x, shared/targets-and-scale.md
+# section 1) and loading (a later run); its key map for them was not read
+FLUX2_UNSETTLED = ("double_stream_modulation", "single_stream_modulation", "time_guidance_embed")
+
+
+def _comfy_adapter(info: Mapping[str, Any], to_original: str) -> Verdict:
+    name = "ComfyUI (core)"
+    if info["naming"] == "original":
+        return Verdict(name, AS_IS, f"{info['format']} in original naming")
+    if info["family"] not in ("flux1", "flux2"):
+        return Verdict(name, UNKNOWN, f"ComfyUI's diffusers LoRA keys were not read for {info['family']}")
+    if info["prefix"] not in COMFY_DIFFUSERS_PREFIXES:
+        return Verdict(name, AFTER, "ComfyUI maps FLUX diffusers LoRA keys under "
+                       f"{', '.join(COMFY_DIFFUSERS_PREFIXES)} only; {info['prefix'] or 'unprefixed'} keys are not "
+                       "loaded", to_original)
+    unsettled = [t for t in info["targets"] if t.startswith(FLUX2_UNSETTLED)] if info["family"] == "flux2" else []
+    if unsettled:
+        return Verdict(name, UNKNOWN, f"{len(unsettled)} module(s) ({', '.join(unsettled[:3])}) of FLUX.2's global "
+                       "modulation or time embedding: whether ComfyUI maps their diffusers keys was not read from "
+                       "its code (port convert --to original is certain)")
+    return Verdict(name, AS_IS, f"diffusers naming, prefix {info['prefix']}: ComfyUI maps these keys through its "
+                   "FLUX diffusers key map (flux_to_diffusers)")
+
 def adapter_runtimes(path: Path, info: Mapping[str, Any]) -> list[Verdict]:
     """The same question for a LoRA / LyCORIS file, from `describe_adapter`'s facts."""
     q = shlex.quote(str(path))
@@ -215,12 +267,14 @@ def adapter_runtimes(path: Path, info: Mapping[str, Any]) -> list[Verdict]:
                                 f"port convert {q} --out {out.format('diffusers')}"))
     else:
         verdicts.append(Verdict("diffusers load_lora_weights", AS_IS, "diffusers / peft naming (needs peft)"))
-    comfy = (Verdict("ComfyUI (core)", AS_IS, f"{info['format']} in original naming") if original else
-             Verdict("ComfyUI (core)", AFTER, "ComfyUI maps no FLUX.2 diffusers LoRA keys for the global modulation "
-                     "and guidance embedder (10 of 74 keys lost)", to_original))
+    comfy = _comfy_adapter(info, to_original)
     verdicts.append(comfy)
-    verdicts.append(Verdict("ComfyUI-GGUF", comfy.status, "LoRAs go through ComfyUI's own loader onto GGUF models",
-                            comfy.command))
-    verdicts.append(Verdict("BFL reference code", NEVER, "it loads full weights, not adapters; bake the adapter "
-                            "into the base", merge))
+    verdicts.append(Verdict("ComfyUI-GGUF", comfy.status, "LoRAs go through ComfyUI's own loader onto GGUF models"
+                            + (f"; {comfy.detail}" if comfy.status == UNKNOWN else ""), comfy.command))
+    if info["family"] == "flux2":
+        verdicts.append(Verdict("BFL reference code", NEVER, f"{BFL_FLUX2_READ} has no adapter loader; bake the "
+                                "adapter into the base", merge))
+    else:
+        verdicts.append(Verdict("BFL reference code", UNKNOWN, "black-forest-labs/flux has a LoRA path for its own "
+                                "control LoRAs; whether it takes this file was not read"))
     return verdicts

@@ -23,10 +23,11 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "onnx": ("onnx", "onnxscript", "onnxruntime"),
     "lora": ("peft",),
     "ray": ("ray",),
+    "charts": ("matplotlib",),
     "npu": ("torch_npu",),
 }
 PACKAGES = ("torch", "torch_npu", "diffusers", "transformers", "accelerate", "safetensors", "huggingface_hub",
-            "onnxruntime", "onnx", "peft", "gguf", "torchmetrics", "ray")
+            "onnxruntime", "onnx", "peft", "gguf", "torchmetrics", "ray", "matplotlib")
 _DISTRIBUTIONS = {"torch_npu": "torch-npu", "huggingface_hub": "huggingface-hub"}
 VISIBLE_ENV = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES",
                "ZE_AFFINITY_MASK")

@@ -238,3 +238,31 @@ def test_a_dead_local_worker_fails_its_step_only_and_the_rerun_retries_it(tmp_pa
     assert "worker process died" in steps["j0"]["error"] and steps["j1"]["state"] == "done"
     again = run_port(capsys, "batch", tmp_path / "jobs.toml", "--out", out, "--json")
     assert again.code == 0 and json.loads(again.out)["steps_run_now"] == 1
+
+
+@pytest.mark.slow  # two batch runs of convert, validate and publish on the tiny model
+def test_a_changed_validate_option_redoes_validate_and_publish_with_the_new_report(tmp_path, capsys, monkeypatch):
+    """docs/batch.md: a changed validate option redoes validate and what follows; publish used to be reused (the
+    weights and the verdict were the same) and kept the report of the old options."""
+    build_demo_base(tmp_path / "base")
+    write_random_checkpoint(tmp_path / "a.safetensors", TINY_FLUX2, seed=5)
+    jobs = tmp_path / "jobs.toml"
+
+    def write(max_ratio: float) -> None:
+        jobs.write_text(f'[defaults]\nbase = "base"\nsteps = ["convert", "validate", "publish"]\n'
+                        f'validate = {{ resolution = 64, text-len = 32, timesteps = "0.5", intrinsic = "emulated", '
+                        f'max-ratio = {max_ratio} }}\n\n[[job]]\nname = "a"\nsource = "a.safetensors"\n')
+
+    trace = tmp_path / "trace.txt"
+    monkeypatch.setenv(TRACE_ENV, str(trace))
+    write(2.0)
+    out = tmp_path / "out"
+    assert run_port(capsys, "batch", jobs, "--out", out, "--executor", "local").code == 0
+    assert _trace(trace) == ["a convert", "a validate", "a publish"]
+    write(3.0)
+    assert run_port(capsys, "batch", jobs, "--out", out, "--executor", "local").code == 0
+    assert _trace(trace)[3:] == ["a validate", "a publish"]  # convert reused; publish follows the new report
+    published = json.loads(next(out.rglob("published/report.json")).read_text())
+    assert published["rule"]["max_ratio"] == 3.0
+    assert run_port(capsys, "batch", jobs, "--out", out, "--executor", "local").code == 0
+    assert len(_trace(trace)) == 5  # nothing changed: nothing redone

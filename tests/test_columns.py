@@ -142,3 +142,41 @@ def test_a_key_value_table_whose_longest_value_fills_the_line_is_not_cut(capsys)
     out = capsys.readouterr().out
     fits(out)
     assert "1a052891436af6030357d767533c981ddf481f1c420558358e3c9d40699c1234" in out
+
+
+def _on_a_terminal(argv: list[str], cwd: Path) -> tuple[int, str]:
+    """`port ARGV` with stdout and stderr on a pseudo-terminal of 80 columns: (exit code, what it showed)."""
+    import os
+    import pty
+    import subprocess
+    import sys
+
+    master, slave = pty.openpty()
+    env = {**os.environ, "COLUMNS": "80", "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    done = subprocess.run([sys.executable, "-m", "porting", *argv], stdin=slave, stdout=slave, stderr=slave,
+                          env=env, cwd=cwd, timeout=120)
+    os.close(slave)
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(master, 1 << 16)
+        except OSError:  # the other side closed: everything was read
+            break
+        if not chunk:
+            break
+        shown += chunk
+    os.close(master)
+    return done.returncode, shown.decode().replace("\r\n", "\n")
+
+
+def test_messages_on_a_terminal_wrap_at_spaces_and_piped_stay_one_line(tmp_path, capsys) -> None:
+    """Issue 30, item 5: an error and its hint wrap at word boundaries to a terminal's 80 columns (a terminal cut
+    words at its edge); piped, each stays one line for grep."""
+    missing = tmp_path / ("a-long-folder-name-" * 3) / "model.safetensors"
+    code, shown = _on_a_terminal(["inspect", str(missing)], tmp_path)
+    assert code == 2
+    assert all(len(line) <= 80 for line in shown.splitlines() if str(missing) not in line), shown
+    assert len(shown.splitlines()) > 1
+    piped = run_port(capsys, "inspect", missing)
+    assert piped.code == 2 and " ".join(shown.split()) == " ".join(piped.err.split())
+    assert len(piped.err.splitlines()) < len(shown.splitlines())

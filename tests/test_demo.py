@@ -124,3 +124,36 @@ def test_the_validate_line_says_what_the_error_is_relative_to_and_why_it_passes(
     small = validate_line(doc(0.00602, 0.0048), Path("r/report.md"))
     assert "1.25x bf16's own" in small and "random-weight" not in small
     assert all(len(x) <= 80 for x in small.splitlines()[:-1])
+
+
+@pytest.mark.slow  # the whole demo plus the LoRA steps: about 15 s on two cores
+def test_demo_lora_makes_inspects_merges_and_validates_a_lora(tmp_path, capsys):
+    """Issue 30, item 7: `port demo --lora` makes a tiny LoRA for the tiny port, measures its effect on each module,
+    merges it and validates the merge; the merged weights are the port's plus B @ A (the test's own arithmetic)."""
+    import torch
+    from safetensors.torch import load_file
+
+    work = tmp_path / "demo"
+    run = run_port(capsys, "demo", "--workdir", work, "--lora")
+    assert run.code == 0, run.msg
+    assert "[9/9] validate (merged) on cpu" in run.out and "[6/9] generate" in run.out
+    assert all(len(line) <= 80 for line in run.out.splitlines() if str(work) not in line)  # paths are the user's
+    run = run_port(capsys, "demo", "--workdir", work, "--lora", "--json")  # a rerun replaces its own LoRA steps
+    assert run.code == 0, run.msg
+    doc = json.loads(run.out)
+    counts = doc["lora"]["effect"]["counts"]
+    assert counts["modules"] == counts["ok"] > 0 and counts["unplaced"] == 0
+    assert doc["merge"]["ok"] and doc["validate_merged"]["verdict"] == "pass"
+    assert doc["validate_merged"]["weights_sha256"] != doc["validate"]["weights_sha256"]
+    manifest = json.loads((work / "merged" / "flux-port.json").read_text())
+    assert manifest["merged_adapters"][0]["modules"] == counts["modules"]
+    lora = load_file(str(work / "lora" / "tiny-lora.safetensors"))
+    port = {k: v for f in sorted((work / "transformer").glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+    merged = {k: v for f in sorted((work / "merged").glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+    key = "transformer_blocks.0.attn.to_q"
+    expected = port[f"{key}.weight"].float() + lora[f"transformer.{key}.lora_B.weight"].float() @ \
+        lora[f"transformer.{key}.lora_A.weight"].float()
+    assert merged[f"{key}.weight"].dtype == port[f"{key}.weight"].dtype
+    torch.testing.assert_close(merged[f"{key}.weight"].float(), expected.to(merged[f"{key}.weight"].dtype).float())
+    assert not torch.equal(merged[f"{key}.weight"], port[f"{key}.weight"])
+    assert foreign_entries(work) == []

@@ -28,7 +28,7 @@ def test_env_json_names_versions_builds_extras_devices_and_folders(capsys, tmp_p
     assert doc["cuda_build"] == torch.version.cuda
     for name in ("diffusers", "transformers", "onnxruntime", "torch_npu"):
         assert name in doc["packages"]
-    assert set(doc["extras"]) == {"metrics", "quant", "onnx", "lora", "ray", "npu"}
+    assert set(doc["extras"]) == {"metrics", "quant", "onnx", "lora", "ray", "charts", "npu"}
     assert doc["extras"]["onnx"] is True  # the test extra installs it
     assert doc["devices"][0]["device"] == "cpu"
     assert doc["visible_devices_env"] == {"CUDA_VISIBLE_DEVICES": ""}

@@ -170,7 +170,7 @@ def _inspect(capsys, path: Path, *args) -> dict:
     return json.loads(run.out)
 
 
-AS_IS, AFTER, NEVER = "loads as is", "after port convert", "not at all"
+AS_IS, AFTER, NEVER, UNKNOWN = "loads as is", "after port convert", "not at all", "unknown"
 
 
 def test_compatibility_of_each_kind_of_transformer_file(tmp_path, capsys):
@@ -189,7 +189,7 @@ def test_compatibility_of_each_kind_of_transformer_file(tmp_path, capsys):
     assert run_port(capsys, "convert", files["original"], "--out", tmp_path / "diffusers", "-q").code == 0
     files["diffusers"] = tmp_path / "diffusers"
     expected = {
-        "original": (AFTER, AS_IS, AS_IS, AFTER, AS_IS),
+        "original": (AFTER, AS_IS, AS_IS, AFTER, UNKNOWN),  # a tiny geometry: BFL builds the released ones
         "comfy-prefix": (AFTER, AFTER, AS_IS, AFTER, AFTER),
         "comfy-saved": (AFTER, AFTER, AS_IS, AFTER, AFTER),
         "fp8-scaled": (AFTER, AFTER, AS_IS, AFTER, AFTER),
@@ -204,13 +204,15 @@ def test_compatibility_of_each_kind_of_transformer_file(tmp_path, capsys):
         doc = _inspect(capsys, path)
         assert _status(doc) == dict(zip(runtimes, expected[kind])), kind
         for v in doc["compatibility"]:  # every "after" names the exact command, and it names this file
-            assert (v["command"] is not None) == (v["status"] != AS_IS), (kind, v)
+            assert (v["command"] is not None) == (v["status"] in (AFTER, NEVER)), (kind, v)
             assert v["command"] is None or str(path) in v["command"], (kind, v)
 
 
 @pytest.mark.parametrize("naming, expected", [
     ("kohya", (AFTER, AS_IS, AS_IS, NEVER)),
-    ("peft-transformer", (AS_IS, AFTER, AFTER, NEVER)),
+    ("peft-transformer", (AS_IS, UNKNOWN, UNKNOWN, NEVER)),  # it targets the global modulation (unsettled)
+    ("peft-base_model", (AS_IS, AFTER, AFTER, NEVER)),  # ComfyUI maps no base_model.model. keys onto FLUX
+    ("lycoris-lokr", (NEVER, UNKNOWN, UNKNOWN, NEVER)),
     ("bfl-lora_A", (AFTER, AS_IS, AS_IS, NEVER)),
     ("bfl-lokr", (NEVER, AS_IS, AS_IS, NEVER)),
 ])
@@ -219,7 +221,39 @@ def test_compatibility_of_each_kind_of_adapter(tmp_path, capsys, naming, expecte
     path, _ = lorakit.adapter_for(tmp_path / f"{naming}.safetensors", lorakit.BY_NAME[naming], state)
     doc = _inspect(capsys, path)
     assert tuple(v["status"] for v in doc["compatibility"]) == expected
-    assert all(v["command"] for v in doc["compatibility"] if v["status"] != AS_IS)
+    assert all(v["command"] for v in doc["compatibility"] if v["status"] in (AFTER, NEVER))
+    assert all("not read" in v["detail"] for v in doc["compatibility"] if v["status"] == UNKNOWN)
+
+
+def test_comfyui_loads_diffusers_naming_block_adapters_and_flux1_transformers(tmp_path, capsys):
+    """Issue 30, item 8: verdicts from the loaders' code. comfy/lora.py maps `transformer.` / `lycoris_` keys of
+    every FLUX block module, and comfy/model_detection.py converts a FLUX.1 diffusers transformer (it reads
+    `x_embedder.bias`, which FLUX.2 lacks)."""
+    state = reference_model(TINY2, seed=5).state_dict()
+    blocks = [m for m in lorakit.DIFFUSERS_MODULES if m.startswith(("transformer_blocks", "single_transformer"))]
+    for naming in ("peft-transformer", "lycoris-lokr", "kohya-loha"):
+        path, _ = lorakit.adapter_for(tmp_path / f"{naming}.safetensors", lorakit.BY_NAME[naming], state,
+                                      modules=blocks if lorakit.BY_NAME[naming].diffusers_modules else None)
+        assert _status(_inspect(capsys, path))["ComfyUI (core)"] == AS_IS, naming
+    flux1 = save_state(tmp_path / "flux1.safetensors", reference_model(TINY1_DEV, seed=4).state_dict())
+    assert run_port(capsys, "convert", flux1, "--out", tmp_path / "flux1-diffusers", "-q").code == 0
+    status = _status(_inspect(capsys, tmp_path / "flux1-diffusers"))
+    assert status["ComfyUI (core)"] == AS_IS and status["BFL reference code"] == AFTER
+    klein = _status(_inspect(capsys, save_state(tmp_path / "k.safetensors", state)))  # original naming
+    assert klein["ComfyUI (core)"] == AS_IS
+
+
+@pytest.mark.parametrize("variant, expected", [("FLUX.2-dev", AS_IS), ("klein-4B", UNKNOWN), ("klein-9B", UNKNOWN),
+                                               ("custom", UNKNOWN), ("FLUX.1-dev", AS_IS)])
+def test_bfl_reference_verdict_follows_the_code_that_was_read(variant, expected):
+    """BFL's flux2 code read (ab7cca6) defines FLUX.2 [dev] only: klein is "unknown", not "loads as is"."""
+    from porting.compat import Facts, bfl_reference
+
+    family = "flux1" if variant.startswith("FLUX.1") else "flux2"
+    facts = Facts(Path("m.safetensors"), family, "original", "", 0, 1, False, "safetensors", None, variant=variant)
+    verdict = bfl_reference(facts)
+    assert verdict.status == expected and (expected == AS_IS or "not read" in verdict.detail or "not traced" in
+                                           verdict.detail)
 
 
 def test_a_text_encoder_of_another_size_beside_the_transformer_is_named(tmp_path, capsys, port):

@@ -185,6 +185,24 @@ def test_cli_pass_writes_reports_and_json(converted, tmp_path, capsys):
     assert (tmp_path / "r" / "report.json").is_file() and (tmp_path / "r" / "report.md").is_file()
 
 
+def test_cli_defaults_on_the_cpu_are_smaller_and_said(converted, tmp_path, capsys):
+    """Issue 30, item 5: validate with every default took 93 s on the tiny model; on the CPU the defaults are 256 px
+    and 128 text tokens (a quarter of the tokens), said on stderr and recorded; given sizes are kept."""
+    from .helpers import run_port
+
+    run = run_port(capsys, "validate", converted, "--timesteps", "0.5", "--out", tmp_path / "r")
+    assert run.code == 0, run.err
+    inputs = json.loads((tmp_path / "r" / "report.json").read_text())["inputs"]
+    assert (inputs["resolution"], inputs["text_tokens"]) == (256, 128)
+    assert "on cpu: --resolution 256 --text-len 128 by default (512 and 512 on an accelerator)" in \
+        " ".join(run.err.split())
+    run = run_port(capsys, "validate", converted, "--timesteps", "0.5", "--resolution", "128", "--out",
+                   tmp_path / "s")
+    assert run.code == 0, run.err
+    inputs = json.loads((tmp_path / "s" / "report.json").read_text())["inputs"]
+    assert (inputs["resolution"], inputs["text_tokens"]) == (128, 128)
+
+
 def test_cli_failing_verdict_exits_1(converted, tmp_path, capsys):
     # a limit below 1 cannot be met even by the reference itself: the verdict must say no
     with pytest.raises(SystemExit) as exc:

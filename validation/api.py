@@ -178,11 +178,13 @@ def default_intrinsic(device: torch.device | None, reference: torch.device, runt
 
 def _export_source(folder: Path, dtype: str | None) -> tuple[dict[str, Any], Path]:
     """The export manifest's facts and the source transformer it names, checked."""
+    from porting.export.identity import check
     from porting.export.onnx import find_manifest
 
     root, manifest = find_manifest(folder)
     if folder.resolve() != (root / "transformer").resolve():
         raise PortError(f"{folder}: onnxruntime validation judges the transformer; pass {root / 'transformer'}.")
+    check(root, manifest, own=False)  # the export's own graph is what validate judges
     if "transformer" not in manifest.get("components", {}):
         raise InputError(f"{root}: this export has no transformer component.")
     src = manifest["source"].get("transformer")

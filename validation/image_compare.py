@@ -127,22 +127,51 @@ class _Prepared:
     weights: str = ""
     pipeline: str = ""
     svdq_compute: str | None = None  # set when the transformer is an SVDQuant file run packed
+    export_source: Path | None = None  # an ONNX export: its transformer runs in onnxruntime, the rest from here
+
+    @property
+    def pipeline_folder(self) -> Path:
+        """Where the pipeline's index, text encoders, VAE and scheduler are: the export's source, or the folder."""
+        return self.export_source or self.folder
 
     def describe(self) -> dict[str, Any]:
         doc = {"folder": str(self.folder.resolve()), "transformer": str(self.transformer.resolve()),
                "transformer_swapped": self.swapped, "weights_sha256": self.weights, "pipeline": self.pipeline,
                "device": str(self.device), "dtype": self.dtype_name}
+        if self.export_source is not None:
+            doc.update(runtime="onnxruntime:CPUExecutionProvider", export_source=str(self.export_source.resolve()))
         return {**doc, "svdq_compute": self.svdq_compute} if self.svdq_compute else doc
+
+    def load(self, svdq_compute: str, text_encoder: bool = True) -> Any:
+        if self.export_source is not None:
+            from porting.export.ort_pipeline import load_onnx_pipeline
+
+            pipe = load_onnx_pipeline(self.folder, DTYPES[self.dtype_name], text_encoder=text_encoder).to(self.device)
+            pipe.set_progress_bar_config(disable=True)
+            return pipe
+        return pipeload.load(self.folder, self.device, DTYPES[self.dtype_name],
+                             transformer=self.transformer if self.swapped else None, text_encoder=text_encoder,
+                             svdq_compute=svdq_compute)
 
 
 def _prepare(side: Side, what: str) -> _Prepared:
+    from porting.export.ort_pipeline import export_source, exported_weights
+
     folder = Path(side.folder)
-    read_model_index(folder)
-    transformer = pipeload.transformer_folder(folder, Path(side.transformer) if side.transformer else None)
+    source = export_source(folder)  # an ONNX export whose components changed since it was made is refused here
+    if source is not None and side.transformer is not None:
+        raise PortError(f"{folder} is an ONNX export: its transformer is the exported graph; a transformer swap "
+                        "applies to a pipeline folder.", hint="Drop the --*-transformer option for this side.")
+    read_model_index(source or folder)
+    transformer = (source / "transformer" if source is not None else
+                   pipeload.transformer_folder(folder, Path(side.transformer) if side.transformer else None))
     dev = resolve_device(side.device)
     dtype_name = side.dtype or ("fp32" if dev.type == "cpu" else "bf16")
     if dtype_name not in DTYPES:
         raise PortError(f"{what} dtype {dtype_name!r}: choose one of {', '.join(DTYPES)}.")
+    if source is not None:  # the weights the graph was exported from, as the export recorded them
+        return _Prepared(folder, transformer, False, dev, dtype_name, weights=exported_weights(folder),
+                         export_source=source)
     packed = pipeload.transformer_source(transformer).svdq
     return _Prepared(folder, transformer, side.transformer is not None, dev, dtype_name,
                      svdq_compute=side.svdq_compute if packed else None)
@@ -339,8 +368,9 @@ def compare(reference: Side, candidate: Side, *, prompts: Sequence[str] | None =
     """
     say = on_status or (lambda text: None)
     started = time.perf_counter()
-    on_cpu = "cpu" in (resolve_device(reference.device).type, resolve_device(candidate.device).type)
-    cpu_size = default_size("cpu", Path(reference.folder))
+    ref, cand = _prepare(reference, "--reference-dtype"), _prepare(candidate, "--dtype")
+    on_cpu = "cpu" in (ref.device.type, cand.device.type)
+    cpu_size = default_size("cpu", ref.pipeline_folder)
     if not prompts:
         builtin = builtin_prompts()
         prompts = builtin[:CPU_DEFAULT_PROMPTS] if on_cpu else builtin
@@ -352,16 +382,15 @@ def compare(reference: Side, candidate: Side, *, prompts: Sequence[str] | None =
     width, height = parse_size((cpu_size if on_cpu else DEFAULT_SIZE) if size is None else size)
     if diff_gain <= 0:
         raise PortError(f"--diff-gain {diff_gain}: must be positive.")
-    ref, cand = _prepare(reference, "--reference-dtype"), _prepare(candidate, "--dtype")
     for side in (ref, cand):  # a text-only pipeline (FluxPipeline) refuses --image before anything loads
-        check_takes_images(read_model_index(side.folder), images)
+        check_takes_images(read_model_index(side.pipeline_folder), images)
     sizes = [reference_size(Path(p)) for p in images]
     for side, label, with_encoder in ((ref, "the reference", True), (cand, "the candidate", False)):
-        pipeload.check_memory(f"comparing ({label} side on {side.device})", side.folder, side.device, side.dtype_name,
-                              width, height, transformer=side.transformer, text_encoder=with_encoder,
+        pipeload.check_memory(f"comparing ({label} side on {side.device})", side.pipeline_folder, side.device,
+                              side.dtype_name, width, height, transformer=side.transformer, text_encoder=with_encoder,
                               extra_tokens=reference_tokens(sizes))
     references = load_references([Path(p) for p in images])
-    steps = default_steps(read_model_index(ref.folder), ref.folder) if steps is None else steps
+    steps = default_steps(read_model_index(ref.pipeline_folder), ref.pipeline_folder) if steps is None else steps
     if steps < 1:
         raise PortError(f"--steps {steps}: needs at least 1.")
     dims = [pipeload.transformer_config(side.transformer).get("joint_attention_dim") for side in (ref, cand)]
@@ -382,9 +411,9 @@ def compare(reference: Side, candidate: Side, *, prompts: Sequence[str] | None =
     im.psnr(torch.zeros(1, 3, 8, 8), torch.zeros(1, 3, 8, 8))  # without torchmetrics: fails now, not after rendering
 
     say(f"hashing the transformer weights ({ref.transformer}, {cand.transformer})")
-    ref.weights = pipeload.weights_sha256(ref.transformer)
-    cand.weights = ref.weights if cand.transformer.resolve() == ref.transformer.resolve() else \
-        pipeload.weights_sha256(cand.transformer)
+    ref.weights = ref.weights or pipeload.weights_sha256(ref.transformer)
+    cand.weights = cand.weights or (ref.weights if cand.transformer.resolve() == ref.transformer.resolve() else
+                                    pipeload.weights_sha256(cand.transformer))
     done = 0
 
     def tick(label: str) -> None:
@@ -398,9 +427,7 @@ def compare(reference: Side, candidate: Side, *, prompts: Sequence[str] | None =
     with atomic_folder(out, force=force, verb="compare", inputs=read_paths) as staging:
         say(f"loading the reference from {ref.folder} on {ref.device} ({ref.dtype_name})")
         t0 = time.perf_counter()
-        pipe = pipeload.load(ref.folder, ref.device, DTYPES[ref.dtype_name],
-                             transformer=ref.transformer if ref.swapped else None,
-                             svdq_compute=reference.svdq_compute)
+        pipe = ref.load(reference.svdq_compute)
         ref.pipeline = type(pipe).__name__
         pipeload.check_size(pipe, width, height)
         kwargs = _call_kwargs(pipe, guidance_scale, references)
@@ -419,9 +446,7 @@ def compare(reference: Side, candidate: Side, *, prompts: Sequence[str] | None =
 
         say(f"loading the candidate from {cand.folder} on {cand.device} ({cand.dtype_name}), no text encoder")
         t0 = time.perf_counter()
-        pipe = pipeload.load(cand.folder, cand.device, DTYPES[cand.dtype_name],
-                             transformer=cand.transformer if cand.swapped else None, text_encoder=False,
-                             svdq_compute=candidate.svdq_compute)
+        pipe = cand.load(candidate.svdq_compute, text_encoder=False)
         cand.pipeline = type(pipe).__name__
         if cand.pipeline != ref.pipeline:
             say(f"note: the pipelines differ ({ref.pipeline} vs {cand.pipeline})")

@@ -10,6 +10,7 @@ from typing import Any, Mapping
 
 from rich.table import Table
 
+from porting import charts
 from porting.engine.mapping import MappingTable
 from porting.outputs import atomic_folder
 from porting.reports import prepare_run_folder
@@ -48,8 +49,9 @@ class Report:
         prepare_run_folder(folder)
         with atomic_folder(folder, verb="validate", replace="owned", inputs=inputs) as staging:
             (staging / REPORT_JSON).write_text(json.dumps(_finite(self.data), indent=2) + "\n")
-            (staging / REPORT_MD).write_text(to_markdown(self.data))
-        return [folder / REPORT_JSON, folder / REPORT_MD]
+            drawn = charts.write_block_chart(self.data, staging / charts.BLOCKS_PNG, short_stage)
+            (staging / REPORT_MD).write_text(to_markdown(self.data, chart=charts.BLOCKS_PNG if drawn else None))
+        return [folder / REPORT_JSON, folder / REPORT_MD] + ([folder / charts.BLOCKS_PNG] if drawn else [])
 
 
 def _finite(obj: Any) -> Any:
@@ -83,7 +85,8 @@ def _pipeline_line(dist: dict[str, Any]) -> str:
             "single-device run with its golden at the same place")
 
 
-def to_markdown(d: dict[str, Any]) -> str:
+def to_markdown(d: dict[str, Any], chart: str | None = "") -> str:
+    """report.md; `chart`: the per-block PNG next to it, None for the text chart (no matplotlib), "" for none."""
     lines = [f"# Validation report: **{d['verdict'].upper()}**", "",
              f"- model: `{d['model']['path']}` ({d['model']['variant']}, {d['model']['naming']} naming)",
              *([f"- dequantized from {d['model']['dequantized_from']} (golden: the dequantized weights in float32)"]
@@ -126,6 +129,10 @@ def to_markdown(d: dict[str, Any]) -> str:
         lines.append(f"| {b['stage']} | {b['original']} | {_pct(tf['device']['rel_l2'])} | "
                      f"{_pct(tf['intrinsic']['rel_l2'])} | {_ratio(tf['ratio'])} | "
                      f"{_ratio(b['accumulated']['ratio'])} | {flag} |{extra}")
+    if d["blocks"] and chart != "":
+        lines += ["", "## Per-block error against the budget", ""]
+        lines += charts.markdown(chart, f"per-block error against the {d['dtype']} budget",
+                                 charts.block_text_chart(d, short_stage))
     if d.get("known_differences"):
         lines += ["", "## Known, expected differences", ""] + [f"- {x}" for x in d["known_differences"]]
     lines += ["", "Relative L2 e and cosine relate as cosine = 1/sqrt(1+e^2): e = 1 % is cosine 0.99995, "
@@ -147,8 +154,9 @@ def terminal_table(d: dict[str, Any], max_rows: int = 80) -> Table:
     """The per-block table at 80 columns: short stage names, no original names (report.md and --json carry both),
     and a flag column only when some row is flagged."""
     intrinsic = "intrinsic " + ("emu." if d.get("intrinsic") == "emulated" else "err")
-    table = Table(title=f"port validate: {d['verdict'].upper()}  (device {d['device']} {d['dtype']} vs golden "
-                        f"{d['reference']} {d['golden_dtype']}; limit ratio {d['rule']['max_ratio']})")
+    # short enough for the table's own width (rich wraps a title to it, which split the longer one mid-phrase)
+    table = Table(title=f"{d['verdict'].upper()}: {d['device']} {d['dtype']} vs golden {d['reference']} "
+                        f"{d['golden_dtype']}, limit ratio {d['rule']['max_ratio']}")
     blame = d["blame"]["stage"] if d["blame"] else None
     blocks = d["blocks"][:max_rows]
     flags = ["BLAME" if b["stage"] == blame else ("growth" if b["growth_flag"] else "") for b in blocks]

@@ -67,12 +67,14 @@ def to_markdown(d: dict[str, Any]) -> str:
 
 
 def _root(folder: Path) -> tuple[Path, dict[str, Any]]:
+    from porting.export.identity import check
     from porting.export.onnx import find_manifest
 
     root, manifest = find_manifest(folder)
     if manifest.get("target") != "ryzenai" or "text_encoder" not in manifest.get("components", {}):
         raise PortError(f"{folder}: onnxruntime validation of a text encoder takes a --target ryzenai export's "
                         "text_encoder folder.", hint="Export with port export FOLDER --format onnx --target ryzenai.")
+    check(root, manifest, own=False)  # the export's own graph is what validate judges
     return root, manifest
 
 

@@ -42,7 +42,15 @@ class Output:
     def status(self, text: str) -> None:
         """A progress line for humans (stderr); silent in --quiet and --json."""
         if not self.quiet:
-            self.err.print(printable(text, lines=False), markup=False, soft_wrap=True)
+            self._line(self.err, printable(text, lines=False))
+
+    @staticmethod
+    def _line(console: Console, text: str) -> None:
+        """One message: on a terminal wrapped at spaces to its width (a terminal cuts words at its edge); piped,
+        one line, as grep and log readers want it."""
+        if console.is_terminal:
+            text = wrap_lines(text, console.width)
+        console.print(text, markup=False, soft_wrap=True)
 
     def result(self, text: str) -> None:
         """A line of data for humans (stdout); silent in --json."""
@@ -82,14 +90,14 @@ class Output:
     def error(self, text: str, lines: bool = False) -> None:
         """An error paragraph (one line: a newline in a name from a file is shown as \\x0a); `lines=True` for
         details that list one item a line."""
-        self.err.print(printable(text, lines=lines), markup=False, soft_wrap=True)
+        self._line(self.err, printable(text, lines=lines))
 
     def warning(self, text: str) -> None:
-        self.err.print(printable(f"Warning: {text}", lines=False), markup=False, soft_wrap=True)
+        self._line(self.err, printable(f"Warning: {text}", lines=False))
 
     def hint(self, text: str) -> None:
         if not self.quiet:
-            self.err.print(printable(f"Hint: {text}", lines=False), markup=False, soft_wrap=True)
+            self._line(self.err, printable(f"Hint: {text}", lines=False))
 
     @contextmanager
     def bytes_progress(self, description: str) -> Iterator[tuple[Any, Any]]:
@@ -145,6 +153,20 @@ def examples(text: str, width: int = 76) -> str:
             fitted.extend(textwrap.wrap(note, width, initial_indent=indent + "    ",
                                         subsequent_indent=indent + "     "))
     return "\n".join(fitted) + ("\n" if text.endswith("\n") else "")
+
+
+def wrap_lines(text: str, width: int = 80) -> str:
+    """Each line of `text` wrapped at spaces to `width`, its continuation indented under it (under the text after
+    a "[3/9] " step label); a word longer than a line (a path) is kept whole."""
+    out = []
+    for line in text.splitlines():
+        body = line.lstrip(" ")
+        indent = line[: len(line) - len(body)]
+        label = re.match(r"\[\d+/\d+\] ", body)
+        follow = " " * len(label.group(0)) if label else indent + "  "
+        out.extend(textwrap.wrap(body, width, initial_indent=indent, subsequent_indent=follow,
+                                 break_long_words=False, break_on_hyphens=False) or [""])
+    return "\n".join(out)
 
 
 def cell(*lines: object) -> Text:

@@ -92,5 +92,10 @@ def bench(
         for note in notes:
             output.err.print(note, markup=False, soft_wrap=True)
         output.status(f"memory counter: {doc['memory_counter']}")
-    output.status(f"wrote {result.out / 'bench.json'} and bench.md")
+    from porting.charts import BENCH_PNG, missing
+
+    drawn = (result.out / BENCH_PNG).is_file()
+    output.status(f"wrote {result.out / 'bench.json'}, bench.md" + (" and bench.png (chart)" if drawn else ""))
+    if not drawn and missing():
+        output.warning(f"{missing()}; bench.md has the chart as text")
     output.document({**doc, "out": str(result.out)})

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Callable, Optional
 
 import typer
 
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 PROMPT = "a red fox in the snow"
 
 
-DEMO_ENTRIES = ("base", "finetune", "transformer", "reports", "published", "demo.png")
+DEMO_ENTRIES = ("base", "finetune", "transformer", "reports", "published", "demo.png", "lora", "merged")
 DEFAULT_ROOT = Path("demo-out")
 
 
@@ -169,6 +169,9 @@ def demo(
     family: Annotated[str, typer.Option(
         "--family", help="Which tiny model: klein (FLUX.2 [klein], the default), flux1 (FLUX.1 [dev]), "
                          "flux1-schnell, flux2-dev (FLUX.2 [dev]).")] = "klein",
+    lora: Annotated[bool, typer.Option(
+        "--lora", help="Three more steps: a tiny LoRA made for the tiny base, inspected against it (its effect on "
+                       "each module), merged into the port and the merged transformer validated.")] = False,
 ) -> None:
     """Port a tiny random fine-tune (FLUX.2 [klein] by default) end to end, offline, and generate a PNG with it."""
     from porting.demo.bases import demo_bases
@@ -183,7 +186,7 @@ def demo(
     running: list[str] = []  # the entries of workdir the steps write, the last one the step now running
     _PREPARED.clear()
     try:
-        _run(workdir, json_, running, bases[family])
+        _run(workdir, json_, running, bases[family], lora)
     except KeyboardInterrupt:
         raise interrupted(workdir, running[-1] if running else "") from None
     except Exception as err:  # a step failed (a full disk included): no half-built work folder is left
@@ -200,7 +203,7 @@ def demo(
 LARGE_INTRINSIC = 0.05  # above 5 %, bf16's own error needs a word: a tiny random model, not the port
 
 
-def validate_line(d: dict, report: Path) -> str:
+def validate_line(d: dict, report: Path, step: str = "[4/6]", what: str = "") -> str:
     """The demo's validate step in words: the output error is the relative L2 distance from the float32 output, and
     the verdict compares it with the error bf16 itself makes on the same model (the ratio), not with zero."""
     output, limit = d["output"], d["rule"]["max_ratio"]
@@ -211,7 +214,7 @@ def validate_line(d: dict, report: Path) -> str:
     large = ("\n      (both are large on this tiny random-weight model: the verdict is the ratio)"
              if intrinsic > LARGE_INTRINSIC else "")
     how = {"emulated": " (rounding emulated in float32)", "native": " (bf16 kernels)"}.get(d.get("intrinsic"), "")
-    return (f"[4/6] validate on cpu, bf16 against a float32 golden: {verdict}\n"
+    return (f"{step} validate{what} on cpu, bf16 against a float32 golden: {verdict}\n"
             f"      output error {100 * device:.3g} % (relative L2 distance from the float32 output);\n"
             f"      bf16 itself costs {100 * intrinsic:.3g} % on this model{how}:\n"
             f"      {why}{large}\n"
@@ -219,7 +222,12 @@ def validate_line(d: dict, report: Path) -> str:
                else f"      -> {report}"))
 
 
-def _run(workdir: Path, json_: bool, running: list[str], tiny: TinyBase) -> None:
+def _say(out: _output.Output, text: str) -> None:
+    """A step's lines, wrapped to the console's width (80 columns off a terminal)."""
+    out.result(_output.wrap_lines(text, out.out.width))
+
+
+def _run(workdir: Path, json_: bool, running: list[str], tiny: TinyBase, lora: bool = False) -> None:
     from porting.demo.tiny import write_random_checkpoint
     from porting.engine.convert import convert as run_convert
     from porting.pipeline.generate import generate
@@ -229,11 +237,15 @@ def _run(workdir: Path, json_: bool, running: list[str], tiny: TinyBase) -> None
     out = _output.use(json_mode=json_, heavy=True)
     prepare_workdir(workdir)
     steps: dict[str, object] = {"family": tiny.demo, "variant": tiny.variant}
+    total = 9 if lora else 6
+
+    def n(i: int) -> str:
+        return f"[{i}/{total}]"
 
     running.append("base")
     base = tiny.build(workdir / "base", 0)
     _recorded(workdir, 'base')
-    out.result(f"[1/6] tiny {tiny.title} base ({tiny.components}): {base}")
+    _say(out, f"{n(1)} tiny {tiny.title} base ({tiny.components}): {base}")
 
     running.append("finetune")
     src = write_random_checkpoint(workdir / "finetune" / f"tiny-{tiny.demo}-finetune.safetensors", tiny.transformer,
@@ -243,7 +255,7 @@ def _run(workdir: Path, json_: bool, running: list[str], tiny: TinyBase) -> None
 
     info = describe(src)
     steps["inspect"] = info
-    out.result(f"[2/6] tiny fine-tune in original (BFL) naming: {src}\n"
+    _say(out, f"{n(2)} tiny fine-tune in original (BFL) naming: {src}\n"
                f"      inspect: {info['family']} {info['variant']}, naming {info['naming']}, "
                f"{info['tensors']} tensors, "
                f"{info['parameters']:,} parameters, {', '.join(info['dtypes'])}")
@@ -253,7 +265,7 @@ def _run(workdir: Path, json_: bool, running: list[str], tiny: TinyBase) -> None
     _recorded(workdir, 'transformer')
     steps["convert"] = converted.to_dict()
     s = converted.plan.summary()
-    out.result(f"[3/6] convert --strict --config base: {s['source_tensors']} -> {s['target_tensors']} tensors, "
+    _say(out, f"{n(3)} convert --strict --config base: {s['source_tensors']} -> {s['target_tensors']} tensors, "
                f"every key and shape accounted for -> {converted.out}")
 
     report_dir = run_folder(workdir / REPORTS, "validate")
@@ -263,13 +275,13 @@ def _run(workdir: Path, json_: bool, running: list[str], tiny: TinyBase) -> None
     _recorded(workdir, running[-1])
     d = report.to_dict()
     steps["validate"] = {k: d[k] for k in ("verdict", "output", "summary", "blame", "weights_sha256")}
-    out.result(validate_line(d, workdir / REPORTS / "validate" / report_dir.name / "report.md"))
+    _say(out, validate_line(d, workdir / REPORTS / "validate" / report_dir.name / "report.md", n(4)))
 
     running.append("published")
     published = publish(base, converted.out, workdir / "published", report=workdir / "reports")
     _recorded(workdir, 'published')
     steps["publish"] = published.to_dict()
-    out.result(f"[5/6] publish: {published.out} loads with {published.pipeline}.from_pretrained "
+    _say(out, f"{n(5)} publish: {published.out} loads with {published.pipeline}.from_pretrained "
                "(validation gate passed)")
 
     running.append("demo.png")
@@ -277,6 +289,45 @@ def _run(workdir: Path, json_: bool, running: list[str], tiny: TinyBase) -> None
     g = generate(workdir / "published", PROMPT, device="cpu", steps=4, seed=0, size=64, output=image, progress=False)
     _recorded(workdir, 'demo.png')
     steps["generate"] = {"image": str(image), "load_s": g.load_s, "denoise_s": g.denoise_s, "s_per_it": g.s_per_it}
-    out.result(f"[6/6] generate: {image} (64x64, 4 steps; load {g.load_s:.2f} s, denoise {g.denoise_s:.2f} s, "
+    _say(out, f"{n(6)} generate: {image} (64x64, 4 steps; load {g.load_s:.2f} s, denoise {g.denoise_s:.2f} s, "
                f"{g.s_per_it:.3f} s/it)")
+    if lora:
+        _lora_steps(workdir, running, base, converted.out, steps, out, n)
     out.document(steps)
+
+
+def _lora_steps(workdir: Path, running: list[str], base: Path, transformer: Path, steps: dict[str, object],
+                out: _output.Output, n: Callable[[int], str]) -> None:
+    """`--lora`: a tiny LoRA for the port, its effect on each module of it, merged, and the merge validated."""
+    from porting.adapters.base_effect import effect_on_base
+    from porting.adapters.effect import summary_lines
+    from porting.adapters.merge import merge
+    from porting.demo.lora import write_tiny_lora
+    from validation.api import validate
+
+    running.append("lora")
+    adapter = write_tiny_lora(workdir / "lora" / "tiny-lora.safetensors", transformer)
+    _recorded(workdir, "lora")
+    effect = effect_on_base(adapter, transformer)
+    steps["lora"] = {"file": str(adapter), "effect": effect}
+    lines = summary_lines(effect)
+    detail = []
+    for line in lines[1:]:  # "  weakest: MODULE (numbers)": the numbers on a line of their own, within 80 columns
+        head, _, numbers = line.strip().partition(" (")
+        detail += [f"      {head}", f"        ({numbers}"] if numbers else [f"      {head}"]
+    _say(out, f"{n(7)} tiny LoRA (rank 4, diffusers naming, attention projections):\n      {adapter}\n"
+               f"      inspect --base transformer: {lines[0].split(': ', 1)[1]}" + "".join(f"\n{d}" for d in detail))
+
+    running.append("merged")
+    merged = merge(transformer, [(adapter, 1.0)], workdir / "merged")
+    _recorded(workdir, "merged")
+    steps["merge"] = merged.to_dict()
+    _say(out, f"{n(8)} merge tiny-lora.safetensors x1 into the port, every module placed:\n      {merged.out}")
+
+    report_dir = run_folder(workdir / REPORTS, "validate")
+    running.append(f"{REPORTS}/validate/{report_dir.name}")
+    report = validate(merged.out, device="cpu", out=report_dir, resolution=64, text_len=32, base=base, prompt=PROMPT)
+    _recorded(workdir, running[-1])
+    d = report.to_dict()
+    steps["validate_merged"] = {k: d[k] for k in ("verdict", "output", "summary", "blame", "weights_sha256")}
+    _say(out, validate_line(d, workdir / REPORTS / "validate" / report_dir.name / "report.md", n(9), " (merged)"))

@@ -24,7 +24,14 @@ Examples:
   port publish --base ./FLUX.2-klein-9B --transformer ./transformer --report ./reports/report.json \\
       --variant klein-kv --out ./my-klein-kv --link symlink
   port publish my-recipe
+  port publish my-recipe --push my-org/my-klein-ft                    (private; HF_TOKEN or `hf auth login`)
+  port publish my-recipe --push my-org/my-klein-ft --push-to modelscope --public
 """
+
+
+class PushHub(str, Enum):
+    hf = "hf"
+    modelscope = "modelscope"
 
 
 class LinkChoice(str, Enum):
@@ -57,6 +64,18 @@ def summary_table(result: PublishResult) -> Table:
                            f"{d['bytes'] / 1e9:.3f} GB")
     table.add_row("time", f"{d['seconds']:.1f} s")
     return table
+
+
+def push_rows(table: Table, push: dict[str, Any]) -> None:
+    table.add_row("pushed to", f"{push['hub']}:{push['repo']} ({'private' if push['private'] else 'public'}"
+                               f"{', created' if push['created'] else ''}) {push['url']}")
+    sent = ("nothing uploaded: the hub already holds these files" if push["nothing_uploaded"] else
+            f"{len(push['uploaded_files'])} file(s) uploaded ({push['uploaded_bytes'] / 1e6:,.1f} MB), "
+            f"{push['unchanged_files']} unchanged" + (f", {len(push['deleted_files'])} deleted"
+                                                       if push["deleted_files"] else ""))
+    table.add_row("upload", sent)
+    table.add_row("revision", f"{push['revision']} (checked: {push['checked_files']} files match manifest.json)"
+                  + (f"; model card stamped in {push['card_revision']}" if push["card_revision"] else ""))
 
 
 def _recipe_paths(recipe: str, workspace: Path | None) -> Any:
@@ -96,6 +115,22 @@ def publish(
     skip_validation: Annotated[bool, typer.Option("--skip-validation", rich_help_panel="Dangerous options",
                                                   help="Publish without a passing report; the model card says "
                                                        "so.")] = False,
+    push: Annotated[Optional[str], typer.Option("--push", rich_help_panel="Upload", metavar="ORG/NAME",
+                                                help="After publishing, upload the folder to this repository "
+                                                     "(created private unless --public); check what landed.")] = None,
+    push_to: Annotated[PushHub, typer.Option("--push-to", rich_help_panel="Upload",
+                                             help="Hub for --push.")] = PushHub.hf,
+    public: Annotated[bool, typer.Option("--public", rich_help_panel="Upload",
+                                         help="Create the --push repository public (default: private).")] = False,
+    endpoint: Annotated[Optional[str], typer.Option("--endpoint", rich_help_panel="Upload",
+                                                    help="Endpoint for --push: a URL or alias; default HF_ENDPOINT / "
+                                                         "MODELSCOPE_ENDPOINT, else the hub.")] = None,
+    send_token: Annotated[bool, typer.Option("--send-token", rich_help_panel="Upload",
+                                             help="Send the token to an --endpoint that is not the hub's own "
+                                                  "host.")] = False,
+    timeout: Annotated[float, typer.Option("--timeout", min=1, rich_help_panel="Upload",
+                                           help="Seconds --push waits for an answer before giving up (exit 4).")
+                       ] = 120.0,
     force: ForceOpt = False,
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -118,6 +153,7 @@ def publish(
     if missing:
         raise PortError(f"port publish needs {', '.join(missing)} (or a RECIPE).",
                         hint="port publish --base BASE_DIR --transformer CONVERTED_DIR --report REPORT --out DIR")
+    pusher = _push_preflight(push, push_to, public, endpoint, send_token, timeout, skip_validation, output)
     with output.bytes_progress("publishing") as (on_start, on_bytes):
         from porting.pipeline.publish import publish as run_publish
 
@@ -125,12 +161,57 @@ def publish(
                              variant=variant.value if variant else None, base_model=base_model, force=force,
                              adapters=adapter or (),
                              on_status=output.status, on_start=on_start, on_bytes=on_bytes)
+    doc = result.to_dict()
+    if pusher is not None:
+        from porting.hub.push import push_folder
+
+        try:
+            doc["push"] = push_folder(pusher, result.out, say=output.status).to_dict()
+        except PortError as err:
+            err.hint = f"{err.hint + ' ' if err.hint else ''}{_resume_hint(result.out)}"
+            raise
+        except KeyboardInterrupt:
+            from porting.errors import Interrupted
+
+            raise Interrupted(f"Interrupted during the upload to {pusher.target.source.label}: the folder "
+                              f"{result.out} is published, the upload is incomplete.",
+                              hint=_resume_hint(result.out)) from None
     if recipe is not None:
         from porting.hub.workspace import record_step
-        record_step(paths, "publish", result.to_dict())
-    output.document(result.to_dict())
-    output.table(summary_table(result))
+        record_step(paths, "publish", doc)
+    output.document(doc)
+    table = summary_table(result)
+    if pusher is not None:
+        push_rows(table, doc["push"])
+    output.table(table)
     for notice in result.notices:
         output.warning(notice)
     output.hint(f'try it: port generate {result.out} --prompt "a red fox in the snow" --device cpu --size 256 '
                 "--steps 4 --output fox.png")
+
+
+def _resume_hint(out: Path) -> str:
+    return (f"The folder {out} is published; the same command with --force publishes it again identically and "
+            "resumes the upload (what the hub already stores is not sent again).")
+
+
+def _push_preflight(push: str | None, push_to: PushHub, public: bool, endpoint: str | None, send_token: bool,
+                    timeout: float, skip_validation: bool, output: Any) -> Any:
+    """Every refusal of --push that needs no folder (name, token, owner), before publish does any work."""
+    if push is None:
+        given = [flag for flag, on in (("--push-to", push_to != PushHub.hf), ("--public", public),
+                                       ("--endpoint", endpoint is not None), ("--send-token", send_token),
+                                       ("--timeout", timeout != 120.0)) if on]
+        if given:
+            raise PortError(f"{', '.join(given)} only apply with --push ORG/NAME.")
+        return None
+    if skip_validation:
+        raise PortError("--push with --skip-validation: flux-port uploads only folders that passed the validation "
+                        "gate.", hint="Validate the transformer (port validate), then publish with --push; or publish "
+                                      "with --skip-validation and upload that folder yourself.")
+    from porting.hub.push import preflight, push_target
+
+    target = push_target(push, push_to.value, endpoint=endpoint, public=public, send_token=send_token,
+                         timeout=timeout)
+    output.status(f"checking the token and {target.source.label} on {target.source.host} before publishing")
+    return preflight(target)

@@ -53,8 +53,11 @@ def validate(
                                                 "(default: a new run folder reports/validate/<UTC time>/ next to "
                                                 "MODEL, "
                                                 "where port publish finds the newest).")] = None,
-    resolution: Annotated[int, typer.Option("--resolution", help="Image side in pixels.")] = 512,
-    text_len: Annotated[int, typer.Option("--text-len", help="Text tokens (the pipeline pads to 512).")] = 512,
+    resolution: Annotated[Optional[int], typer.Option(
+        "--resolution", help=f"Image side in pixels (default {FULL[0]}; {CPU[0]} when the device under test is the "
+                             "cpu).")] = None,
+    text_len: Annotated[Optional[int], typer.Option(
+        "--text-len", help=f"Text tokens (default {FULL[1]}, as the pipelines pad to; {CPU[1]} on the cpu).")] = None,
     timesteps: Annotated[str, typer.Option("--timesteps", help="Comma-separated, in [0, 1].")] = "1.0,0.5,0.1",
     seeds: Annotated[str, typer.Option("--seeds", help="Comma-separated CPU generator seeds.")] = "0",
     base: Annotated[Optional[Path], typer.Option("--base", help="Base model folder whose text encoder(s) "
@@ -109,6 +112,7 @@ def validate(
         raise PortError("--prompt needs --base (the base model's text encoder encodes it).")
     out = out or run_folder(recipe.reports if recipe is not None else model.resolve().parent / REPORTS, "validate")
     seed_list, timestep_list = parse_seeds(seeds), parse_timesteps(timesteps)
+    resolution, text_len = _sizes(resolution, text_len, device, devices, runtime, output)
     check_options(resolution=resolution, text_len=text_len, timesteps=timestep_list, seeds=seed_list,
                   max_ratio=max_ratio)
     from porting.progress import StepProgress, clock
@@ -150,6 +154,7 @@ def validate(
         output.warning(notice)
     output.table(terminal_table(data))
     output.status(f"report: {out / 'report.json'} and {out / 'report.md'}")
+    _say_chart(output, out, bool(data["blocks"]))
     if report.verdict != "pass":
         where = ("the first bad block is where to look" if data["localisation"]["per_block"] else
                  "an ONNX graph gives no per-block rows; validate the source weights with --runtime torch to "
@@ -175,3 +180,28 @@ def next_step_hint(model: Path, out: Path, recipe: str | None) -> str:
                 "--out DIR")
     return (f"publish it next: port publish --transformer {model} --report {out / 'report.json'} "
             "--base BASE_DIR --out DIR")
+
+
+FULL = (512, 512)  # --resolution, --text-len: the real pipelines' sizes
+CPU = (256, 128)  # on a CPU: 256 image and 128 text tokens, a quarter of the tokens, a few times faster
+
+
+def _sizes(resolution: int | None, text_len: int | None, device: str, devices: str | None, runtime: str,
+           output: _output.Output) -> tuple[int, int]:
+    """--resolution and --text-len as given, else the defaults for where the model runs (said when on the cpu)."""
+    on_cpu = runtime == "torch" and devices is None and device.split(":")[0] == "cpu"
+    chosen = CPU if on_cpu else FULL
+    if on_cpu and (resolution is None or text_len is None):
+        output.status(f"on cpu: --resolution {resolution or chosen[0]} --text-len {text_len or chosen[1]} by default "
+                      f"({FULL[0]} and {FULL[1]} on an accelerator); pass them for more")
+    return resolution or chosen[0], text_len or chosen[1]
+
+
+def _say_chart(output: _output.Output, out: Path, has_blocks: bool) -> None:
+    """Where the per-block chart is, or why there is only its text form in report.md."""
+    from porting.charts import BLOCKS_PNG, missing
+
+    if (out / BLOCKS_PNG).is_file():
+        output.status(f"chart: {out / BLOCKS_PNG} (per-block error against the budget)")
+    elif has_blocks and missing():
+        output.warning(f"{missing()}; report.md has the per-block chart as text")

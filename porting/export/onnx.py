@@ -30,6 +30,7 @@ from porting.outputs import atomic_folder, check_output
 from porting.paths import files_within, link_roots
 from porting.resources import MEMORY_OVERHEAD, check_streamed_export_memory, require_memory
 
+from . import identity
 from .onnx_components import ExportSpec, Traceable, gib, nbytes
 from .ort import MODEL_FILE, require
 from .streamed import hollow_traceable, key_map, stream_component, streamed_bytes
@@ -329,6 +330,7 @@ def export_onnx(folder: str | Path, out: str | Path, *, dtype: str = "fp32", ops
     if "transformer" in sources:
         say(f"hashing the transformer weights in {sources['transformer']}")
         weights = open_source(sources["transformer"], kind="weights").weights_sha256
+    borrowed_ids = identity.borrowed(identity.source_components(folder, kind, sources.get("transformer")))
     notices: list[str] = []
     results: list[ComponentResult] = []
     produced_opsets: set[int] = set()
@@ -379,11 +381,18 @@ def export_onnx(folder: str | Path, out: str | Path, *, dtype: str = "fp32", ops
             "environment": {"torch": torch.__version__, "onnx": onnx.__version__,
                             "onnxscript": _version("onnxscript"), "onnxruntime": _version("onnxruntime")},
             "notices": notices,
+            "identities": _identities(borrowed_ids, staging, [r.name for r in results] + copied),
         }
         (staging / MANIFEST).write_text(dumps(manifest, indent=2) + "\n")
     return ExportResult(out=str(out), dtype=dtype, opset_requested=opset, opset_produced=produced,
                         source=str(folder), weights_sha256=weights, components=results, copied=copied,
                         notices=notices, seconds=round(time.perf_counter() - started, 2))
+
+
+def _identities(borrowed: dict[str, Any], staging: Path, names: list[str]) -> dict[str, Any]:
+    """The manifest's `identities`: the source's components as they were when the export began, the export's own as
+    written (`porting/export/identity.py`)."""
+    return {"source": borrowed, "export": identity.exported({n: staging / n for n in names})}
 
 
 def _copy_folders(folder: Path, staging: Path, copies: dict[str, list[Path]]) -> list[str]:
@@ -440,6 +449,7 @@ def _export_ryzenai(folder: Path, out: Path, *, opset: int, components: Sequence
     if "transformer" in sources:
         say(f"hashing the transformer weights in {sources['transformer']}")
         weights = open_source(sources["transformer"], kind="weights").weights_sha256
+    borrowed_ids = identity.borrowed(identity.source_components(folder, kind, sources.get("transformer")))
     results: list[ComponentResult] = []
     with atomic_folder(out, force=force, verb="export", inputs=read_paths) as staging:
         for c in wanted:
@@ -509,6 +519,7 @@ def _export_ryzenai(folder: Path, out: Path, *, opset: int, components: Sequence
             "environment": {"torch": torch.__version__, "onnx": onnx.__version__,
                             "onnxscript": _version("onnxscript"), "onnxruntime": _version("onnxruntime")},
             "notices": [],
+            "identities": _identities(borrowed_ids, staging, [r.name for r in results] + copied),
         }
         (staging / MANIFEST).write_text(dumps(manifest, indent=2) + "\n")
     return ExportResult(out=str(out), dtype="ryzenai (bf16-cast transformer and VAE decoder, int4 text encoder)",

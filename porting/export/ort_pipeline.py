@@ -20,6 +20,7 @@ from torch import nn
 from porting._files import read_config
 from porting.errors import InputError, PortError
 
+from . import identity
 from .onnx import MANIFEST, find_manifest
 from .ort import SessionSettings, open_session
 
@@ -73,7 +74,8 @@ def export_source(folder: Path) -> Path | None:
     """The source pipeline folder of an ONNX export folder; None when `folder` is not an export."""
     if not (Path(folder) / MANIFEST).is_file():
         return None
-    _, manifest = find_manifest(folder)
+    root, manifest = find_manifest(folder)
+    identity.check(root, manifest)
     src = manifest.get("source") or {}
     if src.get("layout") != "pipeline":
         raise InputError(f"{folder}: exported from a lone transformer folder; generating needs the text encoder, VAE "
@@ -104,12 +106,26 @@ def graph_for_size(folder: Path, size: tuple[int, int] | None) -> str | None:
                     hint=f"Generate with --size {next(iter(graphs))}, or export that size too.")
 
 
+def exported_weights(folder: Path) -> str:
+    """The sha256 of the source transformer weights the export's graph was made from, as its manifest records it."""
+    root, manifest = find_manifest(folder)
+    weights = (manifest.get("source") or {}).get("weights_sha256")
+    if not isinstance(weights, str) or not weights:
+        raise InputError(f"{root / MANIFEST}: 'source.weights_sha256' is {weights!r}; port export writes the source "
+                         "transformer's weights sha256 there.", hint="The manifest is damaged or hand-edited; "
+                         "export again.")
+    return weights
+
+
 def load_onnx_pipeline(folder: Path, dtype: torch.dtype, provider: str = "CPUExecutionProvider",
-                       settings: SessionSettings | None = None, size: tuple[int, int] | None = None) -> Any:
+                       settings: SessionSettings | None = None, size: tuple[int, int] | None = None,
+                       text_encoder: bool = True) -> Any:
     """The source pipeline with its transformer replaced by the exported graph (for a ryzenai export with several
-    sizes, the graph of `size`)."""
+    sizes, the graph of `size`); `text_encoder=False` leaves the text encoders and tokenizers unloaded."""
     from diffusers import DiffusionPipeline
     from diffusers.utils import logging as diffusers_logging
+
+    from porting.pipeline.pipeload import text_components
 
     source = export_source(folder)
     if source is None:
@@ -125,8 +141,9 @@ def load_onnx_pipeline(folder: Path, dtype: torch.dtype, provider: str = "CPUExe
             warnings.filterwarnings("ignore", message=".*torch_dtype.*", category=FutureWarning)
             # diffusers refuses a non-ModelMixin object as a component at load time, so load without a
             # transformer and put the graph in its place
+            dropped = {} if text_encoder else {name: None for name in text_components(source)}
             pipe = DiffusionPipeline.from_pretrained(source, transformer=None, local_files_only=True,
-                                                     torch_dtype=dtype)
+                                                     torch_dtype=dtype, **dropped)
             pipe.transformer = transformer
     finally:
         diffusers_logging.set_verbosity(level)

@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from porting import __version__
+from porting import __version__, charts
 from porting.errors import InputError, PortError
 from porting.finite import dumps
 from porting.outputs import atomic_folder, check_output
@@ -253,13 +253,17 @@ def table_markdown(doc: dict[str, Any]) -> list[str]:
     return lines + ([""] + [f"- {n}" for n in notes] if notes else [])
 
 
-def to_markdown(doc: dict[str, Any]) -> str:
+def to_markdown(doc: dict[str, Any], chart: str | None = "") -> str:
+    """bench.md; `chart`: the PNG next to it, None for the text chart (no matplotlib), "" for none."""
     st = doc["settings"]
     lines = ["# Speed and memory (port bench)", "",
              f"`{doc['pipeline']}` from `{doc['folder']}` (transformer `{doc['transformer']}`, weights "
              f"`{doc['weights_sha256'][:16]}...`) on `{doc['device']}` ({doc['device_name']}) in {doc['dtype']}, "
              f"{st['width']}x{st['height']}, {st['steps']} step(s), median of {st['runs']} run(s) after "
              f"{st['warmup']} warm-up. Memory counter: {doc['memory_counter']}.", "", *table_markdown(doc), ""]
+    if chart != "":
+        lines += charts.markdown(chart, "peak memory and seconds per image per offload mode",
+                                 charts.bench_text_chart(doc))
     return "\n".join(lines)
 
 
@@ -421,7 +425,8 @@ def bench(folder: str | Path, *, transformer: str | Path | None = None, device: 
     prepare_run_folder(out)
     with atomic_folder(out, force=force, verb="bench", inputs=read_paths) as staging:
         (staging / BENCH_JSON).write_text(dumps(doc, indent=2) + "\n")
-        (staging / BENCH_MD).write_text(to_markdown(doc))
+        drawn = charts.write_bench_chart(doc, staging / charts.BENCH_PNG)
+        (staging / BENCH_MD).write_text(to_markdown(doc, chart=charts.BENCH_PNG if drawn else None))
     return BenchResult(out, doc)
 
 

@@ -24,6 +24,7 @@ from typing import Any, Callable, Literal, Sequence
 from porting import __version__
 from porting._files import parse_json, read_json_object
 from porting.adapters.publishing import adapter_sources, card_section, check_adapters
+from porting.charts import BLOCKS_PNG
 from porting.devices import validate_device
 from porting.engine.convert import MANIFEST as CONVERT_MANIFEST
 from porting.errors import CheckFailed, DiskSpaceError, InputError, PortError, UnsupportedFormatError, UsageError
@@ -38,7 +39,7 @@ from porting.text import markdown_text as _md
 LinkMode = Literal["hardlink", "symlink", "copy"]
 LINK_MODES: tuple[str, ...] = ("hardlink", "symlink", "copy")
 MANIFEST = "manifest.json"
-REPORT_FILES = ("report.json", "report.md")
+REPORT_FILES = ("report.json", "report.md", BLOCKS_PNG)  # the chart only where validate drew one
 
 
 def variant_spec(variant: str) -> tuple[Family, PipelineVariant]:
@@ -451,6 +452,8 @@ def validation_section(gate: Gate, skip_validation: bool) -> list[str]:
              if k in ("cosine", "rel_l2", "max_abs", "mean_abs") and isinstance(v, (int, float))]
     if shown:
         lines += ["Final output on the device against the golden: " + ", ".join(shown) + ".", ""]
+    if gate.path is not None and (gate.path.parent / BLOCKS_PNG).is_file():  # copied next to the card
+        lines += [f"![Per-block error against the {_text(r.get('dtype'))} budget]({BLOCKS_PNG})", ""]
     return lines
 
 

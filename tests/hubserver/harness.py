@@ -84,7 +84,7 @@ class CliRunner:
         if not spawn:
             self._zygote = subprocess.Popen(
                 [sys.executable, "-m", "hubserver.zygote"], cwd=TESTS_DIR, text=True, stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE, env=base_env(Path(self._tmp.name)))
+                stdout=subprocess.PIPE, env={**base_env(Path(self._tmp.name)), "PYTHONPATH": str(REPO_ROOT)})
             ready = self._reply(120)
             assert "ready" in ready, ready
 
@@ -109,7 +109,8 @@ class CliRunner:
         if self.spawn:
             req_file = Path(self._tmp.name) / f"{self._n}.json"
             req_file.write_text(json.dumps(req))
-            child_env = {**env, "PYTHONPATH": str(TESTS_DIR)}
+            # this checkout's `porting` (a worktree's), not whichever one the environment has installed
+            child_env = {**env, "PYTHONPATH": os.pathsep.join((str(TESTS_DIR), str(REPO_ROOT)))}
             with open(out, "w") as o, open(err, "w") as e:
                 proc = subprocess.Popen([sys.executable, "-m", "hubserver.runner", str(req_file)], cwd=cwd,
                                         env=child_env, stdout=o, stderr=e, stdin=subprocess.DEVNULL)

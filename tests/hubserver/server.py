@@ -18,7 +18,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
+from .upload import HfUploadRoutes
+from .upload_ms import MsUploadRoutes
+
 GOOD_TOKEN = "hf_good_test_token"
+OTHER_TOKEN = "hf_other_user_token"   # a valid token of another account (for "belongs to someone else")
 
 
 def git_sha1(data: bytes) -> str:
@@ -39,6 +43,9 @@ class Repo:
     gated: bool = False                                      # needs `Bearer GOOD_TOKEN`
     lfs: set[str] | None = None
     extra_listing: list[dict[str, Any]] = field(default_factory=list)  # raw entries appended to listings
+    private: bool = False                                    # hidden (404) from all but its namespace's users
+    history: dict[str, dict[str, bytes]] = field(default_factory=dict)  # commit -> files, for uploaded repos
+    commits: list[tuple[dict[str, Any], str]] = field(default_factory=list)  # (commit header, commit id)
 
     def __post_init__(self) -> None:
         if not self.branches:
@@ -50,7 +57,7 @@ class Repo:
     def commit(self, rev: str) -> str | None:
         if rev in self.branches:
             return self.branches[rev]
-        return rev if rev in self.branches.values() else None
+        return rev if rev in self.branches.values() or rev in self.history else None
 
 
 @dataclass
@@ -63,6 +70,7 @@ class Logged:
     cookie: str | None
     status: int = 0
     sent: int = 0
+    received: int = 0
 
 
 class FakeHubs:
@@ -76,6 +84,12 @@ class FakeHubs:
         self.stall_after: dict[str, int] = {}     # repo path -> send this many body bytes, then hang
         self.stalled = threading.Event()          # set when a stalled response has sent its bytes
         self.release = threading.Event()          # lets stalled handlers finish (set at close)
+        self.users = {GOOD_TOKEN: ("alice", ["alice-org"]), OTHER_TOKEN: ("mallory", [])}  # token -> account
+        self.lfs_store: dict[str, bytes] = {}     # uploaded LFS objects by sha256 (kept across commits)
+        self.created: list[str] = []              # repositories created through the API
+        self.tamper: set[str] = set()             # repo paths stored with other bytes (same size) at commit
+        self.hold_uploads: set[str] = set()       # LFS oids whose upload hangs (until `release`)
+        self.fail_commits: list[str] = []         # commit summaries (prefixes) answered once with HTTP 500
         self._lock = threading.Lock()
         self._silent: list[socket.socket] = []
         self._servers = {name: self._start(name) for name in ("hub", "cdn", "ms")}
@@ -148,7 +162,7 @@ class FakeHubs:
         return None
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(HfUploadRoutes, MsUploadRoutes, BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_name_ = ""
     owner: FakeHubs
@@ -225,6 +239,18 @@ class _Handler(BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError):
             pass
 
+    def do_POST(self) -> None:
+        entry = self._entry()
+        try:
+            getattr(self, f"_{self.server_name_}_write", self._no_write)(entry)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+
+    do_PUT = do_POST
+
+    def _no_write(self, entry: Logged) -> None:
+        self._json(entry, 405, {"error": "method not allowed"})
+
     # -- Hugging Face hub -------------------------------------------------------------------------------------
     def _auth_hf(self, entry: Logged, repo: Repo) -> bool:
         if not repo.gated:
@@ -244,7 +270,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _hf_repo_at(self, entry: Logged, repo_id: str, revision: str) -> tuple[Any, str] | None:
         """The repo and the commit `revision` resolves to, or None after answering 404/401/403."""
         repo = self.owner.hf.get(repo_id)
-        if repo is None:
+        if repo is None or self._hidden(repo):
             self._hf_error(entry, 404, "RepoNotFound", "Repository not found")
             return None
         if not self._auth_hf(entry, repo):
@@ -258,6 +284,8 @@ class _Handler(BaseHTTPRequestHandler):
     def _hub(self, entry: Logged) -> None:
         url = urlsplit(self.path)
         path = unquote(url.path)
+        if self._hub_read_extra(entry, path):
+            return None
         m = re.fullmatch(r"/api/models/([^/]+/[^/]+)/(revision|tree)/([^/]+)", path)
         if m:
             found = self._hf_repo_at(entry, m.group(1), m.group(3))
@@ -268,7 +296,7 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._json(entry, 200, {"id": repo.repo_id, "sha": commit,
                                                "siblings": [{"rfilename": p} for p in repo.files]})
             tree = []
-            for p, data in repo.files.items():
+            for p, data in repo.history.get(commit, repo.files).items():
                 item: dict[str, Any] = {"type": "file", "path": p, "size": len(data), "oid": git_sha1(data)}
                 if p in repo.lfs:
                     item["lfs"] = {"oid": sha256(data), "size": len(data), "pointerSize": 134}
@@ -323,11 +351,13 @@ class _Handler(BaseHTTPRequestHandler):
     def _ms(self, entry: Logged) -> None:
         url = urlsplit(self.path)
         q = {k: v[0] for k, v in parse_qs(url.query).items()}
+        if self._ms_read_extra(entry):
+            return None
         m = re.fullmatch(r"/api/v1/models/([^/]+/[^/]+)/(repo/files|repo|revisions)", unquote(url.path))
         if not m:
             return self._ms_error(entry, 404, "not found")
         repo = self.owner.ms.get(m.group(1))
-        if repo is None:
+        if repo is None or self._ms_hidden(repo):
             return self._ms_error(entry, 404, f"model {m.group(1)} not found")
         if not self._auth_ms(entry, repo):
             return None
@@ -340,13 +370,15 @@ class _Handler(BaseHTTPRequestHandler):
             return self._ms_error(entry, 404, f"revision {rev} not found")
         if m.group(2) == "repo/files":
             files = [{"Path": p, "Name": p.rsplit("/", 1)[-1], "Type": "blob", "Size": len(d), "Sha256": sha256(d),
-                      "IsLFS": p in repo.lfs, "Revision": commit} for p, d in repo.files.items()]
+                      "IsLFS": p in repo.lfs, "Revision": commit}
+                     for p, d in repo.history.get(commit, repo.files).items()]
             return self._json(entry, 200, {"Code": 200, "Success": True,
                                            "Data": {"Files": files + repo.extra_listing}})
         fpath = q.get("FilePath", "")
-        if fpath not in repo.files:
+        files = repo.history.get(commit, repo.files)
+        if fpath not in files:
             return self._ms_error(entry, 404, f"file {fpath} not found")
-        self._body(entry, fpath, repo.files[fpath], {"Content-Type": "application/octet-stream"})
+        self._body(entry, fpath, files[fpath], {"Content-Type": "application/octet-stream"})
 
 
 def tiny_pipeline_files(weights: int = 300_000) -> dict[str, bytes]:

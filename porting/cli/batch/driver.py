@@ -288,7 +288,7 @@ def summary(runs: list[JobRun], jobs_file: Path, out: Path, executor: str, secon
                 row["dispatch_s"] = rec.get("dispatch_s")  # a slot or resource, the worker handing it over
             if rec["state"] != "done":
                 row.update(exit_code=rec.get("exit_code"), error=rec.get("error"), hint=rec.get("hint"))
-            for k in ("out", "note", "verdict", "produced"):
+            for k in ("out", "note", "verdict", "produced", "pushed"):
                 if rec.get(k) is not None:
                     row[k] = rec[k]
             steps.append(row)
@@ -297,6 +297,7 @@ def summary(runs: list[JobRun], jobs_file: Path, out: Path, executor: str, secon
                      "base": r.job.base, "folder": str(r.layout.root),
                      "state": "failed" if r.failed else "done",
                      "validate_verdict": verdict, "published": r.records.get("publish", {}).get("published"),
+                     "pushed": r.records.get("publish", {}).get("pushed"),
                      "steps": steps})
     counts = {k: sum(1 for j in jobs for s in j["steps"] if s["state"] == k) for k in ("done", "failed", "skipped")}
     return {"format_version": 1, "jobs_file": str(jobs_file), "out": str(out), "executor": executor,

@@ -174,4 +174,33 @@ def load_jobs(path: Path, allowed: dict[str, set[str]]) -> list[Job]:
             raise UsageError(f"{where}: revision must be a string.")
         jobs.append(Job(name=name, source=source, source_kind=kind, base=base, base_kind=base_kind, steps=steps,
                         options=options, files=tuple(files), revision=revision))
+    _check_pushes(path, jobs)
     return jobs
+
+
+def push_repo(job: Job) -> str | None:
+    """The repository a job's publish step pushes to: publish.push with `{job}` replaced by the job's name."""
+    value = job.options.get("publish", {}).get("push")
+    return None if value is None else str(value).replace("{job}", job.name)
+
+
+def _check_pushes(path: Path, jobs: list[Job]) -> None:
+    """publish.push names ORG/NAME for each job, and no two jobs push to one repository."""
+    from porting.errors import InputError
+    from porting.hub.fetch.sources import check_repo_id
+
+    seen: dict[str, str] = {}
+    for job in jobs:
+        repo = push_repo(job)
+        if repo is None:
+            continue
+        try:
+            check_repo_id(repo)
+            bad = f"is also job {seen[repo]}'s repository; each job needs its own" if repo in seen else None
+        except InputError:
+            bad = "is not a repository id of the form ORG/NAME"
+        if bad:
+            raise UsageError(f"{path} ({job.name}): publish.push = {repo!r} {bad}.",
+                             hint='Write "my-org/NAME" in the job, or "my-org/{job}" in [defaults] for one '
+                                  "repository per job.")
+        seen[repo] = job.name

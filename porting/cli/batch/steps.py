@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from porting.finite import dumps
 
-from .jobs import Job
+from .jobs import Job, push_repo
 
 JOURNAL = "journal"
 TEST_CRASH_ENV = "FLUX_PORT_BATCH_TEST_CRASH"  # tests only: "JOB:STEP:MARKER" makes the worker die once
@@ -127,6 +127,8 @@ def publish_calls(job: Job, lay: Layout, opts: dict[str, Any]) -> list[list[str]
         recipe = _recipe(job.source)
         args += [] if "variant" in opts else ["--variant", recipe.variant]
         args += [] if "base-model" in opts else ["--base-model", recipe.base.repo]
+    if "push" in opts:
+        opts = {**opts, "push": push_repo(job)}
     return [args + _force(lay.published) + _opts(opts)]
 
 
@@ -262,9 +264,12 @@ def write_record(lay: Layout, step: str, record: dict[str, Any]) -> None:
 
 def produced(step: str, doc: dict[str, Any], lay: Layout) -> str:
     """The hash a step produced: the weights identity where the verb reports one (convert, validate, publish;
-    porting/tensors/identity.py), else the identity of what it wrote."""
+    porting/tensors/identity.py; validate's with its report's), else the identity of what it wrote."""
     if doc.get("weights_sha256"):
-        return f"{doc['weights_sha256']}:{doc.get('verdict', '')}"
+        key = f"{doc['weights_sha256']}:{doc.get('verdict', '')}"
+        if step == "validate":  # publish carries the report: one made under other options is another input
+            key += ":" + _sha(fingerprint(lay.reports / "report.json"))
+        return key
     out = STEPS[step].out
     target = getattr(lay, out) if out else (lay.root / "finetune", lay.base_dir)
     return _sha([fingerprint(p) for p in (target if isinstance(target, tuple) else (target,))])
@@ -367,6 +372,9 @@ def run_step(task: dict[str, Any]) -> dict[str, Any]:
         record["reasons"] = doc.get("reasons")
     if step == "publish" and code == 0:
         record["published"] = doc.get("out")
+        if doc.get("push"):
+            p = doc["push"]
+            record["pushed"] = f"{p['hub']}:{p['repo']}@{p['revision']}"
     if STEPS[step].out:
         record["out"] = str(getattr(lay, STEPS[step].out))
     write_record(lay, step, record)
