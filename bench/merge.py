@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     reuse = base.is_file() and base.stat().st_size > size and lora.is_file()
     need = (0 if reuse else size) + 1.05 * size
     print(f"flux-port merge benchmark: {args.model} shapes" + (f" cut to {args.blocks} blocks" if args.blocks else "")
-          + ", bf16, {len(shapes)} tensors, {size / 1e9:.2f} GB, "
+          + f", bf16, {len(shapes)} tensors, {size / 1e9:.2f} GB, "
           f"rank-{args.rank} LoRA, in {work} ({free / 1e9:.0f} GB free); load average {load_average()}")
     if free < need:
         print(f"not enough free disk: need {need / 1e9:.1f} GB", file=sys.stderr)
