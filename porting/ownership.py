@@ -1,4 +1,4 @@
-"""Proof that flux-port wrote a folder, file by file.
+"""Proof that flux-port wrote a folder, file by file, or a single file.
 
 An output folder carries `.flux-port-output.json`: the files, links and folders the run wrote (files with their
 sizes), the folder's device and inode, the run's id, and a seal (HMAC-SHA256 under a key that never leaves this
@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from porting._files import parse_json
-from porting.errors import InputError
+from porting.errors import InputError, UsageError
 
 RECORD = ".flux-port-output.json"
 STAGING_MARKER = ".flux-port-staging.json"
@@ -45,58 +45,101 @@ def _state_dirs() -> Iterator[Path]:
     yield Path(tempfile.gettempdir()) / f"flux-port-{os.getuid()}"
 
 
+class SealingKeyError(UsageError):
+    """The per-user sealing key is not what the docs promise, or there is no place to keep one (exit 2)."""
+
+
 def state_folder() -> Path:
     """The folder holding this user's sealing key: the first candidate that holds one, else the first candidate
     (where the next run makes it)."""
     candidates = list(_state_dirs())
-    return next((d for d in candidates if _read_private_key(d / _KEY_NAME) is not None), candidates[0])
+    return next((d for d in candidates if os.path.lexists(d / _KEY_NAME)), candidates[0])
 
 
-def _read_private_key(path: Path) -> bytes | None:
-    """The key, only when it is a plain file of this user's that nobody else can read or write."""
+_REMAKE = ("Remove it (rm {path}) and run again: flux-port makes a new key of 32 random bytes that only you can "
+           "read. Outputs sealed with the old key are then no longer proven flux-port's (--force refuses them).")
+
+
+def _read_key(path: Path) -> bytes | None:
+    """The key at `path`; None when there is no file there. A key that is not a plain file of this user's, of 32
+    bytes, that nobody else can read or write, is refused: never replaced by a throwaway one in silence."""
+    def refuse(why: str) -> SealingKeyError:
+        return SealingKeyError(f"{path}: the sealing key of flux-port's output records {why}; nothing was done.",
+                               hint=_REMAKE.format(path=path))
+
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError:
+    except (FileNotFoundError, NotADirectoryError):
         return None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
-            return None
-        key = f.read()
-    return key if len(key) == 32 else None
+    except OSError as e:
+        if os.path.islink(path):
+            raise refuse("is a symbolic link") from e
+        raise refuse(f"cannot be read ({e.strerror})") from e
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise refuse("is not a plain file")
+        if st.st_uid != os.getuid():
+            raise refuse(f"belongs to another user (uid {st.st_uid})")
+        if st.st_mode & 0o077:
+            raise refuse(f"can be read or written by others (mode {stat.S_IMODE(st.st_mode):o}, must be 600), "
+                         "so anyone who read it can forge records")
+        key = os.read(fd, 33)
+    finally:
+        os.close(fd)
+    if len(key) != 32:
+        raise refuse(f"holds {len(key) if len(key) < 33 else 'more than 32'} bytes, not 32 random bytes")
+    return key
 
 
-def _create_key(folder: Path) -> bytes | None:
+def _create_key(folder: Path) -> bytes | str:
+    """A new key in `folder` (made private), or why none can be kept there."""
     try:
         folder.mkdir(parents=True, exist_ok=True, mode=0o700)
         st = os.lstat(folder)
         if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-            return None
+            return f"{folder} is not a folder of yours"
         path = folder / _KEY_NAME
-        key = _read_private_key(path)
-        if key is not None:
-            return key
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         key = secrets.token_bytes(32)
         with os.fdopen(fd, "wb") as f:
             f.write(key)
         return key
     except FileExistsError:  # another process made it between the read and the create
-        return _read_private_key(folder / _KEY_NAME)
-    except OSError:
-        return None
+        return _read_key(folder / _KEY_NAME) or f"{folder / _KEY_NAME} appeared empty"
+    except OSError as e:
+        return f"{folder}: {e.strerror}"
 
 
-_key_cache: dict[str, bytes] = {}
+_key_cache: dict[str, tuple[Path, bytes]] = {}
+
+
+def _keyed_folder() -> tuple[Path, bytes]:
+    """(state folder, this user's sealing key), the key made on first use in the first folder that can hold one."""
+    cache_id = os.environ.get("FLUX_PORT_STATE_DIR", "")
+    if cache_id not in _key_cache:
+        reasons = []
+        for folder in _state_dirs():
+            key = _read_key(folder / _KEY_NAME)
+            made = key if key is not None else _create_key(folder)
+            if isinstance(made, bytes):
+                _key_cache[cache_id] = (folder, made)
+                break
+            reasons.append(made)
+        else:
+            raise SealingKeyError("flux-port has no place to keep the key that seals its output records ("
+                                  + "; ".join(reasons) + "); nothing was done.",
+                                  hint="Set FLUX_PORT_STATE_DIR to a folder of yours that is writable.")
+    return _key_cache[cache_id]
 
 
 def _key() -> bytes:
-    """This user's sealing key, made on first use; a process-only key when no state folder is writable."""
-    cache_id = os.environ.get("FLUX_PORT_STATE_DIR", "")
-    if cache_id not in _key_cache:
-        key = next((k for k in map(_create_key, _state_dirs()) if k is not None), None)
-        _key_cache[cache_id] = key or secrets.token_bytes(32)
-    return _key_cache[cache_id]
+    return _keyed_folder()[1]
+
+
+def require_key() -> None:
+    """Fail now (exit 2) when no valid sealing key can be had, before a verb starts its work."""
+    _key()
 
 
 def _seal(doc: dict) -> str:
@@ -115,9 +158,8 @@ def _sealed_doc(folder: Path, doc: dict) -> str:
     return json.dumps(doc, indent=2, sort_keys=True) + "\n"
 
 
-def _verified(folder: Path, name: str) -> dict | None:
-    """The record or marker `name` in `folder`, when it was sealed on this machine for this very folder."""
-    path = folder / name
+def _sealed_record(path: Path) -> dict | None:
+    """The JSON document at `path` (a plain file) when its seal verifies under this user's key, else None."""
     try:
         if not stat.S_ISREG(os.lstat(path).st_mode):
             return None
@@ -126,7 +168,13 @@ def _verified(folder: Path, name: str) -> dict | None:
         return None
     if not isinstance(doc, dict) or doc.get("tool") != "flux-port" or not isinstance(doc.get("seal"), str):
         return None
-    if not hmac.compare_digest(doc["seal"], _seal(doc)):
+    return doc if hmac.compare_digest(doc["seal"], _seal(doc)) else None
+
+
+def _verified(folder: Path, name: str) -> dict | None:
+    """The record or marker `name` in `folder`, when it was sealed on this machine for this very folder."""
+    doc = _sealed_record(folder / name)
+    if doc is None:
         return None
     try:
         return doc if doc.get("folder") == _identity(folder) else None
@@ -257,3 +305,62 @@ def _foreign_entry(root: Path, entry: Path, rel: str, owned: dict[str, object]) 
     if inside:
         return inside
     return [] if owned.get(rel) == "dir" or any(entry.iterdir()) else [rel]
+
+
+# --- single files ----------------------------------------------------------------------------------------------------
+# A file a verb writes on its own (`port generate --output X.png`) has no folder to hold a record, so its record is
+# kept in the state folder, beside the key, named by the file's device and inode: `files/DEVICE-INODE.json`, sealed
+# like a folder's, over the file's size, modification time and sha256. A text chunk or a name inside the file proves
+# nothing (anyone can write one); a copy has another inode, an edit another size, time or hash.
+
+_FILES = "files"
+
+
+def _file_facts(path: Path, st: os.stat_result, sha256: str | None = None) -> dict[str, object]:
+    if sha256 is None:
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+        sha256 = digest.hexdigest()
+    return {"device": st.st_dev, "inode": st.st_ino, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+            "sha256": sha256}
+
+
+def _file_record_path(st: os.stat_result) -> Path:
+    return _keyed_folder()[0] / _FILES / f"{st.st_dev}-{st.st_ino}.json"
+
+
+def write_file_record(path: Path, verb: str, destination: Path | None = None, sha256: str | None = None) -> None:
+    """Record the plain file `path`, as it is now, as written by this flux-port run; `destination`: the name it
+    is about to be renamed to (a rename keeps the inode and the modification time); `sha256`: its hash when the
+    caller has just verified it (else it is read once more)."""
+    st = os.lstat(path)
+    doc = {"format_version": RECORD_VERSION, "tool": "flux-port", "verb": verb, "run": RUN_ID,
+           "path": os.path.abspath(destination or path), "file": _file_facts(path, st, sha256)}
+    doc["seal"] = _seal(doc)
+    record = _file_record_path(st)
+    record.parent.mkdir(mode=0o700, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=".record-", dir=record.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+        os.replace(name, record)
+    except BaseException:
+        Path(name).unlink(missing_ok=True)
+        raise
+
+
+def file_is_flux_ports(path: Path) -> bool:
+    """Whether the plain file `path` is, byte for byte and inode for inode, one this machine's flux-port wrote."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    doc = _sealed_record(_file_record_path(st)) if stat.S_ISREG(st.st_mode) else None
+    if doc is None:
+        return False
+    try:
+        return doc.get("file") == _file_facts(path, st)
+    except OSError:
+        return False

@@ -108,20 +108,23 @@ def stage_params(shapes: Iterable[tuple[str, tuple[int, ...]]],
 def check_validate_memory(config: Mapping[str, Any], shapes: Iterable[tuple[str, tuple[int, ...]]], *,
                           resolution: int, text_len: int, batch: int, golden_dtype: str, dtype: str,
                           text_encoders: Sequence[Path] = (), available: int | None = None,
-                          stage_of: Callable[[str], str] | None = None) -> int:
+                          stage_of: Callable[[str], str] | None = None, ranks: int = 1) -> int:
     """`port validate`'s host memory on a CPU reference: the largest stage's weights (streamed), the activations of
     every case in the golden's dtype, and the text encoders in float32 when they encode --prompt (a family's
-    pipeline loads all of its encoders at once: FLUX.1's CLIP and T5 together)."""
+    pipeline loads all of its encoders at once: FLUX.1's CLIP and T5 together); `ranks` such processes on this
+    host (`--devices`), each as large as one."""
     biggest = stage_params(shapes, stage_of)
     weights = biggest * (itemsize(golden_dtype) + 4)  # the stage in the golden's dtype + the tensor read (<= fp32)
     tokens = image_tokens(resolution, resolution) + text_len
     acts = activation_bytes(config, tokens, batch, max(itemsize(golden_dtype), itemsize(dtype), 4))
     encoder = sum(folder_params(folder) * 4 for folder in text_encoders if folder.is_dir())
-    need = MEMORY_OVERHEAD + max(weights + acts, encoder)
+    need = ranks * (MEMORY_OVERHEAD + max(weights + acts, encoder))
     breakdown = (f"largest stage {biggest / 1e6:.1f} M parameters {gib(weights)}, activations of {batch} case(s) x "
                  f"{tokens:,} tokens x hidden {hidden_size(config)} {gib(acts)}"
                  + (f", text encoder(s) in float32 {gib(encoder)}" if encoder else "")
                  + f", interpreter {gib(MEMORY_OVERHEAD)}")
+    if ranks > 1:
+        breakdown = f"{ranks} ranks x ({breakdown})"
     return require_memory(f"validating at --resolution {resolution} --text-len {text_len} with a {golden_dtype} "
                           "golden", need, breakdown, available=available,
                           hint="Lower --resolution, --text-len or the number of --seeds / --timesteps, or run the "
@@ -184,3 +187,129 @@ def check_streamed_export_memory(component: str, folder: Path, *, available: int
     need, breakdown = (estimate or streamed_export_bytes)(folder)
     return require_memory(f"{component}: a streamed export", need, breakdown, available=available,
                           hint="The weights are streamed one tensor at a time; free some memory.")
+
+
+# --- what a config asks to be built --------------------------------------------------------------------------------
+# A model is built from its config.json before any weight is read (diffusers' and transformers' from_pretrained,
+# the hollow builds of port export), so a config asking for 10^12 layers would allocate (or loop) until killed. Its
+# implied size is estimated from the sizing fields first: the parameters of its layers, and the Python objects of
+# their modules, which a tiny hidden size does not make small.
+LAYER_FIELDS = ("num_layers", "num_single_layers", "num_hidden_layers", "num_decoder_layers", "encoder_layers",
+                "decoder_layers")
+MODULE_BYTES = 64 * 2**10  # one block's few dozen nn.Module objects, beyond its parameters
+
+
+def _size_field(config: Mapping[str, Any], name: str) -> int:
+    value = config.get(name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value < 0:
+        return 0
+    return int(min(value, 2**62))
+
+
+def config_size(config: Mapping[str, Any]) -> tuple[int, int]:
+    """(parameters, layers) a component's config implies, an upper-ish estimate: per layer attention and
+    modulation (about 10 x hidden^2) and the MLP (3 x hidden x its width), plus the vocabulary's embedding; a nested
+    `text_config` (multimodal encoders) counts too; a VAE's levels (`block_out_channels`, `layers_per_block`)."""
+    params = layers = 0
+    nested = config.get("text_config")
+    if isinstance(nested, Mapping):
+        params, layers = config_size(nested)
+    hidden = _size_field(config, "hidden_size") or (_size_field(config, "num_attention_heads")
+                                                    * _size_field(config, "attention_head_dim"))
+    ratio = config.get("mlp_ratio")
+    ratio = ratio if isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and 0 < ratio < 1e6 else 4
+    width = _size_field(config, "intermediate_size") or int(hidden * ratio)
+    count = sum(_size_field(config, f) for f in LAYER_FIELDS)
+    params += count * (10 * hidden * hidden + 3 * hidden * width) + _size_field(config, "vocab_size") * hidden
+    channels = config.get("block_out_channels")
+    if isinstance(channels, list):  # a VAE: per level, encoder and decoder, layers_per_block (+1) 3x3 resnets
+        per_level = _size_field(config, "layers_per_block") + 1
+        sizes = [_size_field({"c": c}, "c") for c in channels]
+        params += sum(2 * per_level * 18 * c * c for c in sizes)
+        count += 2 * per_level * len(sizes)
+    return params, layers + count
+
+
+CONFIG_FLOOR_BYTES = 1  # the fewest bytes per parameter any loader keeps (fp8 / int8): this check is a floor
+
+
+def check_config_size(what: str, config: Mapping[str, Any], *, nbytes: int = CONFIG_FLOOR_BYTES,
+                      available: int | None = None) -> int:
+    """Refuse (exit 2, before the model is built) a config whose implied model alone could not fit even at
+    `nbytes` bytes per parameter, with its modules: a config asking for far more than any weights hold. The verb's
+    own estimate (the stored weights in the run's dtype, the interpreter) follows and decides the real runs."""
+    params, layers = config_size(config)
+    need = params * nbytes + layers * MODULE_BYTES
+    fields = ", ".join(f"{f} {config[f]}" for f in LAYER_FIELDS if _size_field(config, f))
+    return require_memory(f"{what}: building the model its config describes ({fields or 'no layer count'})", need,
+                          f"{params / 1e9:.2f} B parameters {gib(params * nbytes)}, {layers:,} layers' modules "
+                          f"{gib(layers * MODULE_BYTES)}", available=available,
+                          hint="The config asks for more than the weights can be: check its layer counts and sizes "
+                               "against the original model's config.json.")
+
+
+def check_component_configs(components: Mapping[str, Path], *, nbytes: int = CONFIG_FLOOR_BYTES,
+                            available: int | None = None) -> None:
+    """`check_config_size` for each component folder's config.json (those without one are left to their loader);
+    `nbytes` 0 for a hollow build (port export: no weight is held, only the modules count)."""
+    from porting._files import read_json_object
+
+    for name, folder in components.items():
+        path = Path(folder) / "config.json"
+        if path.is_file():
+            check_config_size(f"{path} ({name})", read_json_object(path, f"the {name}'s config"), nbytes=nbytes,
+                              available=available)
+
+
+def check_device_count(option: str, devices: int, stages: int) -> None:
+    """Refuse (exit 2, before any rank starts) more devices than the model has pipeline stages."""
+    if devices > stages:
+        raise ResourceError(f"{option}: {devices:,} devices for a model of {stages} stages; each device needs at "
+                            "least one stage, and no rank was started.", hint=f"Use at most {stages} devices.")
+
+
+def check_ranks_memory(option: str, ranks: int, per_rank: int, breakdown: str, *,
+                       available: int | None = None) -> int:
+    """Refuse `ranks` processes on this host (validate's ranks, batch's workers) whose memory, each `per_rank`
+    bytes, would not fit together."""
+    return require_memory(f"{option}: {ranks:,} processes on this host", ranks * per_rank,
+                          f"{ranks} x ({breakdown})", available=available,
+                          hint=f"Give {option} fewer, or spread the work over several hosts.")
+
+
+# the example inputs of a static-shape export (port export --target ryzenai): drawn in float32, then cast (two
+# copies), with int64 position ids (4 per token)
+EXAMPLE_COPIES, ID_BYTES_PER_TOKEN = 2, 4 * 8
+
+
+def check_static_inputs_memory(sizes: Sequence[int], text_len: int, config: Mapping[str, Any], *,
+                               latent_channels: int = 32, available: int | None = None) -> int:
+    """Refuse (exit 2, before any tracing) static shapes whose example inputs would not fit: per --size the
+    transformer's image tokens (size / 16)^2 x in_channels and the VAE decoder's latents (size / 8)^2 x channels,
+    and --text-len tokens x joint_attention_dim."""
+    in_ch, joint = _size_field(config, "in_channels"), _size_field(config, "joint_attention_dim")
+    worst = max(sizes)
+    tokens = (worst // 16) ** 2
+    image = tokens * (in_ch * 4 * EXAMPLE_COPIES + ID_BYTES_PER_TOKEN)
+    latents = (worst // 8) ** 2 * latent_channels * 4 * EXAMPLE_COPIES
+    text = text_len * (joint * 4 * EXAMPLE_COPIES + ID_BYTES_PER_TOKEN)
+    need = MEMORY_OVERHEAD + max(image, latents) + text
+    return require_memory(f"exporting static shapes at --size {worst} --text-len {text_len}", need,
+                          f"{tokens:,} image tokens x {in_ch} channels {gib(image)}, VAE latents {gib(latents)}, "
+                          f"{text_len:,} text tokens x {joint} {gib(text)}, interpreter {gib(MEMORY_OVERHEAD)}",
+                          available=available, hint="Use a smaller --size or --text-len (the defaults are what "
+                                                    "the Ryzen AI flow runs).")
+
+
+def check_compare_batch(prompts: int, width: int, height: int, text_dim: int, *, grid_cell: int = 256,
+                        available: int | None = None) -> int:
+    """`port compare` holds, for every prompt at once, its text embedding (TEXT_TOKENS x `text_dim` in float32),
+    both rendered images (RGB bytes) and a grid row of three cells: refuse (exit 2, before any encoding) a prompt
+    count whose total would not fit."""
+    per_prompt = TEXT_TOKENS * text_dim * 4 + 2 * width * height * 3 + grid_cell * (3 * grid_cell) * 3
+    need = MEMORY_OVERHEAD + prompts * per_prompt
+    return require_memory(f"comparing {prompts:,} prompt(s) at {width}x{height}", need,
+                          f"{prompts:,} x (text embedding {gib(TEXT_TOKENS * text_dim * 4)}, two images "
+                          f"{gib(2 * width * height * 3)}, a grid row), interpreter {gib(MEMORY_OVERHEAD)}",
+                          available=available, hint="Compare fewer prompts per run (--prompts FILE with fewer "
+                                                    "lines), or a smaller --size.")

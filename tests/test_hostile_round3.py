@@ -130,3 +130,35 @@ def test_a_reserved_job_name_is_refused_as_reserved(tmp_path):
     jobs.write_text('[[job]]\nname = "_batch"\nsource = "x.safetensors"\n')
     with pytest.raises(UsageError, match="reserved"):
         load_jobs(jobs, {})
+
+
+def _halves_broken(naming: str, change):
+    def apply(t):
+        key = next(k for k in sorted(t) if k.endswith(change[0]))
+        change[1](t, key)
+    return apply
+
+
+@pytest.mark.parametrize("naming, suffix, damage, phrase", [
+    # a LoKr half that does not chain with its partner (w2_a [rows, 2] against a w2_b of 3 rows)
+    ("lycoris-lokr", "lokr_w2_b", lambda t, k: t.__setitem__(k, torch.cat([t[k], t[k][:1]]).contiguous()),
+     "do not chain"),
+    ("bfl-lokr", "lokr_w2_a", lambda t, k: t.__setitem__(k, t[k][:, 0].contiguous()), "do not chain"),  # 1-D half
+    # a LoKr factor given whole and as halves: mismatched parts
+    ("lycoris-lokr", "lokr_w2_a", lambda t, k: t.__setitem__(k.replace("w2_a", "w2"), torch.ones(2, 2)),
+     "both whole"),
+    # LoHa: halves that chain but whose two products disagree
+    ("kohya-loha", "hada_w2_b", lambda t, k: t.__setitem__(k, t[k][:, :-1].contiguous()), "do not match"),
+])
+@pytest.mark.parametrize("verb", ["convert", "merge"])
+def test_lycoris_factors_that_do_not_chain_are_refused_at_read(base, tiny2_file, tmp_path, capsys, naming, suffix,
+                                                               damage, phrase, verb):
+    adapter, _ = adapter_for(tmp_path / "a.safetensors", BY_NAME[naming], base, seed=1)
+    bad = _rewritten(adapter, tmp_path / "bad.safetensors", _halves_broken(naming, (suffix, damage)))
+    out = tmp_path / "out"
+    run = (_merge(capsys, tiny2_file, bad, out) if verb == "merge" else
+           run_port(capsys, "convert", bad, "--out", out, "--json"))
+    assert run.code == 2, run.err
+    error = json.loads(run.out)["error"]
+    assert phrase in error and str(bad) in error, error
+    assert leftovers(out) == []

@@ -149,7 +149,7 @@ def test_unavailable_npus_are_refused_with_exit_2(converted, tmp_path, capsys):
     assert "Traceback" not in run.err and not (tmp_path / "r").exists()
 
 
-@pytest.mark.parametrize("extra,expected", [(["--device", "cpu", "--runtime", "onnxruntime"], "--runtime"),
+@pytest.mark.parametrize("extra,expected", [(["--runtime", "onnxruntime"], "--runtime"),
                                             (["--reference", "cuda"], "--reference"),
                                             (["--dtype", "fp32", "--golden-dtype", "fp32"], "one computation")])
 def test_options_that_do_not_fit_a_pipeline_are_refused(converted, tmp_path, capsys, extra, expected):

@@ -589,7 +589,7 @@ def validate_pipeline(model: str | Path, *, devices: str | Sequence[str], dtype:
     `device_weight_transform` and `prepare_device_model` must be picklable (module-level functions or partials of
     them) to reach spawned ranks."""
     from porting.outputs import check_output
-    from porting.resources import check_validate_memory
+    from porting.resources import MEMORY_OVERHEAD, check_device_count, check_ranks_memory, check_validate_memory, gib
 
     from .checks import check_not_one_computation
     from .verdict import _dtype
@@ -617,11 +617,15 @@ def validate_pipeline(model: str | Path, *, devices: str | Sequence[str], dtype:
     if out is not None and rank == 0:
         check_output(Path(out), verb="validate", replace="owned", inputs=read_paths)
     source = WeightSource(model, config)
-    if reference == "cpu" or kind == "cpu":
+    world_size = int(os.environ["WORLD_SIZE"]) if torchrun else len(specs)  # torchrun: every host's ranks
+    check_device_count(OPTION, world_size, source.stage_count())  # before any rank starts (or joins)
+    if reference == "cpu" or kind == "cpu":  # every rank of this host computes its golden on the host
         check_validate_memory(source.config, [(k, shape) for k, shape, _ in source.plan.outputs()],
                               resolution=resolution, text_len=text_len, batch=len(seeds) * len(timesteps),
                               golden_dtype=golden_dtype, dtype=dtype, text_encoders=source.text_encoders(base, prompt),
-                              stage_of=source.stage_of)
+                              stage_of=source.stage_of, ranks=len(specs))
+    else:
+        check_ranks_memory(OPTION, len(specs), MEMORY_OVERHEAD, f"interpreter {gib(MEMORY_OVERHEAD)}")
     job = Job(model=str(model), devices=[str(s) for s in specs], backend=backend, dtype=dtype,
               golden_dtype=golden_dtype, reference=reference, out=str(out) if out is not None else None,
               resolution=resolution, text_len=text_len, timesteps=list(timesteps), seeds=list(seeds),

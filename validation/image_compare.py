@@ -43,6 +43,7 @@ from porting.pipeline.generate import (
     resolve_device,
 )
 from porting.reports import REPORTS, prepare_run_folder, run_folder
+from porting.resources import check_compare_batch
 
 from . import image_metrics as im
 
@@ -398,6 +399,7 @@ def compare(reference: Side, candidate: Side, *, prompts: Sequence[str] | None =
         raise InputError(f"the transformers take different text embeddings (joint_attention_dim {dims[0]} in "
                          f"{ref.transformer}, {dims[1]} in {cand.transformer}).",
                          hint="Both sides share the reference's text encoder: compare models of one family and size.")
+    check_compare_batch(len(prompts), width, height, int(dims[0] or 0), grid_cell=GRID_TILE)
     out = Path(out) if out is not None else default_out(candidate)
     read_paths = {"reference": reference.folder, "candidate": candidate.folder,
                   "reference transformer": reference.transformer, "candidate transformer": candidate.transformer,

@@ -65,6 +65,10 @@ class WeightSource:
                 return m.group(0).rstrip(".")
         return "other"
 
+    def stage_count(self) -> int:
+        """The pipeline stages the staged runner makes of these weights: one per block, plus embed and final."""
+        return len({self.stage_of(k) for k in self.keys()} - {"other"}) + 2
+
     def text_encoders(self, base: Path | None, prompt: str | None) -> list[Path]:
         """The base's text encoder folders a --prompt is encoded with (none without a prompt)."""
         if base is None or not prompt:

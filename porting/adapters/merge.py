@@ -468,12 +468,14 @@ def merge(base: SourceLike, adapters: list[tuple[SourceLike, float]], out: str |
           max_shard_size: str | int | None = None, force: bool = False, dry_run: bool = False,
           on_start: Callable[[int], None] | None = None,
           on_bytes: Callable[[int], None] | None = None,
-          on_notice: Callable[[str], None] | None = None, skip: Sequence[str] = ()) -> ConvertResult:
+          on_notice: Callable[[str], None] | None = None, skip: Sequence[str] = (),
+          max_error: float | None = None, requantize: bool = False) -> ConvertResult:
     """Merge `adapters` [(file, strength)] into `base`; write it in the base's naming, or `to`. Each is a path or its
     opened `Source`; the base's is the one `Checkpoint` placement checks and the writer reads.
 
     `skip`: glob patterns of adapter keys to drop on purpose (a dev LoRA's `guidance_in.*` on a klein base); what
-    they drop is listed in the result and the manifest, never silently.
+    they drop is listed in the result and the manifest, never silently. `max_error`, `requantize`: for a Nunchaku
+    SVDQuant base (`svdq_merge.py`).
     """
     for path, strength in adapters:
         check_number(float(strength), "strength", shown(path))
@@ -501,6 +503,16 @@ def merge(base: SourceLike, adapters: list[tuple[SourceLike, float]], out: str |
     merged: list[dict[str, Any]] = [
         {"adapter": str(Path(a.path).resolve()), "strength": s, "format": a.format, "naming": a.naming,
          "modules": len(a.modules), "kinds": a.kinds, "skipped": skipped[str(a.path)]} for a, s in read]
+    from . import svdq_merge
+
+    if svdq_merge.svdq_info(ckpt) is not None:
+        return svdq_merge.merge_svdq(source, read, placement, lambda part, key: _Delta(part, key).whole(), merged, out,
+                                     to=to, max_shard_size=max_shard_size,
+                                     force=force, dry_run=dry_run, max_error=max_error, requantize=requantize,
+                                     on_start=on_start, on_bytes=on_bytes)
+    if requantize or max_error is not None:
+        raise UsageError(f"{'--requantize' if requantize else '--max-error'} applies to Nunchaku SVDQuant bases; "
+                         f"{shown(base)} is not one.", hint="Leave the option out.")
     result = convert(source, out, to=to or detection.naming, strict=True, max_shard_size=max_shard_size,
                      dry_run=dry_run, force=force, on_start=on_start, on_bytes=on_bytes,
                      tensors=placement.tensors,

@@ -235,12 +235,40 @@ def _check_numbers(ckpt: Checkpoint, m: ModuleAdapter, path: Path) -> None:
             raise InputError(f"{path}: {m.kind} factor {key!r} is stored as {info.dtype}; adapter factors are "
                              f"floating-point ({', '.join(FLOAT_DTYPES)}). Nothing was written.",
                              hint="An integer or boolean factor is not a trained weight; export the adapter again.")
+    if m.kind in ("lokr", "loha"):
+        _check_halves(ckpt, m, path)
     if m.kind == "lora":
         down, up = ckpt.tensors[m.keys["down"]], ckpt.tensors[m.keys["up"]]
         if len(down.shape) != 2 or len(up.shape) != 2 or down.shape[0] != up.shape[1]:
             raise InputError(f"{path}: LoRA factors of {m.param} do not chain: {m.keys['down']!r} "
                              f"{list(down.shape)} and {m.keys['up']!r} {list(up.shape)} (down is [rank, in], up "
                              "[out, rank]). Nothing was written.", hint="The adapter is damaged; export it again.")
+
+
+def _check_halves(ckpt: Checkpoint, m: ModuleAdapter, path: Path) -> None:
+    """A LoKr or LoHa factor stored as halves (X_a [rows, rank] @ X_b [rank, cols]) must chain, a LoKr factor is
+    given once (whole or as halves, not both), and LoHa's two products must have one shape: anything else is
+    refused by key at read time (merge and adapter convert alike), not written out for merge to refuse later."""
+    kind = "LoKr" if m.kind == "lokr" else "LoHa"
+    shapes = {}
+    for name in ("w1", "w2"):
+        a, b = m.keys.get(f"{name}_a"), m.keys.get(f"{name}_b")
+        if name in m.keys and (a or b):
+            raise InputError(f"{path}: {kind} factor {name} of {m.param} is given both whole ({m.keys[name]!r}) and "
+                             f"as halves ({a or b!r}); which one applies is unknown. Nothing was written.",
+                             hint="The adapter is damaged; export it again.")
+        if a is None or b is None:
+            continue
+        sa, sb = ckpt.tensors[a].shape, ckpt.tensors[b].shape
+        if len(sa) != 2 or len(sb) != 2 or sa[1] != sb[0]:
+            raise InputError(f"{path}: {kind} factors of {m.param} do not chain: {a!r} {list(sa)} and {b!r} "
+                             f"{list(sb)} ({name}_a is [rows, rank], {name}_b [rank, cols]). Nothing was written.",
+                             hint="The adapter is damaged; export it again.")
+        shapes[name] = (sa[0], sb[1])
+    if m.kind == "loha" and len(shapes) == 2 and shapes["w1"] != shapes["w2"]:
+        raise InputError(f"{path}: LoHa halves of {m.param} do not match: w1_a @ w1_b is {list(shapes['w1'])}, "
+                         f"w2_a @ w2_b {list(shapes['w2'])} (their elementwise product needs one shape). Nothing "
+                         "was written.", hint="The adapter is damaged; export it again.")
 
 
 def _best_table(keys: list[str], prefer: str | None = None) -> ModuleIndex:

@@ -42,14 +42,27 @@ def batch(
                                                     "at a time (default: one per device).")] = None,
     max_retries: Annotated[int, typer.Option("--max-retries", min=0, max=20, help="Ray: retries of a step whose "
                                              "worker died.")] = 3,
+    connect_timeout: Annotated[float, typer.Option("--connect-timeout", min=0.1, max=3600.0, help="Ray: seconds to "
+                                                   "wait for the cluster at --address (or RAY_ADDRESS) to answer "
+                                                   "before giving up with exit 2.")] = 30.0,
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
     """Run fetch / convert / validate / publish / compare / export for many models; a rerun redoes nothing
     finished."""
-    from .batch.driver import JobRun, Progress, local_paths, markdown, ray_missing, run_local, run_ray, summary
+    from .batch.driver import (
+        JobRun,
+        Progress,
+        check_ray_address,
+        local_paths,
+        markdown,
+        ray_missing,
+        run_local,
+        run_ray,
+        summary,
+    )
     from .batch.jobs import load_jobs
-    from .batch.steps import allowed_options
+    from .batch.steps import allowed_options, check_job_options
 
     output = _output.use(json_mode=json_, quiet=quiet)
     if executor == Executor.ray:
@@ -60,6 +73,14 @@ def batch(
     elif address is not None:
         raise UsageError("--address applies to --executor ray.")
     jobs = load_jobs(jobs_file, allowed_options())
+    check_job_options(jobs, jobs_file)  # every value as its verb's command line takes it, before anything exists
+    if executor == Executor.ray:
+        check_ray_address(address, connect_timeout)
+    elif parallel is not None:  # each worker is an interpreter with torch: they must fit together
+        from porting.resources import MEMORY_OVERHEAD, check_ranks_memory, gib
+
+        check_ranks_memory("--parallel", min(parallel, len(jobs)), MEMORY_OVERHEAD,
+                           f"a worker interpreter {gib(MEMORY_OVERHEAD)}")
     out = Path(os.path.abspath(out))
     from porting.outputs import check_disjoint, check_writable_parent
 

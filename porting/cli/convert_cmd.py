@@ -38,6 +38,7 @@ Examples:
   port convert ft.safetensors --dry-run --json
   port convert klein-fp8_scaled.safetensors --out ./transformer      (dequantized to bf16)
   port convert ./transformer --to original --quantize gguf-q8_0 --out ./gguf
+  port convert ft.safetensors --quantize svdq-int4 --rank 32 --out ./nunchaku   (data-free Nunchaku SVDQuant)
   port convert flux2-klein-9b-true-v1          (a recipe fetched with port fetch: finetune/ -> transformer/)
   port convert my-lora.safetensors --out ./lora            (an adapter: diffusers / peft naming)
   port convert ./lora/pytorch_lora_weights.safetensors --to original --lora-style kohya --out ./comfy
@@ -48,6 +49,8 @@ class QuantizeChoice(str, Enum):
     fp8_scaled = "fp8-scaled"
     gguf_q8_0 = "gguf-q8_0"
     gguf_q4_0 = "gguf-q4_0"
+    svdq_int4 = "svdq-int4"
+    svdq_nvfp4 = "svdq-nvfp4"
 
 
 class LoraStyle(str, Enum):
@@ -90,6 +93,21 @@ def summary_table(result: ConvertResult) -> Table:
     return table
 
 
+def svdq_table(doc: dict) -> Table:
+    """Per layer kind: the file's weight error and plain 4-bit rounding's (same group size, no branch)."""
+    group = 64 if doc["precision"] == "int4" else 16
+    table = Table(title=f"SVDQuant {doc['precision']} rank {doc['rank']}: weight error (relative L2) vs plain "
+                        f"{doc['precision']} g{group} rounding")
+    for column in ("weights", "layer", "tensors", "SVDQuant", "plain 4-bit"):
+        table.add_column(column)
+    for kind, row in doc["quality"].items():
+        table.add_row(kind, row["layer"], str(row["tensors"]), f"{100 * row['rel_error']:.2f} %",
+                      f"{100 * row['plain_rel_error']:.2f} %")
+    table.add_row("file size", "", "", f"{doc['file_bytes'] / 1e9:.3f} GB",
+                  f"bf16 {doc['bf16_bytes'] / 1e9:.3f} GB ({doc['file_bytes'] / max(doc['bf16_bytes'], 1):.1%})")
+    return table
+
+
 def convert(
     src: Annotated[Path, typer.Argument(help="Checkpoint: .safetensors file, sharded folder, diffusers folder, or a "
                                         "recipe name in the workspace.")],
@@ -107,7 +125,16 @@ def convert(
     quantize: Annotated[Optional[QuantizeChoice], typer.Option(
         "--quantize", help="With --to original: write one quantized file for ComfyUI (fp8-scaled) or "
                            "ComfyUI-GGUF / llama.cpp-style runtimes (gguf-q8_0, gguf-q4_0), reread and "
-                           "report its error.")] = None,
+                           "report its error. svdq-int4 / svdq-nvfp4: one Nunchaku SVDQuant file (its own "
+                           "naming, no --to), data-free, with the error per layer kind against plain 4-bit "
+                           "rounding.")] = None,
+    rank: Annotated[Optional[int], typer.Option("--rank", help="--quantize svdq-*: rank of the low-rank branch "
+                                                "(default 32, as Nunchaku's files).")] = None,
+    calibrate: Annotated[Optional[Path], typer.Option(
+        "--calibrate", help="--quantize svdq-*: a base pipeline folder (text encoder, VAE) to run SRC, a diffusers "
+                            "transformer folder, in on a few prompts; its per-channel input maxima set the "
+                            "smoothing (default: data-free).")] = None,
+    device: Annotated[str, typer.Option("--device", help="--calibrate: where the bf16 model runs.")] = "cpu",
     lora_style: Annotated[Optional[LoraStyle], typer.Option("--lora-style", help="Adapters with --to original: "
                                                             "BFL (diffusion_model.*.lora_A) or kohya keys.")] = None,
     materialise: Annotated[bool, typer.Option("--materialise", help="Adapters: write the exact delta of modules "
@@ -147,7 +174,25 @@ def convert(
                          hint=f"Leave {flag} out to convert the weights.")
     if out is None and not dry_run:
         raise PortError("port convert needs --out DIR (or --dry-run to only print the plan).")
-    if quantize is not None and to != Direction.original:
+    svdq = quantize is not None and quantize.value.startswith("svdq-")
+    for flag, given in (("--rank", rank is not None), ("--calibrate", calibrate is not None),
+                        ("--device", device != "cpu")):
+        if given and not svdq:
+            raise UsageError(f"{flag} applies to --quantize svdq-int4 / svdq-nvfp4 only.",
+                             hint=f"Leave {flag} out, or add --quantize svdq-int4.")
+    if device != "cpu" and calibrate is None:
+        raise UsageError("--device says where --calibrate runs the model; without --calibrate nothing runs.")
+    if svdq:
+        if to != Direction.diffusers:
+            raise UsageError(f"--quantize {quantize.value} writes Nunchaku's own layer names; --to does not apply.",
+                             hint=f"port convert {src} --quantize {quantize.value} --out DIR")
+        if dtype != DtypeChoice.keep:
+            raise UsageError(f"--quantize {quantize.value} writes 4-bit layers and bf16 for the rest; --dtype does "
+                             "not apply.")
+        from porting.engine.svdq_convert import check_rank
+
+        check_rank(32 if rank is None else rank)
+    elif quantize is not None and to != Direction.original:
         raise UsageError(f"--quantize {quantize.value} writes original (BFL) naming for ComfyUI-style loaders; it "
                          "needs --to original.",
                          hint=f"port convert {src} --to original --quantize {quantize.value} "
@@ -155,7 +200,22 @@ def convert(
     from porting.engine.convert import convert as run_convert
 
     with output.bytes_progress("converting") as (on_start, on_bytes):
-        if quantize is not None and dry_run:  # the plan of the original-naming weights, and the file it would be
+        if svdq and not dry_run:
+            from porting.engine.svdq_convert import convert_svdquant
+
+            result = convert_svdquant(source, out, quantize.value, rank=32 if rank is None else rank, config=config,
+                                      strict=strict, force=force, on_start=on_start, on_bytes=on_bytes,
+                                      calibrate=calibrate, device=device)
+        elif svdq:
+            result = run_convert(source, None, to="diffusers", config=config, strict=strict, dry_run=True,
+                                 on_notice=output.warning)
+            from porting.engine.svdq_convert import PRECISIONS
+            from porting.tensors.quant.svdq_layout import file_name
+
+            r = 32 if rank is None else rank
+            result.extra.update(quantize_to=f"Nunchaku SVDQuant ({quantize.value}, rank {r})",
+                                planned_files=[file_name(PRECISIONS[quantize.value], r, source.path)])
+        elif quantize is not None and dry_run:  # the plan of the original-naming weights, and the file it would be
             from porting.engine.quantize import TARGETS
 
             result = run_convert(source, None, to="original", dtype=dtype.value, config=config, strict=strict,
@@ -175,8 +235,10 @@ def convert(
         from porting.hub.workspace import record_step
         record_step(recipe, "convert", result.to_dict())
     output.document(result.to_dict())
-    if not output.json_mode:  # the table (and rich) only for a reader
+    if not output.json_mode:  # the tables (and rich) only for a reader
         output.table(summary_table(result))
+        if result.extra.get("svdq"):
+            output.table(svdq_table(result.extra["svdq"]))
     if not result.plan.ok:
         for row in result.plan.problems()[:20]:
             output.warning(f"{row['kind']}: {row['key']}")

@@ -99,6 +99,13 @@ def inspect(path: Annotated[Path, typer.Argument(
                                       f"{details['w4a16_layers']} W4A16 (AWQ int4), "
                                       f"{details['plain_16bit_linears']} 16-bit linear(s)")
             table.add_row("  names", f"{details['family']}, {details['spelling']} spelling")
+            made = details.get("written_by")
+            if made:
+                table.add_row("  written by", f"{made.get('tool', '?')} {made.get('version', '')}: "
+                                              f"{made.get('smoothing', '')}")
+            for merged in details.get("merged_adapters", []):
+                table.add_row("  merged", f"{merged.get('adapter', '?')} x{merged.get('strength', 1)} "
+                                          f"({merged.get('format', '?')}, {merged.get('modules', '?')} module(s))")
         table.add_row("  convert", "writes the dequantized weights (bf16 unless --dtype says otherwise)")
     if info["spelling"]:
         old, new = info["spelling"]["example"]

@@ -18,6 +18,7 @@ Examples:
   port merge flux-2-klein-9b.safetensors style.safetensors:0.8 detail.safetensors:0.5 --out ./merged
   port merge flux-2-klein-9b.safetensors style.safetensors --out ./transformer --to diffusers
   port merge flux-2-klein-9b.safetensors dev-lora.safetensors --skip 'guidance_in*' --out ./merged
+  port merge svdq-int4_r32-klein.safetensors style.safetensors --out ./merged   (onto the low-rank branch)
 """
 
 
@@ -42,6 +43,12 @@ def merge(
     skip: Annotated[Optional[list[str]], typer.Option(
         "--skip", help="Drop adapter keys matching this glob on purpose (repeatable), e.g. 'guidance_in*' of a dev "
                        "LoRA on a klein base; what is dropped is listed and recorded in the manifest.")] = None,
+    max_error: Annotated[Optional[float], typer.Option(
+        "--max-error", help="SVDQuant base: largest relative error of the truncated SVD that turns a LoKr, LoHa or "
+                            "full delta into low-rank factors (default 0.001; LoRAs are appended exactly).")] = None,
+    requantize: Annotated[bool, typer.Option(
+        "--requantize", help="SVDQuant base: fold the deltas into the weights and quantize again at the base's "
+                             "rank, instead of appending them to the low-rank branch.")] = False,
     force: ForceOpt = False,
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -65,10 +72,20 @@ def merge(
         result = run_merge(source, specs, out, to=None if to == MergeTarget.keep else to.value,
                            max_shard_size=max_shard_size, force=force, dry_run=dry_run,
                            on_start=on_start, on_bytes=on_bytes, on_notice=output.warning,
-                           skip=skip or ())
+                           skip=skip or (), max_error=max_error, requantize=requantize)
     doc = {**result.to_dict(), "adapters": [{"path": str(p), "strength": s} for p, s in specs]}
     output.document(doc)
     output.table(summary_table(result))
+    svdq = result.extra.get("svdq_merge")
+    if svdq:
+        output.status(f"SVDQuant branch: rank {svdq['base_rank']} -> {svdq['rank']} ({svdq['layers_extended']} "
+                      f"layer(s) extended, every other layer padded with zeros)")
+        for row in svdq["factorised"]:
+            output.status(f"  {row['layer']}: delta factorised at rank {row['rank']}, relative error "
+                          f"{row['rel_error']:.2e}")
+        for layer in svdq["requantized"]:
+            output.warning(f"{layer} is a W4A16 layer (no low-rank branch): its delta was folded in and that layer "
+                           "quantized again")
     effect = result.extra.get("adapter_effect")
     if effect:
         from porting.adapters.effect import summary_lines

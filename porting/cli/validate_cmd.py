@@ -36,8 +36,9 @@ Examples:
 def validate(
     model: Annotated[Path, typer.Argument(help="Converted diffusers transformer folder, an original-naming file, or a "
                                           "recipe name in the workspace.")],
-    device: Annotated[str, typer.Option(
-        "--device", help="Device under test: cpu, cuda[:N], npu[:N], mps, xpu[:N].")] = "cpu",
+    device: Annotated[Optional[str], typer.Option(
+        "--device", help="Device under test: cpu, cuda[:N], npu[:N], mps, xpu[:N] (default cpu; not with "
+                         "--devices).")] = None,
     devices: Annotated[Optional[str], typer.Option(
         "--devices", help="Two or more devices of one type (cuda:0,cuda:1; npu:0,npu:1; cpu,cpu): the staged run "
                           "split as pipeline stages over them (torch.distributed; spawned here, or one rank per "
@@ -92,7 +93,11 @@ def validate(
     from validation.report import terminal_table
 
     if devices is not None:
+        if device is not None:
+            raise UsageError(f"--devices {devices} with --device {device}: give the devices once, in --devices "
+                             "(several) or --device (one).")
         parse_devices(devices)  # a malformed list is refused (exit 2, naming --devices) before any work
+    device = device or "cpu"
     if svdq_compute is not None and (devices is not None or runtime != "torch"):  # before any rank is spawned
         raise UsageError("--svdq-compute runs the packed linears in the torch staged runner on one device; drop "
                          "--devices / --runtime onnxruntime, or --svdq-compute.")

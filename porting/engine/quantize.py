@@ -18,7 +18,7 @@ import torch
 from porting import __version__
 from porting.errors import CheckFailed, PortError
 from porting.finite import check_tensor, dumps, peak
-from porting.inputs import SourceLike, open_source
+from porting.inputs import Source, SourceLike, open_source
 from porting.outputs import atomic_folder, check_output
 from porting.tensors.checkpoint import Checkpoint
 
@@ -94,6 +94,14 @@ def reread_error(path: Path, ckpt: Checkpoint, plan: Plan, kinds: Mapping[str, s
             "by_kind": per_kind, "worst_rel_l2": worst[0], "worst_key": worst[1]}
 
 
+def write_manifest(staging: Path, manifest: dict[str, Any], ckpt: Checkpoint, source: Source) -> None:
+    """The manifest of a quantized output, once the file is written; the source must not have changed meanwhile."""
+    if ckpt.quantization:
+        manifest["dequantized_from"] = ckpt.quantization.label
+    (staging / MANIFEST).write_text(dumps(manifest, indent=2) + "\n")
+    source.check_unchanged()
+
+
 def _sha256(path: Path) -> str:
     """The written file's sha256 (a quantized file has no plain weights to hash as convert does)."""
     h = hashlib.sha256()
@@ -154,10 +162,7 @@ def convert_quantized(src: SourceLike, out: str | Path, quantize: str, dtype: st
             "tensors": len(specs), "files": [name],
             "config": detection.config, **extra,
         }
-        if ckpt.quantization:
-            manifest["dequantized_from"] = ckpt.quantization.label
-        (staging / MANIFEST).write_text(dumps(manifest, indent=2) + "\n")
-        source.check_unchanged()
+        write_manifest(staging, manifest, ckpt, source)
     if on_bytes:
         on_bytes(plan.output_bytes)
     quant = ckpt.quantization.to_dict() if ckpt.quantization else None

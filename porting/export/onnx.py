@@ -28,7 +28,13 @@ from porting.finite import dumps
 from porting.inputs import open_source
 from porting.outputs import atomic_folder, check_output
 from porting.paths import files_within, link_roots
-from porting.resources import MEMORY_OVERHEAD, check_streamed_export_memory, require_memory
+from porting.resources import (
+    MEMORY_OVERHEAD,
+    check_component_configs,
+    check_static_inputs_memory,
+    check_streamed_export_memory,
+    require_memory,
+)
 
 from . import identity
 from .onnx_components import ExportSpec, Traceable, gib, nbytes
@@ -271,6 +277,7 @@ def _selected(folder: Path, components: Sequence[str] | None) -> tuple[Layout, l
     if missing:
         raise InputError(f"{folder}: no {', '.join(spec.components[c].source + '/' for c in missing)} folder to "
                          f"export {', '.join(missing)} from.")
+    check_component_configs({c: sources[c] for c in wanted}, nbytes=0)  # hollow builds: the modules only
     params = {c: spec.components[c].count_params(sources[c]) for c in wanted}
     return layout, wanted, params
 
@@ -435,6 +442,10 @@ def _export_ryzenai(folder: Path, out: Path, *, opset: int, components: Sequence
     require("onnxruntime")  # the int4 quantizer
     layout, wanted, params = _selected(folder, components)
     sources, kind = layout.sources, layout.kind
+    if "transformer" in sources:
+        check_static_inputs_memory(profile.sizes, profile.text_len,
+                                   read_config(sources["transformer"] / "config.json", "the transformer's config"),
+                                   available=available_bytes)
     from .streamed_text import streamed_text_encoder_bytes
 
     for c in wanted:  # every component is traced hollow and its weights streamed tensor by tensor: the estimate is

@@ -31,6 +31,7 @@ from porting.outputs import (
     umask,
     write_error,
 )
+from porting.ownership import file_is_flux_ports, require_key, write_file_record
 from porting.paths import check_component_names
 from porting.progress import debug
 
@@ -233,33 +234,24 @@ def load_pipeline(folder: Path, device: torch.device, dtype: torch.dtype, cpu_of
     return pipe
 
 
-PNG_SOFTWARE = "flux-port"  # the PNG text chunk that marks an image as written by flux-port
-
-
-def written_by_flux_port(path: Path) -> bool:
-    from PIL import Image
-
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            with Image.open(path) as image:
-                return image.format == "PNG" and image.info.get("Software") == PNG_SOFTWARE
-    except (OSError, ValueError, Image.DecompressionBombError):
-        return False  # not a PNG flux-port wrote (a bomb never is)
+PNG_SOFTWARE = "flux-port"  # a courtesy text chunk naming the tool; it proves nothing (anyone can write one)
 
 
 def check_image_replaceable(output: Path, force: bool = False) -> None:
-    """An existing --output is replaced only with --force, and only when it is a PNG flux-port wrote (never a
-    user's file or a link)."""
+    """An existing --output is replaced only with --force, and only when the sealed record of this machine's
+    flux-port proves it wrote that very file (docs/outputs.md); never a user's file or a link."""
     check_writable_parent(output)
+    require_key()
     if output.is_symlink() or (output.exists() and not output.is_file()):
         raise UnsafeOutputError(f"--output {output}: exists and is not a plain file; flux-port will not replace it.",
                                 hint="Choose another --output.")
     if not output.exists():
         return
-    if not written_by_flux_port(output):
-        raise UnsafeOutputError(f"--output {output}: the file exists and was not written by flux-port; "
-                                "nothing was changed.", hint="Choose another --output, or move that file away.")
+    if not file_is_flux_ports(output):
+        raise UnsafeOutputError(f"--output {output}: the file exists and was not written by flux-port (no sealed "
+                                "record of this machine's flux-port for this very file: a copy, an edit, or a "
+                                "file merely tagged Software=flux-port proves nothing); nothing was changed.",
+                                hint="Choose another --output, or move that file away.")
     if not force:
         raise OutputExistsError(f"--output {output}: the file already exists; nothing was changed.",
                                 hint="Pass --force to replace it (only an image flux-port wrote), or choose another "
@@ -267,7 +259,7 @@ def check_image_replaceable(output: Path, force: bool = False) -> None:
 
 
 def save_png(image: Any, output: Path) -> None:
-    """Write the PNG next to `output`, tagged as flux-port's, and rename it into place."""
+    """Write the PNG next to `output`, record it (sealed) as flux-port's, and rename it into place."""
     from PIL.PngImagePlugin import PngInfo
 
     info = PngInfo()
@@ -280,6 +272,7 @@ def save_png(image: Any, output: Path) -> None:
     try:
         os.chmod(partial, 0o666 & ~umask())
         image.save(partial, format="PNG", pnginfo=info)
+        write_file_record(partial, "generate", destination=output)
         os.replace(partial, output)
     except OSError as e:
         partial.unlink(missing_ok=True)

@@ -109,7 +109,7 @@ def check_memory(verb: str, folder: Path, device: torch.device, dtype: str, widt
     """Refuse (exit 2, before loading anything) a pipeline run whose weights and activations would not fit in the
     host's memory (porting.resources)."""
 
-    from porting.resources import check_pipeline_memory
+    from porting.resources import check_component_configs, check_pipeline_memory
 
     folder = Path(folder)
     source = transformer_source(transformer) if transformer is not None else None
@@ -126,6 +126,7 @@ def check_memory(verb: str, folder: Path, device: torch.device, dtype: str, widt
         config = source.config()
     else:
         config = read_config(tr / "config.json", "the transformer's config") if (tr / "config.json").is_file() else {}
+    check_component_configs({k: v for k, v in components.items() if v.is_dir()})  # before from_pretrained builds
     return check_pipeline_memory(verb, {k: v for k, v in components.items() if v.is_dir()}, config, width=width,
                                  height=height, dtype=dtype, on_cpu=device.type == "cpu", extra_tokens=extra_tokens,
                                  extra_weight_bytes=packed)

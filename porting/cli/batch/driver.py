@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import multiprocessing
+import os
 import queue
 import sys
 import threading
@@ -21,7 +22,7 @@ from typing import Any, Callable
 from porting.errors import UsageError
 
 from .jobs import STEP_ORDER, Job
-from .steps import STEPS, Layout, device_of, read_record, run_step, step_key, write_record
+from .steps import STEPS, Layout, device_of, output_identity, read_record, run_step, step_key, write_record
 
 
 @dataclass
@@ -48,7 +49,8 @@ class JobRun:
             rec = read_record(self.layout, step)
             out = STEPS[step].out
             if (rec and rec.get("state") == "done" and rec.get("key") == key
-                    and (out is None or getattr(self.layout, out).exists())):
+                    and (out is None or getattr(self.layout, out).exists())
+                    and rec.get("out_identity") == output_identity(step, self.layout)):
                 self.records[step] = rec
                 self.upstream.append(rec["produced"])
                 self.position += 1
@@ -160,10 +162,10 @@ def run_local(runs: list[JobRun], progress: Progress, parallel: int | None) -> N
     count = _device_count(kind)
     if count == 0:
         raise UsageError(f"the jobs ask for {kind} but this machine has no {kind} device.")
-    slots: queue.Queue[int] = queue.Queue()
-    for i in range(parallel or count):
-        slots.put(i % count)
     workers = min(parallel or count, len(runs))
+    slots: queue.Queue[int] = queue.Queue()
+    for i in range(workers):  # never more slots than jobs: --parallel 10**12 is not a loop of 10**12
+        slots.put(i % count)
     ctx = multiprocessing.get_context("spawn")  # a fresh interpreter per worker: no forked torch or threads
 
     pools = [cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx)]
@@ -209,6 +211,42 @@ def run_local(runs: list[JobRun], progress: Progress, parallel: int | None) -> N
 def ray_missing() -> UsageError:
     return UsageError("--executor ray needs Ray, which is not installed.",
                       hint="pip install 'flux-port[ray]'  (or use --executor local)")
+
+
+RAY_ADDRESS_ENV = "RAY_ADDRESS"
+
+
+def check_ray_address(address: str | None, timeout: float) -> None:
+    """A `HOST:PORT` cluster address (given, or from RAY_ADDRESS) must accept a connection within `timeout`
+    seconds; Ray itself would retry an address with nothing there for ever. `auto`, `local` and no address at all
+    (a cluster started here) are left to Ray."""
+    import socket
+
+    given = address or os.environ.get(RAY_ADDRESS_ENV)
+    if not given or given in ("auto", "local"):
+        return
+    target = given.split("://", 1)[-1]
+    host, _, port_text = target.rpartition(":")
+    if not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise UsageError(f"--address {given}: not HOST:PORT (ray start --head prints the address).")
+    deadline = time.monotonic() + timeout
+    last: OSError | None = None
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        try:
+            with socket.create_connection((host.strip("[]"), int(port_text)), timeout=left):
+                return
+        except OSError as e:
+            last = e
+            if isinstance(e, socket.timeout) or time.monotonic() + 0.5 >= deadline:
+                break
+            time.sleep(0.5)  # a head that is starting: try again until the deadline
+    why = f" ({last.strerror or last})" if last is not None else ""
+    raise UsageError(f"--address {given}: no Ray cluster answered within {timeout:g} s{why}; nothing was run or "
+                     "written.", hint="Check the address `ray start --head` printed and that the head is running, "
+                                      "or give a longer --connect-timeout.")
 
 
 def run_ray(runs: list[JobRun], progress: Progress, address: str | None, max_retries: int) -> None:

@@ -15,6 +15,7 @@ from porting.errors import UsageError
 STEP_ORDER = ("fetch", "convert", "validate", "publish", "compare", "export")
 JOB_KEYS = {"name", "source", "files", "revision", "base", "steps", *STEP_ORDER}
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+NAME_MAX = 200  # DIR/NAME/ and the hidden staging folders next to its outputs stay within 255-byte file names
 
 
 @dataclass(frozen=True)
@@ -132,6 +133,11 @@ def load_jobs(path: Path, allowed: dict[str, set[str]]) -> list[Job]:
         if not isinstance(name, str) or not _NAME.fullmatch(name) or ".." in name:
             raise UsageError(f"{where}: name must be a plain folder name (letters, digits, '.', '_', '-'); "
                              f"got {name!r}.")
+        if len(name) > NAME_MAX:
+            raise UsageError(f"{path} {_where(i)} ({name[:40]}...): name is {len(name)} characters long; at most "
+                             f"{NAME_MAX} (it becomes the "
+                             "folder DIR/NAME/, and a file name holds at most 255 bytes).",
+                             hint="Give the job a shorter name.")
         if name in {j.name for j in jobs}:
             raise UsageError(f"{where}: two jobs are named {name}; each job writes DIR/NAME/.")
         merged = {**defaults, **raw}

@@ -9,6 +9,7 @@ finished is known finished even when the driver dies right after.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib
 import io
@@ -204,6 +205,61 @@ def allowed_options() -> dict[str, set[str]]:
     return out
 
 
+@functools.cache
+def verb_command(step: str) -> Any:
+    """The click command of a step's verb, as `invoke` builds it: its parameters are the checks the command line
+    applies (types, choices, ranges, callbacks)."""
+    import typer
+
+    fn = getattr(importlib.import_module(f"porting.cli.{STEPS[step].module}"), STEPS[step].function)
+    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+    app.command()(fn)
+    return typer.main.get_command(app)
+
+
+def check_step_options(step: str, opts: dict[str, Any], where: str) -> None:
+    """Every option value a jobs file gives `step`, through the verb's own parameter (type, choices, ranges, its
+    callback) as the command line would take it, before any step runs; UsageError (exit 2) naming `where` (the
+    file and job), the step and the option. A boolean goes only to a switch, and false only to one with a --no-
+    form; a list only to an option that may repeat."""
+    from porting.errors import PortError, UsageError
+
+    command = verb_command(step)  # typer's own click: its parameters are told apart by kind, not by class
+    by_flag = {o: p for p in command.params if p.param_type_name == "option" for o in p.opts if o.startswith("--")}
+    arguments = ["x" for p in command.params if p.param_type_name == "argument" and p.required]  # batch's paths
+    for key, value in opts.items():
+        param = by_flag.get(f"--{key}")
+        what = f"{where}: {step}.{key} = {dumps(value)}"
+        if param is None:  # the allowed set is read off the same signature; kept as a guard
+            raise UsageError(f"{what}: `port {step}` has no --{key}.")
+        if param.is_flag:
+            if not isinstance(value, bool):
+                raise UsageError(f"{what}: --{key} is a switch of `port {step}`; give true or false.")
+            if not value and not param.secondary_opts:
+                raise UsageError(f"{what}: `port {step}` has --{key} but no --no-{key}; false cannot be passed.",
+                                 hint=f"Leave {key} out for its default (off).")
+            continue
+        if isinstance(value, bool):
+            raise UsageError(f"{what}: --{key} of `port {step}` takes a value, not true or false.")
+        if isinstance(value, list) and not param.multiple:
+            raise UsageError(f"{what}: --{key} of `port {step}` takes one value, not a list.")
+        try:
+            command.make_context(f"port {step}", arguments + option_args(key, value))
+        except PortError as e:
+            raise UsageError(f"{what}: {e.message}", hint=e.hint) from None
+        except Exception as e:  # click's (typer's copy) BadParameter, NoSuchOption, ...: a usage error
+            if not hasattr(e, "format_message"):
+                raise
+            raise UsageError(f"{what}: {e.format_message()}", hint=f"See `port {step} --help`.") from None
+
+
+def check_job_options(jobs: list[Job], jobs_file: Path) -> None:
+    """`check_step_options` for every step of every job (the [defaults] merged in), at read time."""
+    for i, job in enumerate(jobs):
+        for step in job.steps:
+            check_step_options(step, job.options.get(step, {}), f"{jobs_file} [[job]] #{i + 1} ({job.name})")
+
+
 def device_of(job: Job, step: str) -> str:
     """The accelerator kind a step asks for: cpu, cuda or npu."""
     if not STEPS[step].device:
@@ -249,10 +305,29 @@ def step_key(job: Job, step: str, upstream: list[str]) -> str:
 
 
 def read_record(lay: Layout, step: str) -> dict[str, Any] | None:
+    """The journal record of a finished step; None when there is none. One that cannot be read (not JSON, nested
+    deeper than any record is) is refused naming the journal file, not the jobs file."""
+    from porting._files import parse_json
+    from porting.errors import InputError
+
+    path = lay.journal / step / "step.json"
     try:
-        return json.loads((lay.journal / step / "step.json").read_text(encoding="utf-8"))
-    except (FileNotFoundError, json.JSONDecodeError):
+        text = path.read_bytes()
+    except FileNotFoundError:
         return None
+    try:
+        return parse_json(text, str(path), kind=dict, what="the batch journal record")
+    except InputError as e:
+        raise InputError(f"{e.message} The journal of step {step} is damaged; the jobs file is not at fault.",
+                         hint=f"Remove {path.parent} to run that step again.") from None
+
+
+def output_identity(step: str, lay: Layout) -> str:
+    """What a step's output is on disk now (every file's name, size and modification time): a finished step is
+    reused only while its output is still what it wrote."""
+    out = STEPS[step].out
+    targets = (getattr(lay, out),) if out else (lay.root / "finetune", lay.base_dir)
+    return _sha([fingerprint(p) for p in targets])
 
 
 def write_record(lay: Layout, step: str, record: dict[str, Any]) -> None:
@@ -364,6 +439,7 @@ def run_step(task: dict[str, Any]) -> dict[str, Any]:
         record["note"] = "nothing to fetch (local source and base)"
     if code == 0:
         record["produced"] = produced(step, doc, lay)
+        record["out_identity"] = output_identity(step, lay)
     else:
         record["error"] = doc.get("error") or (stderr.strip().splitlines() or ["failed"])[-1]
         record["hint"] = doc.get("hint")

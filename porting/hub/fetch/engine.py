@@ -17,6 +17,8 @@ from porting import errors
 from porting.errors import CheckFailed, DiskSpaceError, InputError, NetworkError, PortError
 from porting.hub.recipes import Recipe
 from porting.hub.workspace import recipe_paths, record_step
+from porting.outputs import UnsafeOutputError
+from porting.ownership import file_is_flux_ports, write_file_record
 
 from . import manifest
 from .paths import PARTIAL_DIR, check_listing
@@ -171,18 +173,30 @@ def run_part(run: PartRun, opts: FetchOptions, ui: Reporter) -> PartRun:
     if not todo:
         ui.status(f"{plan.part}: all {len(plan.files)} file(s) already verified in {out}")
     with FetchProgress(ui.console, plan.missing_bytes) as progress:
-        for pf in todo:
+        stale: dict[str, str] = {}  # files fetch wrote that the listing no longer names: replaced below
+        for pf in [f for f in todo if f.state == "unchecked"]:  # before any transfer: a file in the way is refused
             remote, dest = pf.remote, out / pf.remote.path
             tensors: dict[Range, str] = {}
-            if pf.state == "unchecked":
-                problem, sha256 = _verify(dest, remote, progress, tensors)
-                if problem is None:
-                    run.adopted.append(remote.path)
-                    doc["files"].append(manifest.file_record(remote, dest, sha256, tensors))
-                    manifest.save(out, doc)
-                    continue
-                ui.warning(f"{remote.path} already in {out} does not match the listing ({problem}); "
-                           f"downloading it again.")
+            problem, sha256 = _verify(dest, remote, progress, tensors)
+            if problem is None:
+                run.adopted.append(remote.path)
+                doc["files"].append(manifest.file_record(remote, dest, sha256, tensors))
+                manifest.save(out, doc)
+            elif file_is_flux_ports(dest):
+                stale[remote.path] = problem
+            else:
+                raise UnsafeOutputError(
+                    f"{dest}: already in {out}, does not match the listing ({problem}), and flux-port did not "
+                    "write it (no sealed record of this machine's flux-port for this very file); it was left as it "
+                    "is and nothing was downloaded.",
+                    hint="Move the file away (or choose another --out) and run the command again.")
+        for pf in todo:
+            remote, dest = pf.remote, out / pf.remote.path
+            if remote.path in run.adopted:
+                continue
+            if remote.path in stale:
+                ui.warning(f"{remote.path} already in {out} does not match the listing ({stale[remote.path]}); "
+                           f"flux-port wrote it, downloading it again.")
                 dest.unlink()
             got = _transfer_one(run, pf, opts, ui, progress)
             tensors = {}
@@ -194,6 +208,7 @@ def run_part(run: PartRun, opts: FetchOptions, ui: Reporter) -> PartRun:
                     f"The file was deleted, not kept.",
                     hint="Run the command again to download it afresh; if it happens again the endpoint serves "
                          "damaged data: try another --from or --endpoint.")
+            write_file_record(got, "fetch", destination=dest, sha256=sha256)  # proof that fetch wrote it
             if got != dest:
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 os.replace(got, dest)

@@ -103,7 +103,23 @@ def read(ckpt: Checkpoint) -> SvdqFile:
     _drop_biases(ckpt, fam, info)
     info.plain_linears = sum(1 for k, t in ckpt.tensors.items()
                              if k not in info.consumed and k.endswith(".weight") and len(t.shape) == 2)
+    info.written_by = _metadata_object(ckpt, "flux_port")
+    info.merged = _metadata_list(ckpt, "flux_port_merged") + _metadata_list(ckpt, "merged_adapters")
     return info
+
+
+def _metadata_list(ckpt: Checkpoint, key: str) -> list:
+    """flux-port's record of merged adapters (a JSON list of objects) in the header metadata; [] when absent."""
+    raw = (ckpt.metadata or {}).get(key)
+    if raw is None:
+        return []
+    try:
+        doc = json.loads(raw)
+    except ValueError as e:
+        raise InputError(f"{ckpt.path}: header metadata {key!r} is not JSON ({e}).") from e
+    if not isinstance(doc, list) or not all(isinstance(d, dict) for d in doc):
+        raise InputError(f"{ckpt.path}: header metadata {key!r} must be a JSON list of objects.")
+    return doc
 
 
 def _precision(ckpt: Checkpoint, doc: Mapping[str, Any], layers: Mapping[str, dict[str, TensorInfo]]
@@ -413,7 +429,9 @@ def describe(info: SvdqFile) -> dict[str, Any]:
                 1 for layer in info.layers.values() if layer.kind == "w4a4"),
             "w4a16_layers": sum(1 for layer in info.layers.values() if layer.kind == "awq"),
             "smoothing_fused_layers": sum(1 for layer in info.layers.values() if layer.smoothing_fused),
-            "plain_16bit_linears": info.plain_linears}
+            "plain_16bit_linears": info.plain_linears,
+            **({"written_by": info.written_by} if info.written_by else {}),
+            **({"merged_adapters": info.merged} if info.merged else {})}
 
 
 __all__ = ["NAME", "claims", "read", "view", "describe", "SvdqFile", "SvdqLayer", "Target", "Piece", "GELU_SHIFT"]

@@ -14,6 +14,12 @@ TILE_N = 128  # output rows per packed tile (warp_n)
 TILE_K = 64  # input columns per packed tile (insn_k for 4 bits)
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
+# Each layout as (axes of the stored order, the permutation to the logical order); `svdq_pack.py` runs them backwards.
+CODE_AXES, CODE_PERM = (1, 8, 8, 4, 2, 2, 1, 4), (0, 3, 6, 4, 8, 1, 2, 7, 5, 9)  # after (n/128, k/64); bytes
+SCALE_AXES, SCALE_PERM = (1, 8, 4, 2, 2), (0, 2, 3, 5, 4, 6, 1)  # after (n/128, groups)
+MICRO_AXES, MICRO_PERM = (1, 8, 4, 4, 4), (0, 2, 5, 4, 3, 1, 6)  # after (n/128, k/64)
+LOWRANK_AXES, LOWRANK_PERM = (8, 4, 2, 2, 1, 2), (0, 1, 4, 2, 6, 5, 3, 7)  # after (c/16, r/16)
+
 
 def nibbles(packed: torch.Tensor) -> torch.Tensor:
     """uint8 bytes -> their two 4-bit codes, low nibble first (int16 0..15, one more trailing axis of 2)."""
@@ -28,8 +34,8 @@ def unpack_code_bytes(qweight: torch.Tensor, n: int, k: int) -> torch.Tensor:
     The tile permutation keeps each 32-bit word's eight codes together, so it moves whole bytes: 1 byte per two
     codes, not a tensor of codes. `n` may be a band of whole 128-row tiles (stored n-tile outer, so contiguous).
     """
-    t = qweight.view(torch.uint8).reshape(n // TILE_N, k // TILE_K, 1, 8, 8, 4, 2, 2, 1, 4)
-    return t.permute(0, 3, 6, 4, 8, 1, 2, 7, 5, 9).reshape(n, k // 2)
+    t = qweight.view(torch.uint8).reshape(n // TILE_N, k // TILE_K, *CODE_AXES)
+    return t.permute(CODE_PERM).reshape(n, k // 2)
 
 
 def unpack_codes(qweight: torch.Tensor, n: int, k: int) -> torch.Tensor:
@@ -62,8 +68,8 @@ def e2m1(codes: torch.Tensor) -> torch.Tensor:
 
 def unpack_scales(wscales: torch.Tensor, n: int, groups: int) -> torch.Tensor:
     """int4 group scales stored (groups, n) in 128-channel permuted tiles -> (n, groups)."""
-    t = wscales.reshape(n // TILE_N, groups, 1, 8, 4, 2, 2)
-    return t.permute(0, 2, 3, 5, 4, 6, 1).reshape(n, groups)
+    t = wscales.reshape(n // TILE_N, groups, *SCALE_AXES)
+    return t.permute(SCALE_PERM).reshape(n, groups)
 
 
 def unpack_vector(vector: torch.Tensor) -> torch.Tensor:
@@ -74,14 +80,14 @@ def unpack_vector(vector: torch.Tensor) -> torch.Tensor:
 
 def unpack_micro_scales(wscales: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """nvfp4 fp8 micro-scales (one per 16 inputs) stored (k/16, n) permuted -> (n, k/16) float8_e4m3fn."""
-    t = wscales.view(torch.uint8).reshape(n // TILE_N, k // TILE_K, 1, 8, 4, 4, 4)
-    return t.permute(0, 2, 5, 4, 3, 1, 6).reshape(n, k // 16).view(torch.float8_e4m3fn)
+    t = wscales.view(torch.uint8).reshape(n // TILE_N, k // TILE_K, *MICRO_AXES)
+    return t.permute(MICRO_PERM).reshape(n, k // 16).view(torch.float8_e4m3fn)
 
 
 def unpack_lowrank(weight: torch.Tensor, down: bool) -> torch.Tensor:
     """`proj_down` (k, r) -> D (r, k); `proj_up` (n, r) -> U (n, r), from 16x16 register tiles."""
     c, r = weight.shape
-    t = weight.reshape(c // 16, r // 16, 8, 4, 2, 2, 1, 2).permute(0, 1, 4, 2, 6, 5, 3, 7)
+    t = weight.reshape(c // 16, r // 16, *LOWRANK_AXES).permute(LOWRANK_PERM)
     t = t.reshape(c // 16, r // 16, 16, 16)
     if down:
         return t.permute(1, 2, 0, 3).reshape(r, c)
@@ -102,6 +108,7 @@ def deinterleave_rows(t: torch.Tensor, splits: int) -> torch.Tensor:
     return t.reshape(n // splits, splits, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
 
 
-__all__ = ["TILE_N", "TILE_K", "E2M1", "nibbles", "unpack_code_bytes", "unpack_codes", "byte_values",
+__all__ = ["TILE_N", "TILE_K", "E2M1", "CODE_AXES", "CODE_PERM", "SCALE_AXES", "SCALE_PERM", "MICRO_AXES",
+           "MICRO_PERM", "LOWRANK_AXES", "LOWRANK_PERM", "nibbles", "unpack_code_bytes", "unpack_codes", "byte_values",
            "decode_values", "signed_int4", "e2m1", "unpack_scales", "unpack_vector", "unpack_micro_scales",
            "unpack_lowrank", "unpack_awq_codes", "deinterleave_rows"]

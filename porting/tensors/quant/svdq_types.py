@@ -78,6 +78,8 @@ class SvdqFile:
     config: dict | None = None
     spelling: str = ""
     plain_linears: int = 0  # 2-D weights stored in 16 bits (embedders, modulation, final layer)
+    written_by: dict | None = None  # flux-port's own record in the metadata: how the file was quantized
+    merged: list = field(default_factory=list)  # adapters `port merge` appended to the branch (or folded in)
 
     @property
     def label(self) -> str:

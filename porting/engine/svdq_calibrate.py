@@ -1,0 +1,57 @@
+"""`--calibrate BASE`: the per-channel input maxima of every block linear, from the bf16 model run on a few prompts.
+
+The transformer being quantized is swapped into BASE's pipeline (its text encoder, VAE and scheduler), run once per
+prompt for a few steps on `device` in bf16, and a forward pre-hook on each linear of the transformer blocks keeps
+max |x| per input channel over every token, step and prompt. `svdq_quantize.smoothing` then uses SmoothQuant's rule
+with these maxima instead of assuming them equal.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+PROMPTS = ("a photograph of a red fox standing in fresh snow, morning light",
+           "a watercolor painting of a lighthouse on a cliff at dusk",
+           "a close-up studio portrait of an old fisherman with a grey beard",
+           "a neon-lit city street at night in the rain, reflections on the asphalt")
+STEPS = 4
+BLOCKS = ("transformer_blocks.", "single_transformer_blocks.")
+
+
+def input_maxima(base: Path, transformer: Path, device: str = "cpu", prompts: Sequence[str] = PROMPTS,
+                 steps: int = STEPS, size: int | None = None) -> dict[str, torch.Tensor]:
+    """Diffusers module name -> float32 max |input| per input channel, over all prompts and steps."""
+    from porting.devices import resolve_device
+    from porting.pipeline.generate import default_size
+    from porting.pipeline.pipeload import check_swap_fits, load
+
+    check_swap_fits(base, transformer)
+    where = resolve_device(device)
+    pipe = load(base, where, torch.bfloat16, transformer=transformer)
+    side = size or min(default_size(where, base), 512)
+    maxima: dict[str, torch.Tensor] = {}
+
+    def hook(name: str):
+        def keep(module: torch.nn.Module, args: tuple) -> None:
+            x = args[0].detach()
+            m = x.abs().reshape(-1, x.shape[-1]).amax(dim=0).float().cpu()
+            maxima[name] = m if name not in maxima else torch.maximum(maxima[name], m)
+        return keep
+
+    handles = [m.register_forward_pre_hook(hook(name)) for name, m in pipe.transformer.named_modules()
+               if isinstance(m, torch.nn.Linear) and name.startswith(BLOCKS)]
+    try:
+        with torch.no_grad():
+            for i, prompt in enumerate(prompts):
+                pipe(prompt=prompt, num_inference_steps=steps, height=side, width=side, output_type="latent",
+                     generator=torch.Generator(device="cpu").manual_seed(i))
+    finally:
+        for h in handles:
+            h.remove()
+    return maxima
+
+
+__all__ = ["PROMPTS", "STEPS", "input_maxima"]

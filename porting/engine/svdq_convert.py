@@ -1,0 +1,195 @@
+"""`port convert SRC --quantize svdq-int4|svdq-nvfp4 [--rank R] --out DIR`: one Nunchaku SVDQuant file, data-free.
+
+Any weights flux-port reads (BFL or diffusers naming, bf16, fp8, GGUF, ...) are planned to diffusers names, then
+each quantized layer is made from its diffusers tensors, one layer in memory at a time
+(`porting/tensors/export/svdquant.py`). The written file is then opened through the same reader as any input
+(`porting/tensors/quant/nunchaku.py`): it must be detected as the same model, its 16-bit tensors must be the
+source's in bf16, and every weight it yields must carry the error the writer computed for it (the file holds
+exactly what the writer meant).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+
+from porting import __version__
+from porting.errors import CheckFailed, UsageError
+from porting.inputs import SourceLike, open_source
+from porting.outputs import atomic_folder, check_output
+from porting.resources import MEMORY_OVERHEAD, require_memory
+from porting.tensors.checkpoint import Checkpoint
+from porting.tensors.export import svdquant as writer
+from porting.tensors.quant import svdq_layout as L
+from porting.tensors.quant.svdq_quantize import ALPHA, BAND
+
+from .convert import ConvertResult, plan_source, stranded_sidecars, strict_error, weights_source
+from .mapping import MappingTable
+from .plan import Plan
+from .quantize import _sha256, write_manifest
+
+PRECISIONS = {"svdq-int4": "int4", "svdq-nvfp4": "nvfp4"}
+SMOOTHING = (f"data-free: s_j = max|W[:, j]|^-{1 - ALPHA:g} (SmoothQuant, alpha {ALPHA:g}, activation ranges "
+             "assumed equal), geometric mean 1")
+
+
+class PlanTensors:
+    """Diffusers-named tensors of a plan, each rule group read and applied once, kept until released."""
+
+    def __init__(self, ckpt: Checkpoint, plan: Plan) -> None:
+        self.ckpt = ckpt
+        self.step_of = {t: ps for ps in plan.steps for t in ps.step.targets}
+        self.cache: dict[str, torch.Tensor] = {}
+
+    def get(self, key: str) -> torch.Tensor:
+        if key not in self.cache:
+            ps = self.step_of[key]
+            outputs = ps.step.op.apply([self.ckpt.read(k) for k in ps.stored_sources])
+            for target, t in zip(ps.step.targets, outputs):
+                self.cache.setdefault(target, t)
+        return self.cache[key]
+
+    def release(self, key: str) -> None:
+        self.cache.pop(key, None)
+
+
+def check_rank(rank: int) -> None:
+    if rank < 1 or rank > 1024:
+        raise UsageError(f"--rank {rank}: the low-rank branch needs a rank from 1 to 1024 (Nunchaku's files use 32).",
+                         hint="Use --rank 32, or 16 / 64 for a smaller or larger branch.")
+
+
+def layer_memory(layout: L.FileLayout, shapes: Mapping[str, tuple[int, ...]]) -> tuple[int, str]:
+    """Bytes one layer's quantization holds at its peak: its float32 copy twice (scratch and the source rule
+    group's tensors), its codes and the low-rank factors."""
+    biggest = max(layout.layers, key=lambda layer: layer.n * layer.k)
+    sources = sum(4 * math.prod(shapes[key]) for key in biggest.sources)
+    need = MEMORY_OVERHEAD + 8 * biggest.n * biggest.k + sources
+    return need, f"the interpreter and the largest layer {biggest.name} [{biggest.n}, {biggest.k}] in float32"
+
+
+def reread(path: Path, family: str, layout: L.FileLayout, quality: writer.Quality, tensors: PlanTensors | None,
+           biases: Mapping[str, float]) -> dict[str, Any]:
+    """Open the written file as any input and check it holds what the writer meant (module docstring); without
+    `tensors` (the source can not be read a second time) only that it is the model meant."""
+    detection = open_source(path, kind="weights").detection
+    written = detection.ckpt
+    meant = {key for _, key, _ in layout.plain} | set(quality.targets) | set(biases)
+    got_keys = set(written.tensors)
+    if detection.table.name != family or written.quantization is None or got_keys != meant:
+        raise CheckFailed(f"{path}: the written file does not read back as the model that was meant (family "
+                          f"{detection.table.name}, {len(got_keys ^ meant)} keys differ).",
+                          hint="This is a flux-port bug; please report it with the command line.")
+    worst = (0.0, "")
+    if tensors is None:
+        return {"layout": written.quantization.label, "worst_rel_l2": math.sqrt(max(
+            (e / n if n else 0.0) for e, _, n in quality.targets.values())), "worst_key": "", "values": "not reread"}
+    for _, key, _ in layout.plain:
+        if not torch.equal(written.read(key), tensors.get(key).to(torch.bfloat16)):
+            raise CheckFailed(f"{path}: {key} does not read back as the source's tensor in bf16.",
+                              hint="This is a flux-port bug; please report it with the command line.")
+        tensors.release(key)
+    for key, (err, _, norm) in quality.targets.items():
+        source = tensors.get(key)
+        again = 0.0
+        step = max(1, BAND // source.shape[1])
+        for a in range(0, source.shape[0], step):  # a band of rows at a time: the largest target is 0.6 GB fp32
+            b = min(a + step, source.shape[0])
+            again += float((written.read(key, (a, b)).float() - source[a:b].float()).double().pow(2).sum())
+        tensors.release(key)
+        if abs(math.sqrt(again) - math.sqrt(err)) > 1e-3 * math.sqrt(err) + 1e-6 * math.sqrt(norm):
+            raise CheckFailed(f"{path}: {key} reads back with error {math.sqrt(again):.6g}; the writer meant "
+                              f"{math.sqrt(err):.6g} (|W| {math.sqrt(norm):.6g}).",
+                              hint="This is a flux-port bug; please report it with the command line.")
+        worst = max(worst, (math.sqrt(again / norm) if norm else 0.0, key))
+    for key, stored_norm in biases.items():
+        diff = float((written.read(key).float() - tensors.get(key).float()).norm())
+        tensors.release(key)
+        if diff > 2**-8 * stored_norm + 1e-6:
+            raise CheckFailed(f"{path}: bias {key} reads back {diff:.3g} away from the source; bf16 rounding of what "
+                              f"was stored allows {2**-8 * stored_norm:.3g}.",
+                              hint="This is a flux-port bug; please report it with the command line.")
+    return {"layout": written.quantization.label, "worst_rel_l2": worst[0], "worst_key": worst[1]}
+
+
+def convert_svdquant(src: SourceLike, out: str | Path, quantize: str, rank: int = 32,
+                     config: str | Path | None = None, strict: bool = True, force: bool = False,
+                     on_start: Callable[[int], None] | None = None, on_bytes: Callable[[int], None] | None = None,
+                     tables: Mapping[str, MappingTable] | None = None, tensors: type[PlanTensors] = PlanTensors,
+                     extra_meta: Mapping[str, Any] | None = None, verb: str = "convert",
+                     calibrate: str | Path | None = None, device: str = "cpu") -> ConvertResult:
+    """`tensors`: what hands the diffusers weights to the writer (merge --requantize folds deltas in on the way;
+    those are used once, so its values are then not reread); `extra_meta` goes into the header metadata;
+    `calibrate`: a base pipeline folder to run the source in (on `device`) for calibrated smoothing."""
+    precision = PRECISIONS[quantize]
+    check_rank(rank)
+    started = time.perf_counter()
+    source = weights_source(src, config, tables)
+    ckpt, detection, plan = plan_source(source, "diffusers", "keep")
+    if strict and not plan.ok:
+        raise strict_error(plan, src)
+    stranded = stranded_sidecars(plan)
+    if stranded is not None:
+        raise stranded
+    family = detection.table.name
+    if family not in ("flux1", "flux2"):
+        raise UsageError(f"--quantize {quantize}: {source.path} is a {family} model; Nunchaku SVDQuant files exist "
+                         "for FLUX.1 and FLUX.2 [klein] only.")
+    shapes = {key: shape for key, shape, _ in plan.outputs()}
+    layout = L.plan_file(family, detection.config, shapes, str(source.path))
+    need, breakdown = layer_memory(layout, shapes)
+    require_memory(f"--quantize {quantize}", need, breakdown,
+                   hint="Close other programs, or convert on a machine with more memory.")
+    name = L.file_name(precision, rank, source.path)
+    out = Path(out)
+    read_paths = {"source": source.path, "--config": config}
+    check_output(out, force=force, verb=verb, inputs=read_paths)
+    if on_start:
+        on_start(plan.output_bytes)
+    maxima = None
+    smoothing = SMOOTHING
+    if calibrate is not None:
+        from .svdq_calibrate import PROMPTS, STEPS, input_maxima
+
+        maxima = input_maxima(Path(calibrate), source.path, device)
+        smoothing = (f"calibrated: s_j = max|X_j|^{ALPHA:g} / max|W[:, j]|^{1 - ALPHA:g} (SmoothQuant), input maxima "
+                     f"of {len(PROMPTS)} prompts x {STEPS} steps in {Path(calibrate).name} on {device}, geometric "
+                     "mean 1")
+    made = {"tool": "flux-port", "version": __version__, "smoothing": smoothing}
+    meta = L.metadata(family, {**detection.config, "_class_name": detection.table.diffusers_class},
+                      precision, rank, {"flux_port": made, **(extra_meta or {})})
+    with atomic_folder(out, force=force, verb=verb, inputs=read_paths) as staging:
+        quality = writer.write(staging / name, layout, precision, rank, tensors(ckpt, plan), meta, str(source.path),
+                               maxima)
+        again = PlanTensors(ckpt, plan) if tensors is PlanTensors else None
+        checked = reread(staging / name, family, layout, quality, again, quality.biases)
+        size = (staging / name).stat().st_size
+        kinds = quality.by_kind()
+        extra = {"quantized_to": f"{writer.NAME} {precision}, rank {rank}", "file": name,
+                 "file_sha256": _sha256(staging / name),
+                 "stored_kinds": {k: v for k, v in _layer_counts(layout).items()}, "reread": checked,
+                 "svdq": {"precision": precision, "rank": rank, "smoothing": smoothing, "quality": kinds,
+                          "file_bytes": size, "bf16_bytes": plan.output_bytes}}
+        manifest = {"tool": "flux-port", "version": __version__, "source": str(source.path.resolve()),
+                    "source_naming": detection.naming_label, "table": family, "to": "nunchaku",
+                    "variant": detection.variant, "files": [name], "config": detection.config, **extra}
+        write_manifest(staging, manifest, ckpt, source)
+    if on_bytes:
+        on_bytes(plan.output_bytes)
+    quant = ckpt.quantization.to_dict() if ckpt.quantization else None
+    return ConvertResult(plan, out, [name], None, time.perf_counter() - started, quantization=quant, extra=extra)
+
+
+def _layer_counts(layout: L.FileLayout) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for layer in layout.layers:
+        kind = "W4A16 AWQ int4 g64" if layer.kind == "awq" else "W4A4 + low-rank branch"
+        out[kind] = out.get(kind, 0) + 1
+    return out
+
+
+__all__ = ["PRECISIONS", "SMOOTHING", "PlanTensors", "convert_svdquant", "reread", "check_rank"]
