@@ -5,6 +5,7 @@
     python bench/convert.py --model klein-4b --diffusers   # also diffusers' from_single_file + save_pretrained
     python bench/convert.py --repeat 3            # three alternating cp / convert pairs, median ratio
     python bench/convert.py --model klein-4b --blocks 1,2 --warm --repeat 5   # 1.37 GB, from the page cache
+    python bench/convert.py --model klein-4b --blocks 1,2 --warm --fetched --repeat 5   # ... as port fetch left it
 
 A synthetic checkpoint with the real shapes (original BFL naming, bf16) is generated with
 `porting.demo.tiny.write_random_checkpoint(fill="tiled")`; its generation is not what is measured. Then, each as a
@@ -27,6 +28,10 @@ interpreter start included, peak RSS <= 0.5 GiB.
 sits in the page cache (its residency is printed), and everything written before is synced. Target: convert wall
 <= 1.6 x cp, interpreter start included. `--blocks D,S` cuts the model to D double and S single blocks (same
 widths), for a file that fits the page cache many times over: klein-4b with 1,2 is 1.37 GB.
+
+`--fetched` puts the source in a folder with the fetch-manifest.json `port fetch` writes (its per-tensor sha256,
+taken while fetch verified the file; not measured), the case right after a download: convert then reuses the digests
+of the tensors it copies byte for byte instead of hashing them (issue 33), and hashes only what it splits or computes.
 
 The machine is shared: run the bench under `flock /work/bench.lock` and read the load averages it prints.
 Not part of CI. Needs about 2.1 x the file size free on the disk of --workdir (the files are deleted afterwards).
@@ -148,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--source", type=Path, default=None, help="use this existing source file instead")
     parser.add_argument("--warm", action="store_true", help="read the source into the page cache before each run "
                                                             "(default: drop it from the page cache)")
+    parser.add_argument("--fetched", action="store_true", help="record the source as port fetch does (its "
+                                                               "per-tensor sha256 in fetch-manifest.json) first")
     parser.add_argument("--blocks", default=None, metavar="D,S",
                         help="cut the model to D double and S single blocks (e.g. 1,2: 1.37 GB for klein-4b)")
     args = parser.parse_args(argv)
@@ -169,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     free = shutil.disk_usage(work).free
     need = (size if args.source is None else 0) + 1.05 * size
     cache = "warm page cache (source read before each run)" if args.warm else "cold page cache"
+    cache += ", recorded by port fetch (per-tensor sha256 known)" if args.fetched else ""
     print(f"flux-port convert benchmark: {args.model} shapes" + (f" cut to {args.blocks} blocks" if args.blocks else "")
           + f", bf16, {len(shapes)} tensors, {size / 1e9:.2f} GB, {cache}, in {work} ({free / 1e9:.0f} GB free); "
           f"load average {load_average()}")
@@ -182,6 +190,10 @@ def main(argv: list[str] | None = None) -> int:
             start = time.perf_counter()
             write_random_checkpoint(src, config, "original", "BF16", seed=0, fill="tiled")
             print(f"generated {src.name} in {time.perf_counter() - start:.1f} s (not measured)")
+        if args.fetched:
+            start = time.perf_counter()
+            record_as_fetched(src)
+            print(f"recorded {src.name} as port fetch does in {time.perf_counter() - start:.1f} s (not measured)")
         port = [sys.executable, "-m", "porting"]
 
         for _ in range(args.repeat):  # cp and convert alternate, so a slow spell of the disk hits both
@@ -224,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
             runs["diffusers"].append({"wall": wall, "sync": timed_sync(), "rss": rss})
             shutil.rmtree(out)
     finally:
+        if args.fetched:
+            (src.parent / "fetch-manifest.json").unlink(missing_ok=True)
         if args.source is None and not args.keep:
             src.unlink(missing_ok=True)
         if args.workdir is None and not args.keep:
@@ -231,6 +245,20 @@ def main(argv: list[str] | None = None) -> int:
 
     _report(runs, size, TARGET_WARM_RATIO if args.warm else TARGET_RATIO[args.model])
     return 0
+
+
+def record_as_fetched(src: Path) -> None:
+    """The fetch-manifest.json `port fetch` leaves beside a file it verified: size, sha256, mtime and the per-tensor
+    sha256, computed by fetch's own verification (one read of the file)."""
+    from porting.hub.fetch import manifest
+    from porting.hub.fetch.verify import RemoteFile, file_digests
+
+    tensors: dict[tuple[int, int], str] = {}
+    sha256, _ = file_digests(src, git=False, tensors=tensors)
+    remote = RemoteFile(src.name, src.stat().st_size, sha256)
+    doc = manifest.new({"source": "bench"})
+    doc["files"].append(manifest.file_record(remote, src, sha256, tensors))
+    manifest.save(src.parent, doc)
 
 
 def _spot_check(src: Path, out: Path) -> None:

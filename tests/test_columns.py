@@ -12,13 +12,13 @@ import pytest
 from rich.table import Table
 
 from porting.cli import _output
-from porting.cli.app import app
+from porting.cli.app import VERBS as REGISTERED
 
 from .helpers import run_port
 from .lorakit import BY_NAME, adapter_for
 
 ESCAPED = re.compile(r"\\x[0-9a-f]{2}|\\u[0-9a-f]{4}")
-VERBS = sorted(c.name or c.callback.__name__ for c in app.registered_commands)
+VERBS = sorted(REGISTERED)
 
 
 def fits(text: str, width: int = 80) -> None:

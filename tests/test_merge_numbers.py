@@ -140,3 +140,13 @@ def test_a_quantized_base_is_merged_whole_with_the_same_arithmetic(world, tmp_pa
             up, down = world["one"][module]
             w = w + scale * (up @ down)
         assert torch.equal(got[key], w.bfloat16()), key  # written without the ComfyUI prefix
+
+
+@pytest.mark.parametrize("s", [0.5, 0.25, -2.0, 4.0])
+def test_a_power_of_two_multiplier_folded_into_the_down_factor_gives_the_same_bits(s: float) -> None:
+    """merge scales a LoRA's down factor once by a power-of-two multiplier (alpha = rank / 2) instead of every
+    block of rows: the same float32 values, bit for bit, as the product scaled afterwards."""
+    gen = torch.Generator().manual_seed(0)
+    up, down = torch.randn(300, 64, generator=gen) * 0.01, torch.randn(64, 1000, generator=gen)
+    assert torch.equal(up @ (down * s), (up @ down) * s)
+    assert not torch.equal(up @ (down * 0.3), (up @ down) * 0.3)  # what is not a power of two is not folded

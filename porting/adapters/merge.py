@@ -243,7 +243,10 @@ class _Delta:
             return
         adapter, m, strength = part
         if m.kind == "lora":
-            self.lora = (read32(adapter, m, "up"), read32(adapter, m, "down"), multiplier(adapter, m, strength))
+            up, down, s = read32(adapter, m, "up"), read32(adapter, m, "down"), multiplier(adapter, m, strength)
+            if s != 1.0 and s != 0.0 and math.frexp(abs(s))[0] == 0.5:  # a power of two (alpha = rank / 2, ...):
+                down, s = down * s, 1.0  # scaling the factor once is exact, and saves a pass over every block
+            self.lora = (up, down, s)
         else:
             self.full = delta(adapter, m, strength)
 
@@ -267,7 +270,10 @@ class _Delta:
 
 
 class _Files:
-    """Source files opened once per merge (descriptors for positioned reads)."""
+    """Source files opened once per merge (descriptors for positioned reads). Each range is read once, so its cached
+    pages are dropped as soon as it is read: a base the size of the page cache would otherwise push out the pages of
+    the output being written, and the kernel's reclaim of them doubled merge's system time (measured on klein-9B
+    shapes: 17 s instead of 32-35 s of system time for a 4.2 GB base)."""
 
     def __init__(self) -> None:
         self._fds: dict[Path, int] = {}
@@ -285,6 +291,8 @@ class _Files:
             if n == 0:
                 raise InputError(f"{info.file}: unexpected end of file while reading tensor {info.name!r}.")
             done += n
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, info.start + offset, view.nbytes, os.POSIX_FADV_DONTNEED)
 
     def close(self) -> None:
         for fd in self._fds.values():

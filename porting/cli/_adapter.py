@@ -5,16 +5,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from rich.table import Table
-
 from ._output import Output
 
 if TYPE_CHECKING:
+    from rich.table import Table
+
     from porting.inputs import Source
 
 
 def convert(output: Output, src: Source, out: Optional[Path], to: str, style: Optional[str], materialise: bool,
             config: Optional[Path], dry_run: bool, force: bool) -> None:
+    from rich.table import Table
+
     from porting.adapters.convert import convert_adapter
     from porting.engine.detect import load_base_config
     from porting.errors import PortError
@@ -42,6 +44,8 @@ def convert(output: Output, src: Source, out: Optional[Path], to: str, style: Op
 
 def inspect(output: Output, source: Source, base: Optional[Path] = None, strength: Optional[float] = None) -> None:
     """`port inspect ADAPTER [--base BASE]`: `base` (resolved, not opened yet) is opened once, for the effect."""
+    from rich.table import Table
+
     from porting.adapters.describe import describe_adapter
     from porting.compat import adapter_runtimes
     from porting.errors import UsageError
@@ -92,6 +96,8 @@ def inspect(output: Output, source: Source, base: Optional[Path] = None, strengt
 
 def effect_table(doc: dict[str, Any]) -> Table:
     """The summary of an adapter's effect on a base (`porting.adapters.effect`) as a table."""
+    from rich.table import Table
+
     from porting.adapters.effect import summary_lines
 
     lines = summary_lines(doc)

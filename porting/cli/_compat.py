@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from rich.table import Table
+from typing import TYPE_CHECKING, Any
 
 from ._output import cell
 
+if TYPE_CHECKING:
+    from rich.table import Table
+
 
 def compatibility_table(info: dict[str, Any]) -> Table:
+    from rich.table import Table
+
     table = Table(title="which runtime loads this file", show_lines=False)
     for column in ("runtime", "loads", "why / how"):
         table.add_column(column, overflow="fold")
@@ -20,6 +23,8 @@ def compatibility_table(info: dict[str, Any]) -> Table:
 
 
 def companions_table(doc: dict[str, Any]) -> Table:
+    from rich.table import Table
+
     table = Table(title=f"beside {doc['base']}")
     for column in ("check", "", "detail"):
         table.add_column(column, overflow="fold")

@@ -6,16 +6,16 @@ import re
 import sys
 import textwrap
 from contextlib import contextmanager
-from typing import Any, Iterator
-
-from rich.console import Console, Group
-from rich.measure import Measurement
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
-from rich.table import Table
-from rich.text import Text
+from functools import cached_property
+from typing import TYPE_CHECKING, Any, Iterator
 
 from porting.finite import dumps
 from porting.text import printable
+
+if TYPE_CHECKING:  # rich is imported on first use: `port --help` and `port --version` never print through it
+    from rich.console import Console, Group
+    from rich.table import Table
+    from rich.text import Text
 
 
 class Output:
@@ -23,11 +23,21 @@ class Output:
         self.json_mode = json_mode
         self.quiet = quiet or json_mode
         self.documented = False  # --json prints exactly one document
-        # the terminal's width, else $COLUMNS, else 80 columns off a terminal (rich's own rule); tables that do not
-        # fit go vertical (see table())
-        # no emoji codes: a path ending in `:abc:` is a path; no markup in what is printed (see table())
-        self.out = Console(file=sys.stdout, highlight=False, emoji=False)
-        self.err = Console(file=sys.stderr, highlight=False, emoji=False)
+
+    # the terminal's width, else $COLUMNS, else 80 columns off a terminal (rich's own rule); tables that do not
+    # fit go vertical (see table())
+    # no emoji codes: a path ending in `:abc:` is a path; no markup in what is printed (see table())
+    @cached_property
+    def out(self) -> Console:
+        from rich.console import Console
+
+        return Console(file=sys.stdout, highlight=False, emoji=False)
+
+    @cached_property
+    def err(self) -> Console:
+        from rich.console import Console
+
+        return Console(file=sys.stderr, highlight=False, emoji=False)
 
     def status(self, text: str) -> None:
         """A progress line for humans (stderr); silent in --quiet and --json."""
@@ -53,6 +63,8 @@ class Output:
         column is narrow. --json prints the full values instead."""
         if self.json_mode:
             return
+        from rich.text import Text
+
         for column in table.columns:  # cells hold key names and paths from files: show control characters
             # and newlines, and print them as plain text ('[b]' or ':abc:' in a path is not markup or emoji);
             # a cell made with cell() keeps its deliberate line breaks
@@ -93,6 +105,15 @@ class Output:
         if self.quiet:
             yield (lambda total: None), (lambda n: None)
             return
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
+
         progress = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
                             TransferSpeedColumn(), TimeRemainingColumn(), console=self.err, transient=True)
         task = progress.add_task(description, total=None)
@@ -150,6 +171,8 @@ def wrap_lines(text: str, width: int = 80) -> str:
 
 def cell(*lines: object) -> Text:
     """A table cell of several lines: each line shown as plain text (control characters escaped), one per line."""
+    from rich.text import Text
+
     return Text("\n".join(printable(line, lines=False) for line in lines))
 
 
@@ -157,6 +180,8 @@ def fits(console: Console, table: Table, width: int) -> bool:
     """Whether rich lays `table` out in `width` columns with every word of every cell (and header) whole: each
     column at least as wide as its longest word plus its padding (rich shrinks columns by ratio, and cuts a word
     that does not fit its column with an ellipsis)."""
+    from rich.measure import Measurement
+
     wide = console.options.update_width(10**6)
 
     def longest_word(renderable: Any) -> int:
@@ -177,6 +202,10 @@ def vertical(table: Table, width: int) -> Group:
     """`table` as `label  value` lines: a table with headers gives one block per row (`header  cell`), blocks a blank
     line apart; a table without headers one block (its first cell the label, the others the value). A value wraps
     at spaces; only a word longer than the line is folded."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
     headers = [printable(c.header, lines=False) if isinstance(c.header, str) else str(c.header) for c in table.columns]
     cells = zip(*(c._cells for c in table.columns))
     rows = [[c if isinstance(c, Text) else Text(str(c)) for c in row] for row in cells]

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import difflib
 import errno
+import importlib
 import os
 import signal
 import sys
-from typing import Any, Callable
+from typing import Any, NamedTuple
 
 import typer
 
@@ -24,46 +26,101 @@ from porting.errors import (
 
 from . import _output
 from ._lastresort import as_port_error
-from ._options import checked
-from .batch_cmd import BATCH_EXAMPLES, batch
-from .bench_cmd import BENCH_EXAMPLES, bench
-from .compare_cmd import COMPARE_EXAMPLES, compare
-from .convert_cmd import CONVERT_EXAMPLES, convert
-from .demo_cmd import demo
-from .env_cmd import ENV_EXAMPLES, env
-from .export_cmd import EXPORT_EXAMPLES, export
-from .fetch_cmd import FETCH_EXAMPLES, RECIPES_EXAMPLES, fetch, recipes
-from .generate_cmd import GENERATE_EXAMPLES, generate
-from .inspect_cmd import INSPECT_EXAMPLES, inspect
-from .merge_cmd import MERGE_EXAMPLES, merge
-from .publish_cmd import PUBLISH_EXAMPLES, publish
-from .validate_cmd import VALIDATE_EXAMPLES, validate
+
+
+class Verb(NamedTuple):
+    module: str  # porting.cli.<module>
+    function: str  # the verb's function in it
+    examples: str | None  # the name of its examples constant (the help's epilog), if any
+    summary: str  # the first paragraph of the function's docstring: `port --help` lists it without the import
+
+
+# The one place a verb is registered, in `port --help` order; a verb's module is imported only when it runs (or its
+# help is asked for), so `port convert` loads nothing the other verbs need. tests/test_cli_startup.py keeps the
+# summaries equal to the docstrings and every help text equal to the one an eager registration gives.
+VERBS: dict[str, Verb] = {
+    "fetch": Verb("fetch_cmd", "fetch", "FETCH_EXAMPLES", "Download a base model or fine-tune files into plain "
+                  "folders, verified, resumable, with a manifest."),
+    "recipes": Verb("fetch_cmd", "recipes", "RECIPES_EXAMPLES", "List the known ports: base repo, checkpoint to port, "
+                    "variant and pipeline class."),
+    "inspect": Verb("inspect_cmd", "inspect", "INSPECT_EXAMPLES", "Show naming, family, variant, dtypes, counts, the "
+                    "inferred diffusers config and which runtimes load the file (reads headers only)."),
+    "convert": Verb("convert_cmd", "convert", "CONVERT_EXAMPLES", "Convert FLUX.2 / FLUX.1 transformer weights (or a "
+                    "LoRA / LyCORIS adapter) between original (BFL) and diffusers naming."),
+    "merge": Verb("merge_cmd", "merge", "MERGE_EXAMPLES", "Add adapter deltas (W + strength * alpha / rank * B @ A; "
+                  "LoKr, LoHa, diff) to a base, in its dtype."),
+    "validate": Verb("validate_cmd", "validate", "VALIDATE_EXAMPLES", "Run the full transformer on the device against "
+                     "a float32 golden and judge it against bf16's own error."),
+    "demo": Verb("demo_cmd", "demo", None, "Port a tiny random fine-tune (FLUX.2 [klein] by default) end to end, "
+                 "offline, and generate a PNG with it."),
+    "publish": Verb("publish_cmd", "publish", "PUBLISH_EXAMPLES", "Assemble a diffusers pipeline folder from a base "
+                    "repository and a converted, validated transformer."),
+    "generate": Verb("generate_cmd", "generate", "GENERATE_EXAMPLES", "Generate an image from a published folder; "
+                     "prints load time, denoising time, s/it and peak memory."),
+    "compare": Verb("compare_cmd", "compare", "COMPARE_EXAMPLES", "Render the same prompts through two pipelines and "
+                    "report PSNR / SSIM / LPIPS (mean, p50, p90), with a grid."),
+    "bench": Verb("bench_cmd", "bench", "BENCH_EXAMPLES", "Measure a pipeline folder under each offload mode and task: "
+                  "the speed/memory table of a model card."),
+    "export": Verb("export_cmd", "export", "EXPORT_EXAMPLES", "Export a diffusers folder to ONNX (weights as external "
+                   "data), ready for onnxruntime; or lint one (--check)."),
+    "batch": Verb("batch_cmd", "batch", "BATCH_EXAMPLES", "Run fetch / convert / validate / publish / compare / export "
+                  "for many models; a rerun redoes nothing finished."),
+    "env": Verb("env_cmd", "env", "ENV_EXAMPLES", "Print flux-port's version, Python, torch and its builds, the "
+                "libraries, the extras installed, the visible devices and the folders flux-port uses: what a bug "
+                "report needs."),
+}
+
+
+def verb_command(name: str) -> typer.core.TyperCommand:
+    """The click command of one verb, built as an eager registration builds it: options checked (`checked`),
+    examples fitted to 80 columns (`_output.examples`)."""
+    from ._options import checked
+
+    verb = VERBS[name]
+    module = importlib.import_module(f"porting.cli.{verb.module}")
+    examples = getattr(module, verb.examples) if verb.examples else None
+    one = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
+    one.command(epilog=_output.examples(examples) if examples else None)(checked(getattr(module, verb.function)))
+    command = typer.main.get_command(one)
+    assert isinstance(command, typer.core.TyperCommand) and command.name == name, (name, command.name)
+    return command
+
+
+# typer vendors click; its exceptions are reached through a public subclass (typer.BadParameter)
+ClickUsageError = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
+
+
+class LazyVerbs(typer.core.TyperGroup):
+    """The `port` group over `VERBS`: a verb's command is built when it is looked up, not before."""
+
+    def list_commands(self, ctx: typer.Context) -> list[str]:
+        return list(VERBS)
+
+    def get_command(self, ctx: typer.Context, cmd_name: str) -> typer.core.TyperCommand | None:
+        if cmd_name not in self.commands and cmd_name in VERBS:
+            self.commands[cmd_name] = verb_command(cmd_name)
+        return self.commands.get(cmd_name)
+
+    def format_commands(self, ctx: typer.Context, formatter: Any) -> None:
+        listing = typer.core.TyperGroup(commands=[typer.core.TyperCommand(name, help=v.summary)
+                                                  for name, v in VERBS.items()])
+        listing.format_commands(ctx, formatter)
+
+    def resolve_command(self, ctx: typer.Context, args: list[str]) -> tuple[str | None, typer.core.TyperCommand | None,
+                                                                            list[str]]:
+        try:
+            return self._click_resolve_command(ctx, args)
+        except ClickUsageError as e:  # typer's "Did you mean", from the table instead of the loaded commands
+            matches = difflib.get_close_matches(args[0], list(VERBS)) if args else []
+            if matches:
+                e.message = f"{e.message.rstrip('.')}. Did you mean {', '.join(repr(m) for m in matches)}?"
+            raise
+
 
 app = typer.Typer(
-    name="port", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+    name="port", cls=LazyVerbs, no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
     rich_markup_mode=None, help="Port FLUX.2 / FLUX.1 checkpoints to diffusers, with numerical proof.",
 )
-
-
-def verb(command: Callable[..., Any], examples: str | None = None) -> None:
-    """Register a verb: its options checked (`checked`), its examples fitted to 80 columns (`_output.examples`)."""
-    app.command(epilog=_output.examples(examples) if examples else None)(checked(command))
-
-
-verb(fetch, FETCH_EXAMPLES)
-verb(recipes, RECIPES_EXAMPLES)
-verb(inspect, INSPECT_EXAMPLES)
-verb(convert, CONVERT_EXAMPLES)
-verb(merge, MERGE_EXAMPLES)
-verb(validate, VALIDATE_EXAMPLES)
-verb(demo)
-verb(publish, PUBLISH_EXAMPLES)
-verb(generate, GENERATE_EXAMPLES)
-verb(compare, COMPARE_EXAMPLES)
-verb(bench, BENCH_EXAMPLES)
-verb(export, EXPORT_EXAMPLES)
-verb(batch, BATCH_EXAMPLES)
-verb(env, ENV_EXAMPLES)
 
 
 def _print_version(value: bool) -> None:
@@ -81,7 +138,7 @@ def _root(version: bool = typer.Option(False, "--version", is_eager=True, callba
     pass
 
 
-# typer vendors click; its ClickException (unknown option, bad value) is reached through a public subclass
+# unknown option, bad value
 ClickException = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
 
 INTERRUPTED = "the output being written was removed; nothing at the destination changed."

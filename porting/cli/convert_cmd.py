@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
-from rich.table import Table
 
 from porting.errors import PortError, UsageError
 
@@ -24,10 +23,11 @@ from ._options import (
     QuietOpt,
     WorkspaceOpt,
 )
-from ._recipe import as_recipe, base_config, finetune_file, raise_unfetched_recipe
 from ._source import resolve
 
 if TYPE_CHECKING:
+    from rich.table import Table
+
     from porting.engine.convert import ConvertResult
 
 CONVERT_EXAMPLES = """\b
@@ -59,6 +59,8 @@ class LoraStyle(str, Enum):
 
 
 def summary_table(result: ConvertResult) -> Table:
+    from rich.table import Table
+
     s = result.plan.summary()
     table = Table(title="conversion plan", show_header=False)
     table.add_row("table", f"{s['table']} ({s['from']} -> {s['to']})")
@@ -144,6 +146,8 @@ def convert(
 ) -> None:
     """Convert FLUX.2 / FLUX.1 transformer weights (or a LoRA / LyCORIS adapter) between original (BFL) and
     diffusers naming."""
+    from ._recipe import as_recipe, base_config, finetune_file, raise_unfetched_recipe
+
     output = _output.use(json_mode=json_, quiet=quiet)
     recipe = as_recipe(src, workspace)
     if recipe is not None:
@@ -231,9 +235,10 @@ def convert(
         from porting.hub.workspace import record_step
         record_step(recipe, "convert", result.to_dict())
     output.document(result.to_dict())
-    output.table(summary_table(result))
-    if result.extra.get("svdq"):
-        output.table(svdq_table(result.extra["svdq"]))
+    if not output.json_mode:  # the tables (and rich) only for a reader
+        output.table(summary_table(result))
+        if result.extra.get("svdq"):
+            output.table(svdq_table(result.extra["svdq"]))
     if not result.plan.ok:
         for row in result.plan.problems()[:20]:
             output.warning(f"{row['kind']}: {row['key']}")

@@ -16,7 +16,6 @@ from porting.reports import REPORTS, run_folder
 
 from . import _output
 from ._options import out_option
-from .inspect_cmd import describe
 
 if TYPE_CHECKING:
     from porting.demo.bases import TinyBase
@@ -252,6 +251,8 @@ def _run(workdir: Path, json_: bool, running: list[str], tiny: TinyBase, lora: b
     src = write_random_checkpoint(workdir / "finetune" / f"tiny-{tiny.demo}-finetune.safetensors", tiny.transformer,
                                   seed=1, table=tiny.family)
     _recorded(workdir, 'finetune')
+    from .inspect_cmd import describe  # the inspect verb's reading, imported when the demo reaches it
+
     info = describe(src)
     steps["inspect"] = info
     _say(out, f"{n(2)} tiny fine-tune in original (BFL) naming: {src}\n"

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from rich.table import Table
-
 from . import _output
 from ._options import JsonOpt
 
@@ -20,6 +18,8 @@ FOLDER_LABELS = {"state": "state (output seal key)", "workspace": "workspace (po
 def env(json_: JsonOpt = False) -> None:
     """Print flux-port's version, Python, torch and its builds, the libraries, the extras installed, the visible
     devices and the folders flux-port uses: what a bug report needs."""
+    from rich.table import Table
+
     from porting.environment import environment
 
     output = _output.use(json_mode=json_)

@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Annotated, List, Optional
 
 import typer
-from rich.table import Table
 
 from porting.errors import CheckFailed, PortError, UsageError
 
@@ -73,6 +72,8 @@ def export(
     quiet: QuietOpt = False,
 ) -> None:
     """Export a diffusers folder to ONNX (weights as external data), ready for onnxruntime; or lint one (--check)."""
+    from rich.table import Table
+
     from porting.export.onnx import export_onnx
 
     output = _output.use(json_mode=json_, quiet=quiet, heavy=True)
@@ -133,6 +134,8 @@ def export(
 
 
 def _check(folder: Path, target: str, output: _output.Output) -> None:
+    from rich.table import Table
+
     from porting.export.lint import lint
 
     result = lint(folder, target)

@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
-from rich.table import Table
 
 from porting.errors import InputError
 
@@ -15,6 +14,8 @@ from . import _output
 from ._options import JsonOpt, QuietOpt, WorkspaceOpt, out_option
 
 if TYPE_CHECKING:
+    from rich.table import Table
+
     from porting.hub.fetch.engine import FetchOptions, FetchResult, Reporter
     from porting.hub.fetch.sources import Source
 
@@ -42,6 +43,8 @@ class FromChoice(str, Enum):
 
 
 def _summary(result: FetchResult) -> Table:
+    from rich.table import Table
+
     from porting.hub.fetch.plan import human
 
     title = f"recipe {result.recipe.name} ({result.recipe.pipeline})" if result.recipe else "fetch"
@@ -60,6 +63,8 @@ def _summary(result: FetchResult) -> Table:
 
 
 def _file_table(result: FetchResult) -> Table:
+    from rich.table import Table
+
     from porting.hub.fetch.plan import human
 
     table = Table(title="files")
@@ -163,6 +168,8 @@ def fetch(
 
 def recipes(json_: JsonOpt = False) -> None:
     """List the known ports: base repo, checkpoint to port, variant and pipeline class."""
+    from rich.table import Table
+
     from porting.hub.recipes import load_recipes
 
     output = _output.use(json_mode=json_)

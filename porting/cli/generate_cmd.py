@@ -7,12 +7,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
-from rich.table import Table
 
 from . import _output
 from ._options import JsonOpt, OrtThreadsOpt, QuietOpt, StepsOpt, SvdqCompute, SvdqComputeOpt, out_option
 
 if TYPE_CHECKING:
+    from rich.table import Table
+
     from porting.pipeline.generate import GenerateResult
 
 GENERATE_EXAMPLES = """\b
@@ -41,6 +42,8 @@ def _gb(n: int) -> str:
 
 
 def summary_table(r: GenerateResult) -> Table:
+    from rich.table import Table
+
     table = Table(title="generated", show_header=False)
     table.add_row("image", f"{r.output} ({r.width}x{r.height})")
     table.add_row("pipeline", f"{r.pipeline} on {r.device} ({r.dtype}" + (f", {r.cpu_offload} offload)"

@@ -6,7 +6,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
-from rich.table import Table
 
 from . import _adapter, _output
 from ._compat import companions_table, compatibility_table
@@ -63,6 +62,8 @@ def inspect(path: Annotated[Path, typer.Argument(
             json_: JsonOpt = False) -> None:
     """Show naming, family, variant, dtypes, counts, the inferred diffusers config and which runtimes load the file
     (reads headers only)."""
+    from rich.table import Table
+
     out = _output.use(json_mode=json_)
     source = resolve(path, out.status)
     path = source.path

@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
-from rich.table import Table
 
 from porting.errors import InputError, PortError
 
@@ -15,6 +14,8 @@ from . import _output
 from ._options import ForceOpt, JsonOpt, OptionalOutDirOpt, QuietOpt
 
 if TYPE_CHECKING:
+    from rich.table import Table
+
     from porting.pipeline.publish import PublishResult
 
 PUBLISH_EXAMPLES = """\b
@@ -50,6 +51,8 @@ VariantChoice = _variant_choices()
 
 
 def summary_table(result: PublishResult) -> Table:
+    from rich.table import Table
+
     d = result.to_dict()
     table = Table(title="published", show_header=False)
     table.add_row("folder", d["out"])

@@ -9,7 +9,6 @@ from typing import Annotated, Optional
 import typer
 
 from porting.errors import CheckFailed, PortError, UsageError
-from porting.reports import REPORTS, run_folder
 
 from . import _output
 from ._options import (
@@ -21,7 +20,6 @@ from ._options import (
     out_option,
     transformer_of,
 )
-from ._recipe import as_recipe
 
 VALIDATE_EXAMPLES = """\b
 Examples:
@@ -105,6 +103,10 @@ def validate(
                          "--devices / --runtime onnxruntime, or --svdq-compute.")
     follower = devices is not None and launched_by_torchrun() and os.environ.get("RANK", "0") != "0"
     output = _output.use(json_mode=json_, quiet=quiet or follower, heavy=True)
+    from porting.reports import REPORTS, run_folder
+
+    from ._recipe import as_recipe
+
     recipe = as_recipe(model, workspace)
     if recipe is not None:
         model = recipe.transformer

@@ -190,6 +190,19 @@ def _row_blocks(ckpt: Checkpoint, keys: tuple[str, ...], shapes: list[tuple[int,
             yield ckpt.read(keys[i], (a, min(a + step, last)), dtype=target).contiguous()
 
 
+def known_digests(source: Source) -> dict[Path, dict[tuple[int, int], str]]:
+    """Per-tensor sha256 already taken of the source's files (port fetch's, while verifying them), for the files
+    unchanged since then; the identity of a tensor copied byte for byte reuses them instead of reading it again."""
+    from porting.hub.fetch.manifest import tensor_digests
+
+    known = {}
+    for file, (_, size, mtime_ns) in source.stamps.items():
+        digests = tensor_digests(file, size, mtime_ns)
+        if digests:
+            known[file] = digests
+    return known
+
+
 OUTPUT_STEM: dict[str, str] = {"diffusers": "diffusion_pytorch_model", "original": "model"}
 DEFAULT_SHARD_SIZE: dict[str, str | None] = {"diffusers": "5GB", "original": None}  # None: one file
 ONE_FILE_RUNTIMES = "ComfyUI, Forge and BFL's reference code"
@@ -262,7 +275,7 @@ def convert(src: SourceLike, out: str | Path | None, to: Naming = "diffusers", d
         on_start(plan.output_bytes)
     with atomic_folder(out, force=force, verb="convert", inputs=read_paths, on_notice=on_notice) as staging:
         files = write_shards(staging, stem, entries, (tensors or iter_tensors)(ckpt, plan), limit,
-                             metadata={"format": "pt"}, on_bytes=on_bytes, hasher=hasher)
+                             metadata={"format": "pt"}, on_bytes=on_bytes, hasher=hasher, known=known_digests(source))
         if to == "diffusers":
             cfg = {**detection.config, "_class_name": detection.table.diffusers_class}
             cfg["_diffusers_version"] = importlib.metadata.version("diffusers")  # the version, without the import

@@ -141,6 +141,7 @@ def base_env(home: Path) -> dict[str, str]:
         "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_DISABLE_UPDATE_CHECK": "1", "HF_HUB_DISABLE_XET": "1",
         "MODELSCOPE_DOWNLOAD_INTRA_CLOUD": "false", "TQDM_DISABLE": "1", "NO_COLOR": "1", "COLUMNS": "200",
         "NO_PROXY": "127.0.0.1,localhost", "PYTHONDONTWRITEBYTECODE": "1",
+        "PYTHONPATH": str(REPO_ROOT),  # the checkout under test (a worktree), not the one the venv installed
     }
 
 

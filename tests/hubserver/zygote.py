@@ -48,6 +48,7 @@ def main() -> None:
     from hubserver import runner  # noqa: F401  (imported before any child changes its working folder)
 
     import porting.cli.app  # noqa: F401  (torch and the CLI, imported once)
+    import porting.cli.fetch_cmd  # noqa: F401  (the verb these tests run: `port` imports it as it runs)
 
     for name in ("diffusers", "transformers", "requests"):  # what main() and the clients import anyway
         try:

@@ -25,7 +25,7 @@ from .paths import PARTIAL_DIR, check_listing
 from .plan import Listing, Plan, PlannedFile, check_disk_space, choose, human, local_state
 from .progress import FetchProgress, FileBar
 from .sources import Source, hub_for, resolve_endpoint
-from .verify import RemoteFile, mismatch
+from .verify import Range, RemoteFile, mismatch
 
 
 class Interrupted(errors.Interrupted):
@@ -137,9 +137,12 @@ def plan_part(part: str, source: Source, out: Path, opts: FetchOptions, ui: Repo
 
 
 # -- transfer -----------------------------------------------------------------------------------------------------
-def _verify(path: Path, remote: RemoteFile, progress: FetchProgress) -> tuple[str | None, str | None]:
+def _verify(path: Path, remote: RemoteFile, progress: FetchProgress,
+            tensors: dict[Range, str]) -> tuple[str | None, str | None]:
+    """(problem or None, sha256); a .safetensors file's per-tensor sha256 go into `tensors` from the same reads
+    (convert reuses them for tensors it copies byte for byte: manifest.tensor_digests)."""
     with progress.file(f"verify {remote.path}", remote.size, counts=False) as bar:
-        return mismatch(path, remote, on_bytes=bar.update)
+        return mismatch(path, remote, on_bytes=bar.update, tensors=tensors)
 
 
 def _transfer_one(run: PartRun, pf: PlannedFile, opts: FetchOptions, ui: Reporter,
@@ -173,10 +176,11 @@ def run_part(run: PartRun, opts: FetchOptions, ui: Reporter) -> PartRun:
         stale: dict[str, str] = {}  # files fetch wrote that the listing no longer names: replaced below
         for pf in [f for f in todo if f.state == "unchecked"]:  # before any transfer: a file in the way is refused
             remote, dest = pf.remote, out / pf.remote.path
-            problem, sha256 = _verify(dest, remote, progress)
+            tensors: dict[Range, str] = {}
+            problem, sha256 = _verify(dest, remote, progress, tensors)
             if problem is None:
                 run.adopted.append(remote.path)
-                doc["files"].append(manifest.file_record(remote, dest, sha256))
+                doc["files"].append(manifest.file_record(remote, dest, sha256, tensors))
                 manifest.save(out, doc)
             elif file_is_flux_ports(dest):
                 stale[remote.path] = problem
@@ -195,7 +199,8 @@ def run_part(run: PartRun, opts: FetchOptions, ui: Reporter) -> PartRun:
                            f"flux-port wrote it, downloading it again.")
                 dest.unlink()
             got = _transfer_one(run, pf, opts, ui, progress)
-            problem, sha256 = _verify(got, remote, progress)
+            tensors = {}
+            problem, sha256 = _verify(got, remote, progress, tensors)
             if problem is not None:
                 got.unlink(missing_ok=True)
                 raise CheckFailed(
@@ -208,7 +213,7 @@ def run_part(run: PartRun, opts: FetchOptions, ui: Reporter) -> PartRun:
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 os.replace(got, dest)
             run.fetched.append(remote.path)
-            doc["files"].append(manifest.file_record(remote, dest, sha256))
+            doc["files"].append(manifest.file_record(remote, dest, sha256, tensors))
             manifest.save(out, doc)
     doc["complete"] = True
     run.manifest_path = manifest.save(out, doc)

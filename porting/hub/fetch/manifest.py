@@ -7,9 +7,10 @@ the next run skips those files without hashing them again (same size and modific
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from porting import __version__
 from porting._files import parse_json
@@ -17,9 +18,10 @@ from porting.errors import InputError
 from porting.hub.workspace import write_json_atomic
 
 from .paths import MANIFEST_NAME
-from .verify import RemoteFile
+from .verify import Range, RemoteFile
 
 FORMAT_VERSION = 1
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
 def now() -> str:
@@ -54,9 +56,34 @@ def still_verified(record: dict[str, Any] | None, remote: RemoteFile, local: Pat
     return st.st_size == remote.size and st.st_mtime_ns == record.get("mtime_ns")
 
 
-def file_record(remote: RemoteFile, local: Path, sha256: str | None) -> dict[str, Any]:
-    return {"path": remote.path, "size": remote.size, "sha256": sha256 or remote.sha256,
-            "git_sha1": remote.git_sha1, "verified_by": remote.check, "mtime_ns": os.stat(local).st_mtime_ns}
+def file_record(remote: RemoteFile, local: Path, sha256: str | None,
+                tensors: Mapping[Range, str] | None = None) -> dict[str, Any]:
+    record = {"path": remote.path, "size": remote.size, "sha256": sha256 or remote.sha256,
+              "git_sha1": remote.git_sha1, "verified_by": remote.check, "mtime_ns": os.stat(local).st_mtime_ns}
+    if tensors:  # per-tensor sha256 by byte range, "start:length" -> digest (taken with the file's own sha256)
+        record["tensors_sha256"] = {f"{start}:{length}": digest for (start, length), digest in sorted(tensors.items())}
+    return record
+
+
+def tensor_digests(file: Path, size: int, mtime_ns: int) -> dict[Range, str]:
+    """The per-tensor sha256 port fetch recorded for `file` when it verified it (in the fetch-manifest.json of the
+    folder it fetched to, `file`'s folder or one of the two above), if the file still has the size and modification
+    time it had then; else {}."""
+    file = Path(os.path.abspath(file))
+    for folder in list(file.parents)[:3]:
+        record = recorded(load(folder)).get(file.relative_to(folder).as_posix())
+        if record is None:
+            continue
+        digests = record.get("tensors_sha256")
+        if record.get("size") != size or record.get("mtime_ns") != mtime_ns or not isinstance(digests, dict):
+            return {}
+        known: dict[Range, str] = {}
+        for key, digest in digests.items():
+            start, _, length = str(key).partition(":")
+            if start.isdigit() and length.isdigit() and isinstance(digest, str) and _HEX64.fullmatch(digest):
+                known[(int(start), int(length))] = digest
+        return known
+    return {}
 
 
 def new(header: dict[str, Any]) -> dict[str, Any]:

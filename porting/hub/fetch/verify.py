@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from porting.tensors.digests import BesideDigests, Range, safetensors_ranges
+
 _BLOCK = 8 << 20
 
 
@@ -29,28 +31,44 @@ class RemoteFile:
         return self.sha256 or self.git_sha1 or f"size-{self.size}-{self.path.replace('/', '--')}"
 
 
-def file_digests(path: Path, git: bool, on_bytes: Callable[[int], None] | None = None) -> tuple[str, str | None]:
-    """(sha256, git blob sha1 or None) of a file, read once."""
+def file_digests(path: Path, git: bool, on_bytes: Callable[[int], None] | None = None,
+                 tensors: dict[Range, str] | None = None) -> tuple[str, str | None]:
+    """(sha256, git blob sha1 or None) of a file, read once. Given `tensors`, a safetensors file's per-tensor
+    sha256 (by byte range) are put there too, from the same reads, on a second thread."""
     size = path.stat().st_size
     sha256 = hashlib.sha256()
     sha1 = hashlib.sha1(f"blob {size}\0".encode()) if git else None
-    with open(path, "rb") as f:
-        while block := f.read(_BLOCK):
-            sha256.update(block)
-            if sha1 is not None:
-                sha1.update(block)
-            if on_bytes:
-                on_bytes(len(block))
+    ranges = safetensors_ranges(path) if tensors is not None else None
+    beside = BesideDigests(ranges) if ranges else None
+    offset = 0
+    try:
+        with open(path, "rb") as f:
+            while block := f.read(_BLOCK):
+                if beside is not None:
+                    beside.feed(offset, block)
+                offset += len(block)
+                sha256.update(block)
+                if sha1 is not None:
+                    sha1.update(block)
+                if on_bytes:
+                    on_bytes(len(block))
+        if beside is not None and tensors is not None:
+            tensors.update(beside.done())
+    finally:
+        if beside is not None:
+            beside.close()
     return sha256.hexdigest(), sha1.hexdigest() if sha1 else None
 
 
-def mismatch(path: Path, remote: RemoteFile,
-             on_bytes: Callable[[int], None] | None = None) -> tuple[str | None, str | None]:
-    """(problem or None, sha256 of the local file or None when only the size was checked)."""
+def mismatch(path: Path, remote: RemoteFile, on_bytes: Callable[[int], None] | None = None,
+             tensors: dict[Range, str] | None = None) -> tuple[str | None, str | None]:
+    """(problem or None, sha256 of the local file or None when only the size was checked); `tensors` as
+    `file_digests` fills it for a .safetensors file."""
     size = path.stat().st_size
     if size != remote.size:
         return f"size {size:,} bytes, expected {remote.size:,}", None
-    sha256, sha1 = file_digests(path, git=remote.sha256 is None and remote.git_sha1 is not None, on_bytes=on_bytes)
+    sha256, sha1 = file_digests(path, git=remote.sha256 is None and remote.git_sha1 is not None, on_bytes=on_bytes,
+                                tensors=tensors if remote.path.lower().endswith(".safetensors") else None)
     if remote.sha256 and sha256 != remote.sha256.lower():
         return f"sha256 {sha256}, expected {remote.sha256}", sha256
     if not remote.sha256 and remote.git_sha1 and sha1 != remote.git_sha1.lower():
