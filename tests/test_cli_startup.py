@@ -23,6 +23,9 @@ from porting.cli.app import VERBS, _root, app
 
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "diffusers", "transformers")
+# what `port --help` / `port VERB --help` may import of flux-port besides porting.cli's helpers and the verb's module
+LIGHT = ("porting", "porting.cli", "porting.cli.app", "porting.errors", "porting.finite", "porting.text",
+         "porting.pipeline", "porting.pipeline.variant_names")
 
 
 def eager_app() -> typer.Typer:
@@ -88,7 +91,9 @@ def _loaded_after(argv: list[str]) -> dict[str, list[str]]:
     code = ("import json, sys\nfrom porting.cli.app import main\ntry:\n    main(%r)\nexcept SystemExit:\n    pass\n"
             "print(json.dumps({'verbs': sorted(m for m in sys.modules if m.startswith('porting.cli.') and "
             "m.endswith('_cmd')), 'heavy': sorted(m for m in %r if m in sys.modules), "
-            "'rich': sorted(m for m in sys.modules if m.startswith('rich.'))}))" % (argv, HEAVY))
+            "'rich': sorted(m for m in sys.modules if m.startswith('rich.')), "
+            "'porting': sorted(m for m in sys.modules if m.split('.')[0] in ('porting', 'validation'))}))"
+            % (argv, HEAVY))
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert run.returncode == 0, run.stderr
     return json.loads(run.stdout.strip().splitlines()[-1])
@@ -100,6 +105,10 @@ def test_a_verbs_help_imports_only_its_own_module_and_no_torch(argv: list[str]) 
     own = [f"porting.cli.{VERBS[argv[0]].module}"] if argv[0] in VERBS else []
     assert {"verbs": loaded["verbs"], "heavy": loaded["heavy"]} == {"verbs": own, "heavy": []}
     assert loaded["rich"] == []  # help texts are click's plain text: rich is imported when a verb prints with it
+    # beyond the verb's module, only the CLI's own helpers and the leaf modules of plain data: no family registry
+    # (publish's --variant choices), no output/ownership machinery (demo's), nothing a run needs
+    beyond = [m for m in loaded["porting"] if m not in own and not m.startswith("porting.cli._")]
+    assert beyond == [m for m in beyond if m in LIGHT], sorted(set(beyond) - set(LIGHT))
 
 
 def test_a_convert_run_imports_no_other_verbs_module(tmp_path: Path, tiny2_file: Path) -> None:
@@ -107,3 +116,14 @@ def test_a_convert_run_imports_no_other_verbs_module(tmp_path: Path, tiny2_file:
     assert loaded["verbs"] == ["porting.cli.convert_cmd"]
     assert loaded["heavy"] == [] and loaded["rich"] == []  # a bf16 copy with --json prints no table
     assert (tmp_path / "out" / "flux-port.json").is_file()
+
+
+def test_publishs_variant_choices_are_the_family_registrys() -> None:
+    """`port publish --variant` lists names kept as data (its help imports no family): the same names, in the same
+    order, as the registry's publishable variants."""
+    from porting.cli.publish_cmd import VariantChoice
+    from porting.families import pipeline_variants
+    from porting.pipeline.variant_names import PIPELINE_VARIANTS
+
+    assert PIPELINE_VARIANTS == tuple(pipeline_variants())
+    assert [c.value for c in VariantChoice] == list(pipeline_variants())

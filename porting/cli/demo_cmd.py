@@ -10,9 +10,6 @@ from typing import TYPE_CHECKING, Annotated, Callable, Optional
 import typer
 
 from porting.errors import Interrupted
-from porting.outputs import UnsafeOutputError, check_replaceable, check_writable_parent
-from porting.ownership import RECORD, extend_record, is_flux_port_staging, read_record, write_record
-from porting.reports import REPORTS, run_folder
 
 from . import _output
 from ._options import out_option
@@ -23,11 +20,14 @@ if TYPE_CHECKING:
 PROMPT = "a red fox in the snow"
 
 
+# porting.outputs / ownership / reports are imported by the functions that use them: `port demo --help` stays light
 DEMO_ENTRIES = ("base", "finetune", "transformer", "reports", "published", "demo.png", "lora", "merged")
 DEFAULT_ROOT = Path("demo-out")
 
 
 def _owned(workdir: Path) -> dict[str, object]:
+    from porting.ownership import read_record
+
     record = read_record(workdir)
     return record.files if record else {}
 
@@ -36,6 +36,8 @@ def _clear(workdir: Path, rel: str, owned: dict[str, object]) -> None:
     """Remove what the demo's record lists at `rel`: a file, or a folder whose every entry it lists; in a folder
     holding something it does not list (a report run folder `port validate` wrote for the user), only the listed
     entries, recursively. A record file inside is kept unless its whole folder goes."""
+    from porting.ownership import RECORD, is_flux_port_staging
+
     path = workdir / rel
     if not path.is_dir() or path.is_symlink():
         if rel in owned:
@@ -56,6 +58,8 @@ def _clear(workdir: Path, rel: str, owned: dict[str, object]) -> None:
 def others_inside(workdir: Path, tops: list[str]) -> list[str]:
     """The folders inside the demo's own entries that another verb wrote (a report of `port validate` run on
     `published/transformer`, say): on no demo record, each with a record of its own."""
+    from porting.ownership import read_record
+
     owned = _owned(workdir)
     found = []
     for top in tops:
@@ -81,6 +85,9 @@ def _remove(path: Path) -> None:
 def _prune_reports(workdir: Path, removed: list[str]) -> None:
     """Remove the `reports/<verb>/` folders (and then `reports/`) that held the report run folders in `removed`
     (the demo's own, just removed) when nothing but their ownership record is left in them."""
+    from porting.ownership import RECORD
+    from porting.reports import REPORTS
+
     root = workdir / REPORTS
     verbs = {rel.split("/")[1] for rel in removed if rel.startswith(f"{REPORTS}/") and rel.count("/") >= 2}
     if not verbs or not root.is_dir() or root.is_symlink():
@@ -95,6 +102,10 @@ def prepare_workdir(workdir: Path) -> None:
     else (every file in it must be one flux-port recorded writing, at the size it wrote it). What other verbs wrote
     in it (reports of `port validate` / `compare` / `bench`, another verb's `--out`) is kept as it is; when such an
     output sits inside an entry the demo replaces, the demo refuses, naming it."""
+    from porting.outputs import UnsafeOutputError, check_replaceable, check_writable_parent
+    from porting.ownership import write_record
+    from porting.reports import REPORTS
+
     check_writable_parent(workdir, option="--workdir")
     if workdir.exists() or workdir.is_symlink():
         check_replaceable(workdir, what="demo work folder", owner_verbs={"demo"}, option="--workdir")
@@ -122,6 +133,8 @@ _PREPARED: list[tuple[Path, bool]] = []  # the work folder this run cleared or c
 def undo_workdir(workdir: Path, created: bool, written: list[str] | None = None) -> str:
     """After a failed step: remove what this run wrote in the work folder (the entries in `written`), the folder
     itself when this run created it; returns what was done, for the message."""
+    from porting.ownership import RECORD, write_record
+
     if created:
         shutil.rmtree(workdir, ignore_errors=True)
         return f"The demo removed its partial work folder {workdir}."
@@ -141,12 +154,16 @@ def undo_workdir(workdir: Path, created: bool, written: list[str] | None = None)
 def _recorded(workdir: Path, entry: str) -> None:
     """Add what a demo step just wrote to the work folder's record, file by file (`entry` may be a path inside it:
     the demo's own report run folder, `reports/validate/<time>`)."""
+    from porting.ownership import extend_record
+
     extend_record(workdir, "demo", [entry])
 
 
 def interrupted(workdir: Path, running: str) -> Interrupted:
     """Ctrl-C (or SIGTERM) during a demo: remove what the interrupted step had begun (it is not in the work folder's
     record yet, and would make the next demo refuse the folder), and say what the finished steps left."""
+    from porting.ownership import RECORD, read_record
+
     record = read_record(workdir)
     path = workdir / running
     if running and record is not None and running not in record.files and (path.exists() or path.is_symlink()):
@@ -232,6 +249,7 @@ def _run(workdir: Path, json_: bool, running: list[str], tiny: TinyBase, lora: b
     from porting.engine.convert import convert as run_convert
     from porting.pipeline.generate import generate
     from porting.pipeline.publish import publish
+    from porting.reports import REPORTS, run_folder
     from validation.api import validate
 
     out = _output.use(json_mode=json_, heavy=True)
@@ -303,6 +321,7 @@ def _lora_steps(workdir: Path, running: list[str], base: Path, transformer: Path
     from porting.adapters.effect import summary_lines
     from porting.adapters.merge import merge
     from porting.demo.lora import write_tiny_lora
+    from porting.reports import REPORTS, run_folder
     from validation.api import validate
 
     running.append("lora")

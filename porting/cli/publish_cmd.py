@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Optional
 import typer
 
 from porting.errors import InputError, PortError
+from porting.pipeline.variant_names import PIPELINE_VARIANTS
 
 from . import _output
 from ._options import ForceOpt, JsonOpt, OptionalOutDirOpt, QuietOpt
@@ -41,10 +42,9 @@ class LinkChoice(str, Enum):
 
 
 def _variant_choices() -> type[Enum]:
-    """The publish variants the family registry declares (torch-free: the registry is data)."""
-    from porting.families import pipeline_variants
-
-    return Enum("VariantChoice", {name: name for name in pipeline_variants()}, type=str)  # type: ignore[return-value]
+    """The publish variants the family registry declares, from their names kept as data (the registry itself is
+    imported when a publish runs, not for its help)."""
+    return Enum("VariantChoice", {name: name for name in PIPELINE_VARIANTS}, type=str)  # type: ignore[return-value]
 
 
 VariantChoice = _variant_choices()
