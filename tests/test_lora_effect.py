@@ -198,6 +198,6 @@ def test_a_huge_finite_delta_gets_its_true_norm_not_an_infinity() -> None:
     row = E.measure(weight, delta=torch.full((4, 8), 2e30))
     assert row["rel_norm"] == pytest.approx(2e30, rel=1e-6) and row["status"] == "ok"
     block = E.Effect().blockwise("m", 32)
-    block.delta(torch.full((4, 8), 2e30))
-    block.weight(weight.float())
+    d_sq, lo, hi = E.effect_of(torch.full((4, 8), 2e30))
+    block.block(d_sq, E.squares(weight.float()), max(-lo, hi), 32)
     assert block.row["rel_norm"] == pytest.approx(2e30, rel=1e-6)

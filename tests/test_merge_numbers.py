@@ -150,3 +150,47 @@ def test_a_power_of_two_multiplier_folded_into_the_down_factor_gives_the_same_bi
     up, down = torch.randn(300, 64, generator=gen) * 0.01, torch.randn(64, 1000, generator=gen)
     assert torch.equal(up @ (down * s), (up @ down) * s)
     assert not torch.equal(up @ (down * 0.3), (up @ down) * 0.3)  # what is not a power of two is not folded
+
+
+@pytest.mark.parametrize("strength", [0.7, 2 / 3])  # s = 0.525 scales each block; s = 0.5 is folded into A
+def test_the_effect_merge_reports_is_the_whole_tensor_measure(world, tmp_path, tiny_blocks, strength):
+    """Merge measures each module block by block, the delta's norm from the LoRA's factors (no pass over the
+    block): the same numbers as `measure` on the whole weight and the test's own delta s * (B @ A)."""
+    from porting.adapters.effect import measure
+
+    result = merge(world["base"], [(world["root"] / "one.safetensors", strength)], tmp_path / "m")
+    rows = {r["module"]: r for r in result.extra["adapter_effect"]["modules"]}
+    assert set(rows) == {m + ".weight" for m in world["one"]}
+    for module, (up, down) in world["one"].items():
+        w = world["state"][module + ".weight"]
+        want = measure(w, delta=(up @ down) * (strength * 3.0 / 4))
+        got = rows[module + ".weight"]
+        assert (got["status"], got["changed"], got["elements"]) == (want["status"], want["changed"],
+                                                                     want["elements"]), module
+        for k in ("rel_norm", "max_abs", "weight_norm"):
+            assert got[k] == pytest.approx(want[k], rel=1e-5), (module, k)
+
+
+@pytest.mark.parametrize("what, strength", [("an fp16 base", 1e6), ("a bf16 base", 1e30), ("a NaN", 1.0)])
+def test_a_sum_that_does_not_fit_the_base_dtype_is_refused_and_nothing_is_written(world, tmp_path, tiny_blocks,
+                                                                                  what, strength):
+    """The block path looks at the rounded block only when the measure's bound (||W|| + max |d|) cannot rule out
+    an overflow: a sum past the base dtype's largest (fp16's 65504; bf16's, where float32 overflows too) or a NaN
+    in the base is still caught, naming the tensor."""
+    module = "double_blocks.0.img_attn.qkv"
+    state = {k: v.half() for k, v in world["state"].items()} if what == "an fp16 base" else dict(world["state"])
+    if what == "a NaN":
+        state[module + ".weight"] = state[module + ".weight"].clone()
+        state[module + ".weight"][5, 3] = float("nan")
+    base = save_state(tmp_path / "base.safetensors", state)
+    lora = tmp_path / "lora.safetensors"
+    kohya(lora, state, [module], rank=4, seed=1, alpha=4.0)
+    if what == "a bf16 base":  # factors of 1e30 x 1e10: the product overflows float32 (a strength is checked)
+        tensors = load_file(str(lora))
+        stem = "lora_unet_" + module.replace(".", "_")
+        tensors[stem + ".lora_down.weight"] *= 1e10
+        save_file(tensors, str(lora))
+    with pytest.raises(Exception, match=r"double_blocks\.0\.img_attn\.qkv\.weight plus the delta") as err:
+        merge(base, [(lora, strength)], tmp_path / "m")
+    assert getattr(err.value, "hint", None) == merge_module.SUM_HINT, err.value
+    assert not (tmp_path / "m").exists()

@@ -58,14 +58,14 @@ def measure(weight: torch.Tensor, merged: torch.Tensor | None = None,
         w, o = w2[a:a + step], o2[a:a + step]
         x, y = f32[: w.numel()].view(w.shape), b16[: w.numel()].view(w.shape)
         x.copy_(w)
-        w_sq += _squares(x)
+        w_sq += squares(x)
         if merged is not None:
             d = x.sub_(o)  # W - (W + d): the delta's negative, same norm and largest magnitude
             y.copy_(o)
         else:
             d = o
             y.copy_(x.add_(o))
-        d_sq += _squares(d)
+        d_sq += squares(d)
         lo, hi = torch.aminmax(d)  # several times faster than an inf-norm here
         peak = max(peak, -float(lo), float(hi))
         ref = w if weight.dtype == torch.bfloat16 else w16[: w.numel()].view(w.shape).copy_(w)
@@ -74,7 +74,7 @@ def measure(weight: torch.Tensor, merged: torch.Tensor | None = None,
     return _status(d_sq, w_sq, peak, changed, weight.numel())
 
 
-def _squares(t: torch.Tensor) -> float:
+def squares(t: torch.Tensor) -> float:
     """The sum of squares of a float32 tensor; in float64 where float32 overflows (|values| above ~1.8e19), so a
     huge but finite delta gets its true norm, not an infinity."""
     import torch
@@ -94,50 +94,49 @@ def _status(d_sq: float, w_sq: float, peak: float, changed: int, elements: int) 
             "weight_norm": w_norm, "changed": changed, "elements": elements, "status": status}
 
 
+def effect_of(d: torch.Tensor, d_sq: float | None = None) -> tuple[float, float, float]:
+    """(||d||_F^2, min d, max d) of a block of the float32 delta; `d_sq` where the caller has it already (a LoRA's
+    from its factors)."""
+    import torch
+
+    flat = d.reshape(-1)
+    lo, hi = torch.aminmax(flat)  # several times faster than an inf-norm here
+    return (squares(flat) if d_sq is None else d_sq), float(lo), float(hi)
+
+
+def changed_bf16(before: torch.Tensor, after: torch.Tensor, total: torch.Tensor) -> int:
+    """How many elements of a block change in bf16: the block as stored (`before`) against it as written (`after`,
+    the float32 sum `total` rounded to the base's dtype)."""
+    import numpy as np
+    import torch
+
+    if after.dtype != torch.bfloat16:  # bf16 is the yardstick whatever the base's dtype
+        before, after = before.to(torch.bfloat16), total.to(torch.bfloat16)
+    # bit patterns compared and counted by numpy: several times faster than torch's count_nonzero here
+    return int(np.count_nonzero(after.view(torch.int16).numpy() != before.view(torch.int16).numpy()))
+
+
 class BlockMeasure:
     """`measure` of one base tensor fed a block of rows at a time, from several threads (merge's block path, which
-    hands over what its arithmetic has at hand anyway: the delta before the sum, the widened weight, the sum rounded
-    into the output). The row it keeps current is the one `Effect.rows` holds."""
+    hands over the numbers its arithmetic has at hand: see `effect_of`, `squares`, `changed_bf16`). The row it keeps
+    current is the one `Effect.rows` holds."""
 
     def __init__(self, row: dict[str, Any], effect: Effect) -> None:
         self.row, self.effect = row, effect
         self.sums = {"d_sq": 0.0, "w_sq": 0.0, "peak": 0.0, "changed": 0}
 
-    def delta(self, d: torch.Tensor) -> None:
-        """A block of the float32 delta (every adapter's, summed)."""
-        import torch
-
-        flat = d.reshape(-1)
-        d_sq = _squares(flat)
-        lo, hi = torch.aminmax(flat)
-        self._add(d_sq=d_sq, peak=max(-float(lo), float(hi)))
-
-    def weight(self, w: torch.Tensor) -> None:
-        """The same block of the base weight, widened to float32."""
-
-        flat = w.reshape(-1)
-        self._add(w_sq=_squares(flat))
-
-    def rounded(self, before: torch.Tensor, after: torch.Tensor, total: torch.Tensor) -> None:
-        """The block as stored (`before`) and as written (`after`: the float32 sum `total` rounded to the base's
-        dtype): counts the bf16 elements that change."""
-        import numpy as np
-        import torch
-
-        if after.dtype != torch.bfloat16:  # bf16 is the yardstick whatever the base's dtype
-            before, after = before.to(torch.bfloat16), total.to(torch.bfloat16)
-        n = int(np.count_nonzero(after.view(torch.int16).numpy() != before.view(torch.int16).numpy()))
-        self._add(changed=n)
-
-    def _add(self, d_sq: float = 0.0, w_sq: float = 0.0, peak: float = 0.0, changed: int = 0) -> None:
+    def block(self, d_sq: float, w_sq: float, peak: float, changed: int) -> None:
+        """One block's numbers: the squared norms of its float32 delta and weight, its largest |delta| and how many
+        of its bf16 elements change."""
         with self.effect.lock:  # one lock for every row: the counts are kept current with them
             s = self.sums
             s["d_sq"] += d_sq
             s["w_sq"] += w_sq
             s["peak"] = max(s["peak"], peak)
             s["changed"] += changed
+            was = self.row["status"]
             self.row.update(_status(s["d_sq"], s["w_sq"], s["peak"], s["changed"], self.row["elements"]))
-            self.effect._count()
+            self.effect._moved(was, self.row["status"])
 
 
 class Effect:
@@ -179,6 +178,13 @@ class Effect:
         with self.lock:
             self.unplaced += [{"keys": k, "why": why} for k, why in leftovers]
             self._count()
+
+    def _moved(self, was: str, now: str) -> None:
+        """A row's status changed (under the lock): the counts follow without a pass over every row."""
+        if was != now:
+            counts = self.doc["counts"]
+            counts[was] -= 1
+            counts[now] += 1
 
     def _count(self) -> None:
         counts = {"modules": len(self.rows), OK: 0, NO_EFFECT: 0, ZERO: 0, "unplaced": len(self.unplaced)}

@@ -36,7 +36,7 @@ from porting.text import one_line
 
 from .delta import Shape, delta, delta_shape, multiplier, read32
 from .describe import variant_configs
-from .effect import Effect
+from .effect import Effect, changed_bf16, effect_of, squares
 from .naming import Adapter, ModuleAdapter
 
 
@@ -247,8 +247,19 @@ class _Delta:
             if s != 1.0 and s != 0.0 and math.frexp(abs(s))[0] == 0.5:  # a power of two (alpha = rank / 2, ...):
                 down, s = down * s, 1.0  # scaling the factor once is exact, and saves a pass over every block
             self.lora = (up, down, s)
+            self.down_gram = (down @ down.T).double()  # r x r, once: the squared norm of a block comes from it
         else:
             self.full = delta(adapter, m, strength)
+
+    def squares(self, a: int, b: int) -> float | None:
+        """||delta[a:b]||_F^2 of a LoRA without a pass over the block: ||s B A||^2 = s^2 sum((B^T B) * (A A^T)), r x r
+        (in float64); None for other kinds, or where float32 overflows (the caller sums the block's squares)."""
+        if self.lora is None:
+            return None
+        up, _, s = self.lora
+        rows = up[a:b]
+        total = float(((rows.T @ rows).double() * self.down_gram).sum()) * s * s
+        return total if math.isfinite(total) else None
 
     def rows(self, a: int, b: int, out: torch.Tensor) -> torch.Tensor:
         """The float32 delta of rows [a, b): in `out` (a buffer of that shape) or a view of the whole delta."""
@@ -347,25 +358,30 @@ class _MergedRows(_StoredRows):
             base = stored[i:j]
             weight = _buffer("weight", base.shape).copy_(base)  # widened exactly, once
             total: torch.Tensor | None = None
+            d_sq: float | None = None
             for one in self.deltas:
                 buf = _buffer("delta" if total is not None else "sum", base.shape)
                 d = one.rows(a + i, a + j, buf)
                 if total is None:  # the float32 sum starts as this delta plus the stored weight
-                    if len(self.deltas) == 1:
-                        self.effect.delta(d)  # before the sum takes its buffer
+                    if len(self.deltas) == 1:  # the effect's numbers of the delta, before the sum takes its buffer
+                        d_sq = one.squares(a + i, a + j)
+                        d_sq, lo, hi = effect_of(d, d_sq)
                     total = d.add_(weight) if d is buf else torch.add(d, weight, out=buf)
                 else:
                     total.add_(d)
             assert total is not None
             if len(self.deltas) > 1:
-                self.effect.delta(torch.sub(total, weight, out=_buffer("delta", base.shape)))
-            self.effect.weight(weight)
+                d_sq, lo, hi = effect_of(torch.sub(total, weight, out=_buffer("delta", base.shape)))
+            assert d_sq is not None
+            w_sq = squares(weight)
             before = _buffer("before", base.shape, base.dtype).copy_(base)
             base.copy_(total)  # one rounding to the base dtype, into the output buffer
-            self.effect.rounded(before, base, total)
-            lo, hi = torch.aminmax(base)
-            if not max(-float(lo), float(hi)) < self.limit:  # NaN, Inf or the dtype's largest: the sum decides
-                check_tensor(total, self.what, self.path, into=self.info.torch_dtype, hint=SUM_HINT)
+            self.effect.block(d_sq, w_sq, max(-lo, hi), changed_bf16(before, base, total))
+            # |W + d| <= ||W||_F + max |d| everywhere: far below the dtype's largest, the rounded block needs no look
+            if not math.sqrt(w_sq) + abs(lo) + abs(hi) < self.limit / 2:  # NaN, Inf or near the largest
+                lo, hi = torch.aminmax(base)
+                if not max(-float(lo), float(hi)) < self.limit:  # the sum decides
+                    check_tensor(total, self.what, self.path, into=self.info.torch_dtype, hint=SUM_HINT)
 
 
 _buffers = threading.local()
