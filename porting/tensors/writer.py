@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import errno
+import functools
 import hashlib
 import itertools
 import json
@@ -228,16 +229,20 @@ class _Copier:
                 if last_path != path or last_offset + last_length != offset:
                     self.flush(out_fd)
             self._run.append((path, offset, length, item.source_key))
+            while sum(n for _, _, n, _ in self._run) >= COPY_MAX:  # a long run is copied as it grows
+                self.flush(out_fd, COPY_MAX)
 
-    def flush(self, out_fd: int) -> None:
+    def flush(self, out_fd: int, most: int | None = None) -> None:
+        """Copy the gathered run, or its first `most` bytes (the rest stays gathered)."""
         if not self._run:
             return
         path, start = self._run[0][0], self._run[0][1]
         length = sum(n for _, _, n, _ in self._run)
-        try:
-            self._copy(out_fd, path, start, length)
-        finally:
-            self._run.clear()
+        length = length if most is None else min(most, length)
+        self._copy(out_fd, path, start, length)
+        end = start + length
+        rest = [(p, max(o, end), o + n - max(o, end), k) for p, o, n, k in self._run if o + n > end]
+        self._run = rest
 
     def _key_at(self, offset: int) -> str:
         """The tensor whose bytes lie at `offset` of the run (for errors)."""
@@ -291,7 +296,9 @@ class _SideHashes:
         self.pending: collections.deque[tuple[Future, int]] = collections.deque()
         self.bytes_pending = 0
 
-    def submit(self, e: Entry, item: Segments) -> None:
+    def submit(self, e: Entry, item: Segments, before_waiting: Callable[[], None] | None = None) -> None:
+        """Hash `item` on the side; `before_waiting` runs first if this must wait for earlier hashes (the writer
+        copies what it gathered, so the copy is not left waiting on hashes)."""
         if self.pool is None or self.hasher is None:
             return
         if len(item.parts) == 1:  # a whole stored tensor copied as it is: its digest may be known already
@@ -301,6 +308,9 @@ class _SideHashes:
                 self.hasher.add(e.key, e.dtype, e.shape, digest)
                 return
         while self.pending and self.bytes_pending + item.nbytes > HASH_BEHIND:
+            if before_waiting is not None:
+                before_waiting()
+                before_waiting = None
             self._wait_one()
         self.pending.append((self.pool.submit(self._hash, e, item), item.nbytes))
         self.bytes_pending += item.nbytes
@@ -490,7 +500,7 @@ def write_shards(folder: Path, stem: str, entries: list[Entry],
                     copied = False
                     while (piece := next(pieces)) is not None:
                         if isinstance(piece, Segments):  # copied by the kernel, hashed on the side
-                            side.submit(e, piece)
+                            side.submit(e, piece, before_waiting=functools.partial(copier.flush, out_fd))
                             copier.copy(out_fd, piece)
                             digest, copied = None, True
                             continue
