@@ -162,23 +162,23 @@ def test_adjacent_copied_tensors_are_copied_as_one_run_with_the_same_bytes_and_i
     assert load_file(str(ref)).keys() == got.keys()
 
 
-def test_the_header_is_padded_so_copied_data_keeps_its_place_in_a_page(tmp_path):
-    """The data starts at the first copied tensor's offset within a page (the kernel then copies whole pages), and
+def test_the_header_is_padded_so_copied_data_keeps_its_place_in_a_folio(tmp_path):
+    """The data starts at the first copied tensor's offset modulo 64 KiB (the kernel then copies whole folios), and
     stays 8-byte aligned: a source offset that is not is not followed. Either file loads in safetensors."""
     from safetensors import safe_open
 
-    from porting.tensors.writer import PAGE
+    from porting.tensors.writer import FOLIO
 
     src = tmp_path / "src.bin"
-    data = os.urandom(3 * PAGE)
+    data = os.urandom(FOLIO + 8192)
     src.write_bytes(data)
-    for offset, aligned_to_source in ((PAGE + 1000, True), (PAGE + 1001, False)):
+    for offset, aligned_to_source in ((FOLIO + 1000, True), (FOLIO + 1001, False)):
         folder = tmp_path / str(offset)
         folder.mkdir()
         out, _ = _write_pieces(folder, [Segments(((src, offset, 512),), "w")], [Entry("w", (512,), "U8")])
         start = 8 + int.from_bytes(out.read_bytes()[:8], "little")
         assert start % 8 == 0
-        assert (start % PAGE == offset % PAGE) is aligned_to_source
+        assert (start % FOLIO == offset % FOLIO) is aligned_to_source
         with safe_open(str(out), "pt") as f:
             assert f.get_tensor("w").numpy().tobytes() == data[offset:offset + 512]
 
