@@ -190,3 +190,26 @@ def test_a_short_source_in_a_run_names_the_tensor_whose_bytes_ran_out(tmp_path):
     items = [Segments(((src, 0, 50),), "first"), Segments(((src, 50, 100),), "second")]
     with pytest.raises(InputError, match="src.bin: unexpected end of file while reading tensor 'second'"):
         write_shards(tmp_path, "out", entries, items, 2**40)
+
+
+def test_a_long_run_is_copied_as_it_grows_and_reported_as_copied(tmp_path, monkeypatch):
+    """A run longer than one copy call goes out a call at a time while later tensors still join it; progress is
+    told after each call, and the file holds the same bytes."""
+    from safetensors.torch import load_file
+
+    from porting.tensors import writer
+
+    monkeypatch.setattr(writer, "COPY_MAX", 1000)
+    src = tmp_path / "src.bin"
+    data = os.urandom(5000)
+    src.write_bytes(data)
+    ranges = [(0, 700), (700, 1500), (2200, 2800)]
+    entries = [Entry(f"t{i}", (n,), "U8") for i, (_, n) in enumerate(ranges)]
+    items = [Segments(((src, o, n),), f"t{i}") for i, (o, n) in enumerate(ranges)]
+    progress: list[int] = []
+    out, identity = _write_pieces(tmp_path, items, entries, on_bytes=progress.append)
+    assert progress == [1000] * 5
+    got = load_file(str(out))
+    for i, (o, n) in enumerate(ranges):
+        assert got[f"t{i}"].numpy().tobytes() == data[o:o + n]
+    assert identity == hash_checkpoint(open_checkpoint(out))
