@@ -116,3 +116,100 @@ def test_the_output_follows_the_source_storage_order(tmp_path, tiny2_file):
     in_output_order = sorted(out, key=lambda k: out[k].start)
     starts = [src[source_of[k]].start for k in in_output_order]
     assert starts == sorted(starts)
+
+
+def _write_pieces(tmp_path, items, entries, **kwargs):
+    hasher = WeightsHasher()
+    names = write_shards(tmp_path, "out", entries, items, 2**40, hasher=hasher, **kwargs)
+    return tmp_path / names[0], hasher.hexdigest()
+
+
+def test_adjacent_copied_tensors_are_copied_as_one_run_with_the_same_bytes_and_identity(tmp_path, monkeypatch):
+    """Tensors whose source ranges follow each other go to the kernel as one copy; a tensor from memory or a jump
+    in the source ends the run. The file holds the same tensors, and the identity is the one computed per tensor,
+    as when each tensor is written from memory."""
+    from safetensors.torch import load_file
+
+    from porting.tensors import writer
+
+    src = tmp_path / "src.bin"
+    data = os.urandom(8192 + 600)
+    src.write_bytes(data)
+    calls: list[tuple[int, int]] = []
+    real = os.copy_file_range
+
+    def counted(src_fd, dst_fd, count, offset_src=None, *args):
+        calls.append((offset_src, count))
+        return real(src_fd, dst_fd, count, offset_src, *args)
+
+    monkeypatch.setattr(writer.os, "copy_file_range", counted)
+    ranges = [(8, 100), (108, 4000), (4108, 92), (0, 8), (4200, 4000)]  # three adjacent, a jump, one in memory
+    entries = [Entry(f"t{i}", (n,), "U8") for i, (_, n) in enumerate(ranges)]
+    memory = torch.frombuffer(bytearray(data[4200:8200]), dtype=torch.uint8)
+    items = [Segments(((src, o, n),), f"t{i}") for i, (o, n) in enumerate(ranges[:4])] + [memory]
+    progress: list[int] = []
+    out, identity = _write_pieces(tmp_path, items, entries, on_bytes=progress.append)
+    if writer._Copier().kernel:  # where the kernel copies at all
+        assert calls == [(8, 4192), (0, 8)]
+    got = load_file(str(out))
+    for i, (o, n) in enumerate(ranges):
+        assert got[f"t{i}"].numpy().tobytes() == data[o:o + n]
+    assert sum(progress) == sum(n for _, n in ranges)
+    (tmp_path / "ref").mkdir()
+    tensors = [torch.frombuffer(bytearray(data[o:o + n]), dtype=torch.uint8) for o, n in ranges]
+    ref, ref_identity = _write_pieces(tmp_path / "ref", tensors, entries)
+    assert identity == ref_identity == hash_checkpoint(open_checkpoint(out))
+    assert load_file(str(ref)).keys() == got.keys()
+
+
+def test_the_header_is_padded_so_copied_data_keeps_its_place_in_a_folio(tmp_path):
+    """The data starts at the first copied tensor's offset modulo 64 KiB (the kernel then copies whole folios), and
+    stays 8-byte aligned: a source offset that is not is not followed. Either file loads in safetensors."""
+    from safetensors import safe_open
+
+    from porting.tensors.writer import FOLIO
+
+    src = tmp_path / "src.bin"
+    data = os.urandom(FOLIO + 8192)
+    src.write_bytes(data)
+    for offset, aligned_to_source in ((FOLIO + 1000, True), (FOLIO + 1001, False)):
+        folder = tmp_path / str(offset)
+        folder.mkdir()
+        out, _ = _write_pieces(folder, [Segments(((src, offset, 512),), "w")], [Entry("w", (512,), "U8")])
+        start = 8 + int.from_bytes(out.read_bytes()[:8], "little")
+        assert start % 8 == 0
+        assert (start % FOLIO == offset % FOLIO) is aligned_to_source
+        with safe_open(str(out), "pt") as f:
+            assert f.get_tensor("w").numpy().tobytes() == data[offset:offset + 512]
+
+
+def test_a_short_source_in_a_run_names_the_tensor_whose_bytes_ran_out(tmp_path):
+    src = tmp_path / "src.bin"
+    src.write_bytes(b"x" * 100)
+    entries = [Entry("a", (50,), "U8"), Entry("b", (100,), "U8")]
+    items = [Segments(((src, 0, 50),), "first"), Segments(((src, 50, 100),), "second")]
+    with pytest.raises(InputError, match="src.bin: unexpected end of file while reading tensor 'second'"):
+        write_shards(tmp_path, "out", entries, items, 2**40)
+
+
+def test_a_long_run_is_copied_as_it_grows_and_reported_as_copied(tmp_path, monkeypatch):
+    """A run longer than one copy call goes out a call at a time while later tensors still join it; progress is
+    told after each call, and the file holds the same bytes."""
+    from safetensors.torch import load_file
+
+    from porting.tensors import writer
+
+    monkeypatch.setattr(writer, "COPY_MAX", 1000)
+    src = tmp_path / "src.bin"
+    data = os.urandom(5000)
+    src.write_bytes(data)
+    ranges = [(0, 700), (700, 1500), (2200, 2800)]
+    entries = [Entry(f"t{i}", (n,), "U8") for i, (_, n) in enumerate(ranges)]
+    items = [Segments(((src, o, n),), f"t{i}") for i, (o, n) in enumerate(ranges)]
+    progress: list[int] = []
+    out, identity = _write_pieces(tmp_path, items, entries, on_bytes=progress.append)
+    assert progress == [1000] * 5
+    got = load_file(str(out))
+    for i, (o, n) in enumerate(ranges):
+        assert got[f"t{i}"].numpy().tobytes() == data[o:o + n]
+    assert identity == hash_checkpoint(open_checkpoint(out))
