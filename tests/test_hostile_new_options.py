@@ -108,3 +108,30 @@ def test_batch_push_name_the_hub_refuses(hubs, tmp_path):  # noqa: F811
     error = json.loads(r.stdout)["error"]
     assert name in error and "longer than 96 characters" in error, error
     assert not (tmp_path / "out").exists() and hubs.log == []
+
+
+@pytest.mark.parametrize("key, value", [("transformer_blocks.0.attn.to_qkv.wscales", float("nan")),
+                                        ("transformer_blocks.0.attn.to_qkv.smooth_factor", 0.0),
+                                        ("single_transformer_blocks.0.attn.mlp_fc2.proj_down", float("nan"))])
+def test_damaged_svdq_base_is_not_copied_into_a_merge(tmp_path, capsys, src, key, value):
+    """Appending to the branch copies the base's layers without dequantizing them: a NaN scale, a zero smoothing
+    factor (the kernel divides by it) or a NaN branch of a layer no adapter touches was written on, exit 0."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from .lorakit import BY_NAME, make_parts, write_adapter
+
+    r = run_port(capsys, "convert", src, "--quantize", "svdq-int4", "--rank", "16", "--out", tmp_path / "q", "--json")
+    assert r.code == 0, r.err
+    with safe_open(str(tmp_path / "q" / json.loads(r.out)["file"]), "pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    tensors[key] = tensors[key].clone()
+    tensors[key].view(-1)[0] = value
+    base = tmp_path / "damaged.safetensors"
+    save_file(tensors, str(base), meta)
+    module = "transformer_blocks.0.attn.to_q"
+    adapter = write_adapter(tmp_path / "l.safetensors", BY_NAME["peft-transformer"],
+                            make_parts({module: (128, 128)}, [module], "lora", seed=1, rank=2))
+    r = run_port(capsys, "merge", base, adapter, "--out", tmp_path / "m")
+    assert r.code == 1 and key in r.err and "nothing was written" in r.err, r.err
+    assert leftovers(tmp_path / "m") == []
