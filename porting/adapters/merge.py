@@ -37,7 +37,7 @@ from porting.text import one_line
 from .delta import Shape, delta, delta_shape, multiplier, read32
 from .describe import variant_configs
 from .effect import Effect, changed_bf16, effect_of, squares
-from .naming import Adapter, ModuleAdapter
+from .naming import NOT_A_FACTOR, Adapter, ModuleAdapter
 
 
 class AdapterMismatchError(PlanError):
@@ -506,6 +506,10 @@ def merge(base: SourceLike, adapters: list[tuple[SourceLike, float]], out: str |
             raise UsageError(f"--skip {pattern!r}: matches no key of the adapters; nothing was written.",
                              hint="Patterns are globs on the keys as stored (see port inspect ADAPTER --json).")
     for adapter, _ in read:
+        if not adapter.modules and adapter.unknown and all(why.startswith(NOT_A_FACTOR) for _, why in adapter.unknown):
+            raise UsageError(f"{adapter.path}: no key is an adapter factor (LoRA, LoKr, LoHa, diff): these are "
+                             "weights, not an adapter; nothing was written.",
+                             hint="port merge BASE ADAPTER...: the base comes first, then the LoRA / LyCORIS files.")
         if not adapter.modules and not adapter.unknown:  # unreadable keys are refused by placement, with reasons
             raise UsageError(f"{adapter.path}: no adapter module is left to merge"
                              + (" after --skip" if skipped[str(adapter.path)] else "") + "; the result would be a "

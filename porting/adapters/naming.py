@@ -165,6 +165,9 @@ def _resolve(stem: str, index: ModuleIndex) -> tuple[Naming, str, str, str] | No
     return None
 
 
+NOT_A_FACTOR = "not an adapter factor"  # the reason read_adapter gives a key with no factor suffix
+
+
 def looks_like_adapter(ckpt: Checkpoint) -> bool:
     """Headers only: most keys end in an adapter factor suffix."""
     keys = list(ckpt.tensors)
@@ -301,7 +304,7 @@ def read_adapter(ckpt: Checkpoint, table: MappingTable | None = None, prefer: st
     for key in keys:
         split = _split_factor(key)
         if split is None:
-            unknown.append((key, "not an adapter factor (no lora_A/B, lora_down/up, lokr_, hada_, diff suffix)"))
+            unknown.append((key, f"{NOT_A_FACTOR} (no lora_A/B, lora_down/up, lokr_, hada_, diff suffix)"))
             continue
         stem, suffix = split
         if suffix in UNSUPPORTED:

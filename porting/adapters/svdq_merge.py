@@ -38,7 +38,7 @@ from porting.outputs import atomic_folder, check_output
 from porting.tensors.checkpoint import ST_TO_TORCH, Checkpoint
 from porting.tensors.quant import svdq_pack as pack
 from porting.tensors.quant import svdq_packing as P
-from porting.tensors.quant.svdq_decode import SvdqDecoder
+from porting.tensors.quant.svdq_decode import SvdqDecoder, UnpackedLayer
 from porting.tensors.quant.svdq_layout import padded
 from porting.tensors.quant.svdq_quantize import FULL_SVD_MAX, quantize_awq, top_singular
 from porting.tensors.quant.svdq_types import SvdqFile, SvdqLayer, Target
@@ -239,6 +239,12 @@ def merge_into_svdq(source: Source, read: list[tuple[Adapter, float]], placement
     out = Path(out)
     inputs = {"base": source.path, "adapter": [a.path for a, _ in read]}
     check_output(out, force=force, verb="merge", inputs=inputs)
+    for layer in info.layers.values():  # copied, not dequantized: a NaN group scale, a zero smoothing factor or a
+        if layer.kind == "w4a4":         # NaN branch would be written on as it is; checked as the decoder does
+            unpacked = UnpackedLayer(layer)
+            for role, factor in (("lora_up", unpacked.up), ("lora_down", unpacked.down)):
+                if factor is not None:
+                    check_tensor(factor, repr(layer.parts[role].name), layer.parts[role].file)
     meta = dict(ckpt.metadata or {})
     qc = json.loads(meta.get("quantization_config", "{}"))
     qc["rank"] = total

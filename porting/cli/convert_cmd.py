@@ -95,6 +95,8 @@ def summary_table(result: ConvertResult) -> Table:
 
 def svdq_table(doc: dict) -> Table:
     """Per layer kind: the file's weight error and plain 4-bit rounding's (same group size, no branch)."""
+    from rich.table import Table
+
     group = 64 if doc["precision"] == "int4" else 16
     table = Table(title=f"SVDQuant {doc['precision']} rank {doc['rank']}: weight error (relative L2) vs plain "
                         f"{doc['precision']} g{group} rounding")

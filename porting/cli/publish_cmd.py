@@ -128,8 +128,9 @@ def publish(
     send_token: Annotated[bool, typer.Option("--send-token", rich_help_panel="Upload",
                                              help="Send the token to an --endpoint that is not the hub's own "
                                                   "host.")] = False,
-    timeout: Annotated[float, typer.Option("--timeout", min=1, rich_help_panel="Upload",
-                                           help="Seconds --push waits for an answer before giving up (exit 4).")
+    timeout: Annotated[float, typer.Option("--timeout", min=1, max=86400, rich_help_panel="Upload",
+                                           help="Seconds --push waits for an answer before giving up (exit 4; at most "
+                                                "a day, 86400).")
                        ] = 120.0,
     force: ForceOpt = False,
     json_: JsonOpt = False,

@@ -21,14 +21,32 @@ STEPS = 4
 BLOCKS = ("transformer_blocks.", "single_transformer_blocks.")
 
 
+def check_calibrate_base(base: Path, transformer: Path) -> None:
+    """`--calibrate BASE` is a diffusers pipeline folder whose text encoder and VAE feed `transformer`: refused by
+    name (exit 2) before anything is written or loaded."""
+    from porting._files import read_json_object
+    from porting.errors import InputError
+    from porting.pipeline.pipeload import check_swap_fits
+
+    hint = ("Give --calibrate the diffusers pipeline folder of the model's own family (model_index.json, text "
+            "encoder, VAE), e.g. the base the fine-tune was trained on; or leave it out for data-free smoothing.")
+    if not base.is_dir():
+        raise InputError(f"--calibrate {base}: {'not a folder' if base.exists() else 'no such folder'}; it runs the "
+                         "model in a pipeline's text encoder and VAE.", hint=hint)
+    if not (base / "model_index.json").is_file():
+        raise InputError(f"--calibrate {base}: no model_index.json, so not a diffusers pipeline folder.", hint=hint)
+    read_json_object(base / "model_index.json", "a diffusers pipeline folder has one at its root")
+    check_swap_fits(base, transformer, option="--calibrate")
+
+
 def input_maxima(base: Path, transformer: Path, device: str = "cpu", prompts: Sequence[str] = PROMPTS,
                  steps: int = STEPS, size: int | None = None) -> dict[str, torch.Tensor]:
     """Diffusers module name -> float32 max |input| per input channel, over all prompts and steps."""
     from porting.devices import resolve_device
     from porting.pipeline.generate import default_size
-    from porting.pipeline.pipeload import check_swap_fits, load
+    from porting.pipeline.pipeload import load
 
-    check_swap_fits(base, transformer)
+    check_calibrate_base(base, transformer)
     where = resolve_device(device)
     pipe = load(base, where, torch.bfloat16, transformer=transformer)
     side = size or min(default_size(where, base), 512)
@@ -54,4 +72,4 @@ def input_maxima(base: Path, transformer: Path, device: str = "cpu", prompts: Se
     return maxima
 
 
-__all__ = ["PROMPTS", "STEPS", "input_maxima"]
+__all__ = ["PROMPTS", "STEPS", "check_calibrate_base", "input_maxima"]

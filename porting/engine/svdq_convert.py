@@ -146,7 +146,11 @@ def convert_svdquant(src: SourceLike, out: str | Path, quantize: str, rank: int 
                    hint="Close other programs, or convert on a machine with more memory.")
     name = L.file_name(precision, rank, source.path)
     out = Path(out)
-    read_paths = {"source": source.path, "--config": config}
+    read_paths = {"source": source.path, "--config": config, "--calibrate": calibrate}
+    if calibrate is not None:
+        from .svdq_calibrate import check_calibrate_base
+
+        check_calibrate_base(Path(calibrate), source.path)
     check_output(out, force=force, verb=verb, inputs=read_paths)
     if on_start:
         on_start(plan.output_bytes)

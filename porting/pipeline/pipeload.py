@@ -34,9 +34,10 @@ def transformer_config(transformer: Path) -> dict[str, Any]:
 PIPELINE_GEOMETRY = ("joint_attention_dim", "pooled_projection_dim", "in_channels", "out_channels", "guidance_embeds")
 
 
-def check_swap_fits(folder: Path, transformer: Path) -> None:
+def check_swap_fits(folder: Path, transformer: Path, option: str = "--transformer") -> None:
     """A transformer swapped into `folder`'s pipeline takes the same text features and latents as the folder's own
-    (joint_attention_dim, in_channels, ...): another geometry is refused by name, before anything loads."""
+    (joint_attention_dim, in_channels, ...): another geometry is refused by name, before anything loads. `option`:
+    what the message names (convert's `--calibrate` names the pipeline folder, generate's `--transformer` the swap)."""
     own_path = Path(folder) / "transformer" / "config.json"
     if not own_path.is_file():
         return
@@ -44,6 +45,11 @@ def check_swap_fits(folder: Path, transformer: Path) -> None:
     swap = transformer_config(transformer)
     for field in PIPELINE_GEOMETRY:
         if own.get(field) != swap.get(field):
+            if option != "--transformer":
+                raise InputError(f"{option} {folder}: its pipeline runs a transformer with {field} "
+                                 f"{own.get(field)!r}, {transformer} has {swap.get(field)!r}; its text encoder and "
+                                 "VAE cannot feed that one.", hint=f"Give {option} a pipeline of the same model "
+                                                                   "family and size.")
             raise InputError(f"--transformer {transformer}: {field} is {swap.get(field)!r}, the pipeline {folder} "
                              f"runs a transformer with {field} {own.get(field)!r}; its text encoder and VAE cannot "
                              "feed this one.", hint="Swap in a transformer of the same model family and size.")

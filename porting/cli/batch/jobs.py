@@ -193,7 +193,7 @@ def push_repo(job: Job) -> str | None:
 def _check_pushes(path: Path, jobs: list[Job]) -> None:
     """publish.push names ORG/NAME for each job, and no two jobs push to one repository."""
     from porting.errors import InputError
-    from porting.hub.fetch.sources import check_repo_id
+    from porting.hub.push.target import check_push_name
 
     seen: dict[str, str] = {}
     for job in jobs:
@@ -201,10 +201,12 @@ def _check_pushes(path: Path, jobs: list[Job]) -> None:
         if repo is None:
             continue
         try:
-            check_repo_id(repo)
+            publish = job.options.get("publish", {})
+            check_push_name(repo, str(publish.get("push-to", publish.get("push_to", "hf"))))
             bad = f"is also job {seen[repo]}'s repository; each job needs its own" if repo in seen else None
-        except InputError:
-            bad = "is not a repository id of the form ORG/NAME"
+        except InputError as e:
+            bad = ("is not a repository id of the form ORG/NAME" if "form ORG/NAME" in e.message
+                   else e.message.split(": ", 1)[1].rstrip("."))
         if bad:
             raise UsageError(f"{path} ({job.name}): publish.push = {repo!r} {bad}.",
                              hint='Write "my-org/NAME" in the job, or "my-org/{job}" in [defaults] for one '

@@ -66,8 +66,12 @@ class Source:
 def normalize_endpoint(value: str) -> str:
     """An alias (hf-mirror, ...) or an http(s) URL without credentials, returned without trailing '/'."""
     url = ENDPOINT_ALIASES.get(value.strip().lower(), value.strip())
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname
+    except ValueError:  # "http://[::1": an unclosed IPv6 address
+        host = None
+    if host is None or parts.scheme not in ("http", "https"):
         raise InputError(f"--endpoint {value!r} is neither a known alias nor an http(s) URL.",
                          hint=f"Use a full URL such as https://hf-mirror.com, or one of: "
                               f"{', '.join(sorted(ENDPOINT_ALIASES))}.")

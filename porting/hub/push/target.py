@@ -34,11 +34,8 @@ def push_target(repo: str, hub: str = "hf", *, endpoint: str | None = None, publ
     """Check the name (exit 2) and that a token may be sent to the endpoint (exit 3), before any work."""
     if hub not in PUSH_HUBS:
         raise InputError(f"--push-to {hub!r}: choose one of {', '.join(PUSH_HUBS)}.")
-    if not repo or "/" not in repo:
-        raise InputError(f"--push {repo!r} is not a repository id of the form ORG/NAME.",
-                         hint="Name the repository with its owner, e.g. --push my-org/my-klein-finetune.")
-    check_repo_id(repo)
-    url = normalize_endpoint(endpoint) if endpoint else resolve_endpoint(hub, None, None)
+    check_push_name(repo, hub)
+    url = normalize_endpoint(endpoint) if endpoint is not None else resolve_endpoint(hub, None, None)
     source = Source(hub=hub, repo=repo, endpoint=url)
     if not source.official and not send_token:
         raise AuthError(f"{source.host} is not {hub}'s own host: flux-port does not send your {hub} token there "
@@ -46,6 +43,22 @@ def push_target(repo: str, hub: str = "hf", *, endpoint: str | None = None, publ
                         hint="Pass --send-token if you trust this endpoint, or unset "
                              f"{'HF_ENDPOINT' if hub == 'hf' else 'MODELSCOPE_ENDPOINT'} / --endpoint.")
     return PushTarget(source=source, private=not public, send_token=send_token, timeout=timeout)
+
+
+def check_push_name(repo: str, hub: str) -> None:
+    """ORG/NAME as the hub takes it, refused here (exit 2) rather than by the hub after the token check: on the
+    Hugging Face Hub each part is at most 96 characters, without `--` and not ending in `.git`."""
+    hint = "Name the repository with its owner, e.g. --push my-org/my-klein-finetune."
+    try:
+        check_repo_id(repo)
+    except InputError:
+        raise InputError(f"--push {repo!r} is not a repository id of the form ORG/NAME.", hint=hint) from None
+    if hub == "hf":
+        why = next((w for w, bad in (("a part is longer than 96 characters", max(map(len, repo.split("/"))) > 96),
+                                      ("it holds '--'", "--" in repo), ("it ends in '.git'", repo.endswith(".git")))
+                    if bad), None)
+        if why:
+            raise InputError(f"--push {repo!r}: the Hugging Face Hub takes no such repository name ({why}).", hint=hint)
 
 
 def no_token(target: PushTarget) -> AuthError:
