@@ -338,8 +338,14 @@ def write_file_record(path: Path, verb: str, destination: Path | None = None, sh
     st = os.lstat(path)
     doc = {"format_version": RECORD_VERSION, "tool": "flux-port", "verb": verb, "run": RUN_ID,
            "path": os.path.abspath(destination or path), "file": _file_facts(path, st, sha256)}
+    write_state_record(_FILES, st, doc)
+
+
+def write_state_record(kind: str, st: os.stat_result, doc: dict) -> None:
+    """Seal `doc` and keep it in the state folder under `kind`, keyed by the device and inode of `st`'s file."""
+    doc = {**doc, "tool": "flux-port"}
     doc["seal"] = _seal(doc)
-    record = _file_record_path(st)
+    record = _keyed_folder()[0] / kind / f"{st.st_dev}-{st.st_ino}.json"
     record.parent.mkdir(mode=0o700, exist_ok=True)
     fd, name = tempfile.mkstemp(prefix=".record-", dir=record.parent)
     try:
@@ -349,6 +355,27 @@ def write_file_record(path: Path, verb: str, destination: Path | None = None, sh
     except BaseException:
         Path(name).unlink(missing_ok=True)
         raise
+
+
+def read_state_record(kind: str, st: os.stat_result) -> dict | None:
+    """The sealed record kept under `kind` for `st`'s file (device and inode), when its seal verifies."""
+    return _sealed_record(_keyed_folder()[0] / kind / f"{st.st_dev}-{st.st_ino}.json")
+
+
+def same_file_facts(facts: object, st: os.stat_result) -> bool:
+    """Whether a record's `file` facts still describe `st`: same device, inode, size and modification time."""
+    return isinstance(facts, dict) and all(facts.get(k) == v for k, v in (
+        ("device", st.st_dev), ("inode", st.st_ino), ("size", st.st_size), ("mtime_ns", st.st_mtime_ns)))
+
+
+def recorded_sha256(st: os.stat_result) -> str | None:
+    """The sha256 a flux-port run recorded when it wrote `st`'s file (port fetch, port generate), while the file
+    is still as it was written; None otherwise."""
+    doc = read_state_record(_FILES, st)
+    facts = doc.get("file") if doc else None
+    if same_file_facts(facts, st) and isinstance(facts.get("sha256"), str):  # type: ignore[union-attr]
+        return str(facts["sha256"])  # type: ignore[index]
+    return None
 
 
 def file_is_flux_ports(path: Path) -> bool:

@@ -10,7 +10,6 @@ file. It is built next to the destination and moved into place only when complet
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import re
@@ -30,6 +29,7 @@ from porting.engine.convert import MANIFEST as CONVERT_MANIFEST
 from porting.errors import CheckFailed, DiskSpaceError, InputError, PortError, UnsupportedFormatError, UsageError
 from porting.families import Family, PipelineVariant, pipeline_variants
 from porting.inputs import open_source
+from porting.known_digests import file_sha256, known_sha256, remember
 from porting.outputs import atomic_folder, check_output
 from porting.paths import check_component_names, check_within, files_within, link_roots
 from porting.reports import REPORTS, latest_report
@@ -286,16 +286,6 @@ def report_sources(gate: Gate) -> list[tuple[Path, str]]:
     return found
 
 
-def sha256_file(path: Path, on_bytes: Callable[[int], None] | None = None) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-            if on_bytes:
-                on_bytes(len(chunk))
-    return h.hexdigest()
-
-
 def build_model_index(base_index: dict[str, Any], variant: str) -> dict[str, Any]:
     import diffusers
 
@@ -523,7 +513,10 @@ def publish(base: str | Path, transformer: str | Path, out: str | Path, *, repor
     with atomic_folder(out, force=force, verb="publish", inputs=inputs, on_notice=notices.append) as staging:
         say(f"placing {len(sources)} files ({link})")
         for src, rel in sources:
+            known = known_sha256(src)
             how = link_file(src, staging / rel, link, hardlink)
+            if how == "copy" and known is not None and known_sha256(src) == known:  # the same bytes, unchanged
+                remember(staging / rel, known)
             files[rel.as_posix()] = {"how": how}
             if on_bytes:
                 on_bytes(src.stat().st_size)
@@ -543,10 +536,10 @@ def publish(base: str | Path, transformer: str | Path, out: str | Path, *, repor
         card += card_markdown(weights, report_roots(transformer))
         (staging / "README.md").write_text(card + card_section(out.name, carried))
         files["README.md"] = {"how": "written"}
-        say("hashing every file for manifest.json")
+        say("hashing every file for manifest.json (files flux-port hashed before and unchanged since are not read)")
         for rel, info in files.items():
             info["bytes"] = (staging / rel).stat().st_size
-            info["sha256"] = sha256_file(staging / rel, on_bytes if rel in placed else None)
+            info["sha256"] = file_sha256(staging / rel, on_bytes if rel in placed else None)
         pipeline = variant_spec(variant)[1].pipeline
         manifest = {
             "tool": "flux-port", "version": __version__, "format_version": 1, "pipeline": pipeline,

@@ -34,7 +34,7 @@ class Pusher(Protocol):
     def read(self, path: str, revision: str | None = None) -> bytes: ...
     def create(self, card: bytes = b"") -> None: ...
     def commit(self, adds: list[tuple[str, Path | bytes]], deletes: list[str], message: str,
-               description: str) -> str: ...
+               description: str, digests: dict[str, str] | None = None) -> str: ...
     def pin(self, revision: str, identity: str) -> str: ...
 
 
@@ -170,7 +170,8 @@ def _push(pusher: Pusher, folder: Path, say: Callable[[str], None]) -> PushResul
         say(f"uploading {len(uploads)} changed file(s) ({result.uploaded_bytes / 1e6:,.1f} MB) to {t.source.label}"
             f"{f', deleting {len(deleted)}' if deleted else ''}; {result.unchanged} unchanged")
         summary, description = commit_text(manifest)
-        result.revision = pusher.commit([(p, local[p].file) for p in uploads], deleted, summary, description)
+        known = {p: local[p].sha256 for p in uploads if local[p].proven}  # not hashed once more for the LFS oid
+        result.revision = pusher.commit([(p, local[p].file) for p in uploads], deleted, summary, description, known)
     else:  # the hub holds the folder already, without the stamped card (a push stopped between its two commits)
         result.revision = pusher.head()
     say(f"checking {t.source.label} at revision {result.revision} against manifest.json")

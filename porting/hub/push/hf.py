@@ -104,13 +104,17 @@ class HfPusher:
             raise self.translate(exc, f"creating {self.target.repo}") from exc
 
     def commit(self, adds: list[tuple[str, Path | bytes]], deletes: list[str], message: str,
-               description: str) -> str:
-        """One commit; returns its revision."""
+               description: str, digests: dict[str, str] | None = None) -> str:
+        """One commit; returns its revision. `digests`: the sha256 of files already known (the LFS oid), which
+        huggingface_hub would otherwise read each file once more to compute."""
         from huggingface_hub import CommitOperationAdd, CommitOperationDelete
 
         ops: list[Any] = [CommitOperationDelete(path_in_repo=p) for p in deletes]
-        ops += [CommitOperationAdd(path_in_repo=p, path_or_fileobj=str(src) if isinstance(src, Path) else src)
-                for p, src in adds]
+        for p, src in adds:
+            op = CommitOperationAdd(path_in_repo=p, path_or_fileobj=str(src) if isinstance(src, Path) else src)
+            if digests and p in digests:
+                op.upload_info.sha256 = bytes.fromhex(digests[p])
+            ops.append(op)
         try:
             info = self.api.create_commit(self.target.repo, ops, commit_message=message,
                                           commit_description=description)

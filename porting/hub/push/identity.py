@@ -13,6 +13,7 @@ from porting import __version__
 from porting._files import read_json_object
 from porting.errors import CheckFailed
 from porting.hub.fetch.verify import RemoteFile, file_digests
+from porting.known_digests import known_sha256
 from porting.ownership import RECORD
 
 MANIFEST = "manifest.json"
@@ -27,6 +28,7 @@ class LocalFile:
     file: Path
     size: int
     sha256: str
+    proven: bool = False  # the sha256 is one flux-port took of these very bytes (unchanged file since)
 
 
 def local_identity(folder: Path) -> tuple[dict[str, LocalFile], dict[str, Any]]:
@@ -46,7 +48,12 @@ def local_identity(folder: Path) -> tuple[dict[str, LocalFile], dict[str, Any]]:
             raise CheckFailed(f"{path}: {'missing' if size is None else f'{size:,} bytes'}, but {manifest_path} "
                               f"lists {info.get('bytes')} bytes: the folder changed after port publish wrote it; "
                               "nothing was uploaded.", hint="Publish it again (port publish ... --force).")
-        files[rel] = LocalFile(rel, path, size, info["sha256"])
+        known = known_sha256(path)
+        if known is not None and known != info["sha256"]:
+            raise CheckFailed(f"{path}: sha256 {known}, but {manifest_path} lists {info['sha256']}: the folder "
+                              "changed after port publish wrote it; nothing was uploaded.",
+                              hint="Publish it again (port publish ... --force).")
+        files[rel] = LocalFile(rel, path, size, info["sha256"], proven=known is not None)
     on_disk = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() or p.is_symlink()}
     extra = sorted(on_disk - set(files) - {MANIFEST, RECORD})  # RECORD: flux-port's local ownership seal
     if extra:

@@ -102,7 +102,8 @@ class MsPusher:
             raise self.translate(exc, f"creating {self.target.repo}") from exc
 
     def commit(self, adds: list[tuple[str, Path | bytes]], deletes: list[str], message: str,
-               description: str) -> str:
+               description: str, digests: dict[str, str] | None = None) -> str:
+        """One upload; ModelScope's client hashes the files itself (it takes no digest), so `digests` is unused."""
         repo = self.target.repo
         if not os.environ.get("FLUX_PORT_DEBUG"):
             logging.getLogger("modelscope_hub").setLevel(logging.WARNING)
