@@ -354,9 +354,14 @@ class _FileDigest:
             raise self.error
         return self.digest.hexdigest()
 
-    def abandon(self) -> None:
+    def __enter__(self) -> _FileDigest:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Stops the thread (without waiting for the rest of the file after an error)."""
         with self.cond:
-            self.done = self.stopped = True
+            self.stopped = self.stopped or exc[0] is not None
+            self.done = True
             self.cond.notify_all()
         self.thread.join()
 
@@ -572,12 +577,11 @@ def write_shards(folder: Path, stem: str, entries: list[Entry],
     hashing = ThreadPoolExecutor(1, thread_name_prefix="flux-port-hash")
     copier, side = _Copier(on_bytes), _SideHashes(hasher, known)
     file_sha256: dict[str, str] = {}
-    follower: _FileDigest | None = None
     try:
         for name, shard in zip(names, shards):
-            with open(folder / name, "w+b", buffering=0) as f:  # read too: the digest reads back what is written
+            # read too: the digest reads back what is written, and stops before the file is closed
+            with open(folder / name, "w+b", buffering=0) as f, _FileDigest(f.fileno()) as follower:
                 out_fd = f.fileno()
-                follower = _FileDigest(out_fd)
                 copier.on_copied = follower.advance
                 first = next(stream) if shard else None  # seen before the header, padded to its place in a page
                 pieces = itertools.chain((first,), stream)
@@ -617,11 +621,8 @@ def write_shards(folder: Path, stem: str, entries: list[Entry],
                     weight_map[e.key] = name
                 copier.flush(out_fd)
                 file_sha256[name] = follower.finish()
-                follower = None
             side.finish()  # every hash of this shard is taken before the next shard (and before returning)
     finally:
-        if follower is not None:
-            follower.abandon()
         budget.close()  # a producer waiting for room returns, so closing the stream can join it
         stream.close()
         hashing.shutdown()

@@ -1,0 +1,225 @@
+"""The identity rides along (issue 33): every file flux-port's writer writes is hashed as it lands and the digest is
+kept, sealed, by inode; validate, publish and publish --push take it from there instead of reading the bytes again.
+
+Oracles: hashlib over the file's bytes on disk, the weights identity recomputed tensor by tensor
+(`hash_checkpoint`), and the bytes a process actually read (`rchar` of /proc/self/io).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tinyport import write_report  # noqa: E402
+
+from porting.demo.lora import write_tiny_lora  # noqa: E402
+from porting.demo.tiny import TINY_FLUX2, write_random_checkpoint  # noqa: E402
+from porting.demo.tinypipe import build_demo_base  # noqa: E402
+from porting.engine.convert import convert  # noqa: E402
+from porting.errors import CheckFailed  # noqa: E402
+from porting.hub.push.identity import local_identity  # noqa: E402
+from porting.inputs import open_source  # noqa: E402
+from porting.known_digests import file_sha256, known_sha256, known_weights  # noqa: E402
+from porting.pipeline.publish import publish  # noqa: E402
+from porting.tensors.identity import hash_checkpoint  # noqa: E402
+from tests.helpers import run_cli  # noqa: E402
+
+
+@pytest.fixture
+def state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A sealing key and state folder of this test's own."""
+    folder = tmp_path / "state"
+    monkeypatch.setenv("FLUX_PORT_STATE_DIR", str(folder))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def finetune(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_random_checkpoint(tmp_path_factory.mktemp("ft") / "tiny-klein-ft.safetensors", TINY_FLUX2, seed=1)
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def shards(folder: Path) -> list[Path]:
+    return sorted(folder.glob("*.safetensors"))
+
+
+def bytes_read() -> int:
+    """Bytes this process has read through read(2) and its kind (page cache hits included)."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise AssertionError("no rchar in /proc/self/io")
+
+
+def convert_case(case: str, src: Path, out: Path, capsys: pytest.CaptureFixture) -> None:
+    if case == "copy, shards":  # renames and qkv splits: bytes copied by the kernel, never through the process
+        convert(src, out, max_shard_size="80KB")
+    elif case == "fp16":  # every tensor computed in memory
+        convert(src, out, dtype="fp16")
+    elif case == "to original":  # concatenations back into fused tensors
+        convert(src, out.parent / "diffusers")
+        convert(out.parent / "diffusers", out, to="original")
+    else:  # a LoRA merged: rows filled by the merge
+        convert(src, out.parent / "base")
+        lora = write_tiny_lora(out.parent / "lora.safetensors", out.parent / "base")
+        code, _, err = run_cli(["merge", str(out.parent / "base"), str(lora), "--out", str(out)], capsys)
+        assert code == 0, err
+
+
+CASES = ["copy, shards", "fp16", "to original", "merge"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_written_file_is_known_with_its_true_digest(case: str, finetune: Path, tmp_path: Path, state: Path,
+                                                          capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "out"
+    convert_case(case, finetune, out, capsys)
+    files = shards(out)
+    assert len(files) >= (3 if case.endswith("shards") else 1)
+    for f in files:
+        assert known_sha256(f) == sha256(f), f
+    assert known_weights(files) == hash_checkpoint(open_source(out).view)
+    manifest = json.loads((out / "flux-port.json").read_text())
+    assert known_weights(files) == manifest["weights_sha256"]
+
+
+def test_identity_of_unchanged_shards_reads_no_tensor(finetune: Path, tmp_path: Path, state: Path) -> None:
+    out = tmp_path / "out"
+    convert(finetune, out, max_shard_size="80KB")
+    size = sum(f.stat().st_size for f in shards(out))
+    headers = sum(8 + int.from_bytes(f.read_bytes()[:8], "little") for f in shards(out))
+    before = bytes_read()
+    weights = open_source(out).weights_sha256
+    digests = [file_sha256(f) for f in shards(out)]
+    read = bytes_read() - before
+    assert read - headers < 32 * 1024, f"read {read} bytes, {headers} of them headers"  # and the sealed records
+    assert weights == hash_checkpoint(open_source(out).view) and digests == [sha256(f) for f in shards(out)]
+
+    fresh = tmp_path / "other-state"  # the control: without the records, the same calls read every byte
+    os.environ["FLUX_PORT_STATE_DIR"] = str(fresh)
+    before = bytes_read()
+    assert open_source(out).weights_sha256 == weights
+    assert bytes_read() - before > size * 0.9
+
+
+def test_a_changed_shard_is_hashed_again_and_publish_refuses_it(finetune: Path, tmp_path: Path, state: Path) -> None:
+    out = tmp_path / "out"
+    result = convert(finetune, out, max_shard_size="80KB")
+    victim = shards(out)[1]
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0x01  # the last byte of the last tensor: same size, other weights
+    victim.write_bytes(data)
+    assert known_sha256(victim) is None and known_weights(shards(out)) is None
+    assert open_source(out).weights_sha256 != result.weights_sha256
+    base = build_demo_base(tmp_path / "base")
+    report = write_report(tmp_path / "reports", result.weights_sha256)
+    with pytest.raises(CheckFailed, match="weights changed since port convert wrote them"):
+        publish(base, out, tmp_path / "pub", report=report)
+
+
+def test_a_touched_shard_is_not_trusted(finetune: Path, tmp_path: Path, state: Path) -> None:
+    out = tmp_path / "out"
+    convert(finetune, out)
+    f = shards(out)[0]
+    st = f.stat()
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
+    assert known_sha256(f) is None and known_weights([f]) is None
+    assert file_sha256(f) == sha256(f) and known_sha256(f) == sha256(f)  # hashed again, and kept
+
+
+def test_records_sealed_under_another_key_prove_nothing(finetune: Path, tmp_path: Path, state: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "out"
+    convert(finetune, out)
+    f = shards(out)[0]
+    assert known_sha256(f) == sha256(f)
+    other = tmp_path / "other-state"
+    monkeypatch.setenv("FLUX_PORT_STATE_DIR", str(other))
+    assert known_sha256(f) is None  # a new key
+    (other / "digests").mkdir(parents=True)
+    for record in (state / "digests").iterdir():  # the same records copied in: their seal does not verify
+        (other / "digests" / record.name).write_bytes(record.read_bytes())
+    assert known_sha256(f) is None and known_weights([f]) is None
+
+
+def test_records_of_another_set_do_not_name_these_weights(finetune: Path, tmp_path: Path, state: Path) -> None:
+    """Shards written together are trusted only together: one shard with a foreign file, or missing, is not."""
+    out = tmp_path / "out"
+    convert(finetune, out, max_shard_size="80KB")
+    files = shards(out)
+    assert known_weights(files) is not None
+    assert known_weights(files[:2]) is None  # a shard missing
+    other = tmp_path / "other"
+    convert(finetune, other)
+    assert known_weights(files + shards(other)) is None  # two folders
+
+
+def test_publish_takes_the_transformer_digests_without_reading_it(finetune: Path, tmp_path: Path,
+                                                                  state: Path) -> None:
+    """Publish after convert hashes no transformer byte: a same-size edit that puts the modification time back
+    (`touch -d`, the blind spot docs/publish.md names) goes unnoticed, which can only be if publish did not read it.
+    The same edit with the time left as the edit set it is caught."""
+    out = tmp_path / "transformer"
+    result = convert(finetune, out, max_shard_size="80KB")
+    base = build_demo_base(tmp_path / "base")
+    report = write_report(tmp_path / "reports", result.weights_sha256)
+    pub = publish(base, out, tmp_path / "pub", report=report)
+    manifest = json.loads((tmp_path / "pub" / "manifest.json").read_text())
+    for f in shards(out):
+        assert manifest["files"][f"transformer/{f.name}"]["sha256"] == sha256(f)
+    assert pub.weights_sha256 == result.weights_sha256
+
+    victim = shards(out)[0]
+    st = victim.stat()
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0x01
+    with open(victim, "r+b") as fh:  # in place: the same inode, as the hard link in pub/ shares it
+        fh.write(data)
+    os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
+    again = publish(base, out, tmp_path / "pub2", report=report)
+    listed = json.loads((tmp_path / "pub2" / "manifest.json").read_text())["files"][f"transformer/{victim.name}"]
+    assert again.weights_sha256 == result.weights_sha256 and listed["sha256"] != sha256(victim)  # not read
+
+    os.utime(victim)  # the edit's own time: the records no longer describe the file
+    with pytest.raises(CheckFailed, match="weights changed since port convert wrote them"):
+        publish(base, out, tmp_path / "pub3", report=report)
+
+
+def test_publish_copy_keeps_the_digest_of_what_it_copied(finetune: Path, tmp_path: Path, state: Path) -> None:
+    out = tmp_path / "transformer"
+    result = convert(finetune, out)
+    base = build_demo_base(tmp_path / "base")
+    publish(base, out, tmp_path / "pub", report=write_report(tmp_path / "reports", result.weights_sha256),
+            link="copy")
+    copied = tmp_path / "pub" / "transformer" / shards(out)[0].name
+    assert copied.stat().st_ino != shards(out)[0].stat().st_ino
+    assert known_sha256(copied) == sha256(copied)
+
+
+def test_push_uses_the_proven_digests_and_refuses_a_folder_that_changed(finetune: Path, tmp_path: Path,
+                                                                         state: Path) -> None:
+    out = tmp_path / "transformer"
+    result = convert(finetune, out)
+    base = build_demo_base(tmp_path / "base")
+    publish(base, out, tmp_path / "pub", report=write_report(tmp_path / "reports", result.weights_sha256))
+    files, _ = local_identity(tmp_path / "pub")
+    weights = [f for p, f in files.items() if p.startswith("transformer/") and p.endswith(".safetensors")]
+    assert weights and all(f.proven for f in weights)  # the LFS oid is taken from them, not hashed once more
+
+    victim = weights[0].file
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0x01
+    victim.write_bytes(data)
+    assert not local_identity(tmp_path / "pub")[0][weights[0].path].proven  # changed: hashed by the upload again
+    file_sha256(victim)  # something hashed the edited file since: its new digest is on record
+    with pytest.raises(CheckFailed, match="changed after port publish wrote it; nothing was uploaded"):
+        local_identity(tmp_path / "pub")
