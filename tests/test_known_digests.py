@@ -90,6 +90,7 @@ def test_every_written_file_is_known_with_its_true_digest(case: str, finetune: P
     assert known_weights(files) == hash_checkpoint(open_source(out).view)
     manifest = json.loads((out / "flux-port.json").read_text())
     assert known_weights(files) == manifest["weights_sha256"]
+    assert manifest["files_sha256"] == {f.name: sha256(f) for f in files}
 
 
 def test_identity_of_unchanged_shards_reads_no_tensor(finetune: Path, tmp_path: Path, state: Path) -> None:
