@@ -332,3 +332,26 @@ def test_calibrated_smoothing_uses_the_input_maxima(tmp_path, capsys, sources):
         assert not torch.equal(got, smoothing(w)), stored  # not the data-free factors
     r = run_port(capsys, "convert", tmp_path / "bf16", "--calibrate", base, "--out", tmp_path / "x")
     assert r.code == 2 and "--calibrate applies to --quantize svdq" in r.err
+
+
+@pytest.mark.parametrize("family,precision", CASES)
+def test_identity_is_kept_for_validate(written, family, precision):
+    """The writer keeps the file's identity (over its stored, packed tensors) so validate need not read it: the
+    kept one equals the identity recomputed from the header and raw bytes."""
+    import hashlib
+    import struct
+
+    from porting.known_digests import known_sha256, known_weights
+    from porting.tensors.identity import WeightsHasher
+
+    path = written[family, precision]["path"]
+    raw = path.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    hasher = WeightsHasher()
+    for key, info in header.items():
+        if key != "__metadata__":
+            a, b = info["data_offsets"]
+            hasher.add(key, info["dtype"], tuple(info["shape"]), hashlib.sha256(raw[8 + n + a:8 + n + b]).hexdigest())
+    assert known_weights([path]) == hasher.hexdigest()
+    assert known_sha256(path) == hashlib.sha256(raw).hexdigest()

@@ -36,6 +36,7 @@ from porting.finite import check_tensor, dumps
 from porting.inputs import Source
 from porting.outputs import atomic_folder, check_output
 from porting.tensors.checkpoint import ST_TO_TORCH, Checkpoint
+from porting.tensors.identity import WeightsHasher
 from porting.tensors.quant import svdq_pack as pack
 from porting.tensors.quant import svdq_packing as P
 from porting.tensors.quant.svdq_decode import SvdqDecoder, UnpackedLayer
@@ -296,7 +297,8 @@ def merge_into_svdq(source: Source, read: list[tuple[Adapter, float]], placement
                 yield Segments(((t.file, t.start, t.nbytes),), t.name)
 
     with atomic_folder(out, force=force, verb="merge", inputs=inputs) as staging:
-        write_shards(staging, name[: -len(".safetensors")], entries, items(), max_shard_bytes=2**62, metadata=meta)
+        write_shards(staging, name[: -len(".safetensors")], entries, items(), max_shard_bytes=2**62, metadata=meta,
+                     hasher=WeightsHasher())  # its identity kept: validate reads no tensor
         manifest = {"tool": "flux-port", "version": __version__, "base": str(source.path.resolve()),
                     "table": detection.table.name, "to": "nunchaku", "files": [name], "merged_adapters": merged,
                     **extra}
