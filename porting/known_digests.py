@@ -17,11 +17,19 @@ compare sha256 either way.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
-from porting.ownership import SealingKeyError, read_state_record, recorded_sha256, same_file_facts, write_state_record
+from porting.ownership import (
+    SealingKeyError,
+    read_state_record,
+    recorded_sha256,
+    same_file_facts,
+    state_folder,
+    write_state_record,
+)
 
 KIND = "digests"
 FORMAT = 1
@@ -64,14 +72,45 @@ def remember(path: Path, sha256: str, weights: Mapping[str, object] | None = Non
     """Record the sha256 of `path` as it is now (and, for a shard, the weights identity of its set). Without a
     usable sealing key nothing is recorded: later verbs hash the file again."""
     st = os.stat(path)
-    doc: dict[str, object] = {"format_version": FORMAT, "file": {
+    doc: dict[str, object] = {"format_version": FORMAT, "path": os.path.abspath(path), "file": {
         "device": st.st_dev, "inode": st.st_ino, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha256}}
     if weights is not None:
         doc["weights"] = dict(weights)
     try:
         write_state_record(KIND, st, doc)
+        _prune_once()
     except (SealingKeyError, OSError):
         pass
+
+
+PRUNE_AT = 4096  # records kept before the stale ones are swept (a few hundred bytes each)
+_pruned: set[Path] = set()
+
+
+def _prune_once() -> None:
+    """Once per process, when the records pass `PRUNE_AT`: remove those whose file is gone or changed (by the path
+    it was recorded under, or a later rename's, which the inode still finds: such records stay). A record still
+    used costs one stat; one removed here is only a digest taken again later."""
+    folder = state_folder() / KIND
+    if folder in _pruned:
+        return
+    _pruned.add(folder)
+    entries = list(os.scandir(folder))
+    if len(entries) <= PRUNE_AT:
+        return
+    for entry in entries:
+        try:
+            with open(entry.path, "rb") as f:
+                doc = json.loads(f.read(1 << 16))
+            st = os.stat(doc["path"])
+            if same_file_facts(doc.get("file"), st):
+                continue
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        try:
+            os.unlink(entry.path)
+        except OSError:
+            pass
 
 
 def hash_file(path: Path, on_bytes: Callable[[int], None] | None = None) -> str:

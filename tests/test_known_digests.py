@@ -224,3 +224,23 @@ def test_push_uses_the_proven_digests_and_refuses_a_folder_that_changed(finetune
     file_sha256(victim)  # something hashed the edited file since: its new digest is on record
     with pytest.raises(CheckFailed, match="changed after port publish wrote it; nothing was uploaded"):
         local_identity(tmp_path / "pub")
+
+
+def test_stale_records_are_swept(tmp_path: Path, state: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past `PRUNE_AT` records, the first record written in a process sweeps those whose file is gone or changed;
+    the records of files still as they were stay."""
+    from porting import known_digests
+
+    files = [tmp_path / f"f{i}.bin" for i in range(4)]
+    for i, f in enumerate(files):
+        f.write_bytes(bytes([i]) * 100)
+        file_sha256(f)
+    monkeypatch.setattr(known_digests, "PRUNE_AT", 2)
+    monkeypatch.setattr(known_digests, "_pruned", set())
+    files[0].unlink()
+    files[1].write_bytes(b"changed")
+    extra = tmp_path / "new.bin"
+    extra.write_bytes(b"new")
+    file_sha256(extra)
+    assert len(list((state / "digests").iterdir())) == 3  # f2, f3 and new
+    assert all(known_sha256(f) == sha256(f) for f in files[2:] + [extra])
