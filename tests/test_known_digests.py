@@ -244,3 +244,23 @@ def test_stale_records_are_swept(tmp_path: Path, state: Path, monkeypatch: pytes
     file_sha256(extra)
     assert len(list((state / "digests").iterdir())) == 3  # f2, f3 and new
     assert all(known_sha256(f) == sha256(f) for f in files[2:] + [extra])
+
+
+def test_identity_from_byte_ranges_equals_the_tensors_safetensors_loads(finetune: Path, tmp_path: Path) -> None:
+    """Without records the identity is hashed from each tensor's byte range, without torch; it must name the same
+    tensors safetensors' own loader returns (the oracle), whole or under a prefix."""
+    import struct
+
+    from safetensors.torch import load_file
+
+    from porting.tensors.identity import WeightsHasher
+
+    raw = finetune.read_bytes()
+    header = json.loads(raw[8:8 + struct.unpack("<Q", raw[:8])[0]])
+    oracle, part = WeightsHasher(), WeightsHasher()
+    for key, tensor in load_file(str(finetune)).items():
+        oracle.update(key, tensor, header[key]["dtype"])
+        if key.startswith("double_blocks.0."):
+            part.update(key[len("double_blocks.0."):], tensor, header[key]["dtype"])
+    assert hash_checkpoint(open_source(finetune).view) == oracle.hexdigest()
+    assert hash_checkpoint(open_source(finetune).view, prefix="double_blocks.0.") == part.hexdigest()
