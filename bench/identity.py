@@ -9,7 +9,8 @@ publish does to name the transformer: its weights identity (`Source.weights_sha2
 `manifest.json` (the Hub's LFS oid too):
 
   (a) with the records convert kept (what publish does now);
-  (b) with a fresh state folder, so nothing is known (what publish did before: two passes over the weights);
+  (b) with a fresh state folder, so nothing is known (a transformer flux-port did not write): the tensors and the
+      files are hashed (before issue 33 publish always did this, and read each tensor through torch);
 
 each from a warm and from a cold page cache, median of --repeat runs. Not part of CI; run it on a quiet machine.
 """
@@ -71,14 +72,14 @@ def main(argv: list[str] | None = None) -> int:
         src = write_random_checkpoint(work / "source.safetensors", config, "original", "BF16", seed=0, fill="tiled")
         out = work / "transformer"
         env = {**os.environ, "FLUX_PORT_STATE_DIR": str(state)}
-        subprocess.run([sys.executable, "-m", "porting", "convert", str(src), "--out", str(out), "--json"], env=env,
-                       check=True, capture_output=True)
+        subprocess.run([sys.executable, "-m", "porting", "convert", str(src), "--out", str(out), "--json", "--force"],
+                       env=env, check=True, capture_output=True)
         size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
         print(f"flux-port identity benchmark: {args.model}{'' if args.full else ' cut to 1,2 blocks'}, "
               f"{size / 1e9:.2f} GB converted, load average {load_average()}")
         for warm in (True, False):
             rows = {}
-            for label, folder in (("kept by convert", state), ("nothing kept (before)", fresh)):
+            for label, folder in (("kept by convert", state), ("nothing kept", fresh)):
                 runs = []
                 for _ in range(args.repeat):
                     if folder == fresh:
