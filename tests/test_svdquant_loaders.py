@@ -4,9 +4,12 @@ each loader's key set, shapes and metadata parsing are restated below from the n
 written header; the model skeleton is the real diffusers class built from the file's `config`, as the loaders do.
 
 Sources (read, not copied):
-- nunchaku-tech/nunchaku @ 3a3cc3d `nunchaku/models/linear.py` (SVDQW4A4Linear parameters),
-  `nunchaku/models/transformers/utils.py` (`patch_scale_key`), `nunchaku/utils.py`
-  (`get_precision_from_quantization_config`). That snapshot has no FLUX.2 runtime.
+- nunchaku-tech/nunchaku @ 3a3cc3d `nunchaku/models/linear.py` (SVDQW4A4Linear, AWQW4A16Linear parameters),
+  `nunchaku/models/transformers/utils.py` (`patch_scale_key`, `convert_flux_state_dict`), `nunchaku/utils.py`
+  (`get_precision_from_quantization_config`); FLUX.1: `transformers/transformer_flux_v2.py`
+  (NunchakuFluxTransformer2DModelV2: renames deepcompressor's names, then a strict load), `models/attention.py`,
+  `models/normalization.py`. That snapshot has no FLUX.2 runtime; its C++ FLUX.1 loader (transformer_flux.py,
+  which ComfyUI-nunchaku uses) takes deepcompressor's names into the C++ model and is not restated here.
 - FLUX.2: tonera/nunchaku @ 0c8379d `nunchaku/models/transformers/transformer_flux2.py` (nunchux-ai/nunchaku PR
   #926, the runtime of the published `tonera/FLUX.2-klein-9B(-kv)-Nunchaku` files; the same tree and strict load in
   tom-m-2020/vitoom-nunchaku-extended). `from_pretrained` builds Flux2Transformer2DModel from `config`, swaps in
