@@ -266,7 +266,9 @@ def test_rank_is_padded_to_16(tmp_path, capsys, sources):
     assert r.code == 0, r.err
     doc = json.loads(r.out)
     tensors, meta = _tensors(tmp_path / "r20" / doc["file"])
-    assert json.loads(meta["quantization_config"])["rank"] == 20
+    # the stored rank: nunchaku's loaders size proj_down / proj_up from it (test_svdquant_loaders.py)
+    assert json.loads(meta["quantization_config"])["rank"] == 32
+    assert json.loads(meta["flux_port"])["rank_asked"] == 20
     down = tensors["transformer_blocks.0.attn.to_qkv.proj_down"]
     assert down.shape[1] == 32
     from porting.tensors.quant.svdq_packing import unpack_lowrank

@@ -163,7 +163,7 @@ def convert_svdquant(src: SourceLike, out: str | Path, quantize: str, rank: int 
         smoothing = (f"calibrated: s_j = max|X_j|^{ALPHA:g} / max|W[:, j]|^{1 - ALPHA:g} (SmoothQuant), input maxima "
                      f"of {len(PROMPTS)} prompts x {STEPS} steps in {Path(calibrate).name} on {device}, geometric "
                      "mean 1")
-    made = {"tool": "flux-port", "version": __version__, "smoothing": smoothing}
+    made = {"tool": "flux-port", "version": __version__, "smoothing": smoothing, "rank_asked": rank}
     meta = L.metadata(family, {**detection.config, "_class_name": detection.table.diffusers_class},
                       precision, rank, {"flux_port": made, **(extra_meta or {})})
     with atomic_folder(out, force=force, verb=verb, inputs=read_paths) as staging:

@@ -17,6 +17,7 @@ from typing import Any, Mapping
 from porting.errors import InputError, InternalError
 
 from .nunchaku import BLOCKS, TILE, table
+from .svdq_comfy import comfy_config
 
 Shape = tuple[int, ...]
 
@@ -189,7 +190,9 @@ def file_name(precision: str, rank: int, source: Path) -> str:
 
 
 def quantization_config(precision: str, rank: int) -> dict[str, Any]:
-    """`quantization_config` as nunchaku's merge_safetensors writes it (plus the rank the FLUX.2 runtimes read)."""
+    """`quantization_config` as nunchaku's merge_safetensors writes it. `rank` is the stored (padded) rank: the
+    loaders size every `proj_down` / `proj_up` [features, rank] from it (nunchaku `models/linear.py`, the FLUX.1 v2
+    and FLUX.2 `from_pretrained`), and merge_safetensors takes it from the stored `lora_down`."""
     if precision == "int4":
         q = {"dtype": "int4", "scale_dtype": None, "group_size": 64}
         return {"method": "svdquant", "weight": q, "activation": dict(q), "rank": rank}
@@ -200,9 +203,11 @@ def quantization_config(precision: str, rank: int) -> dict[str, Any]:
 
 def metadata(family: str, config: Mapping[str, Any], precision: str, rank: int,
              extra: Mapping[str, Any] | None = None) -> dict[str, str]:
-    """The header metadata: `config` (diffusers), `model_class`, `quantization_config`, and what flux-port did."""
-    meta = {"config": json.dumps(dict(config)), "model_class": table()[family]["model_class"],
-            "quantization_config": json.dumps(quantization_config(precision, rank))}
+    """The header metadata: `config` (diffusers), `comfy_config` (ComfyUI-nunchaku's), `model_class`,
+    `quantization_config` (with the stored, padded rank), and what flux-port did."""
+    meta = {"config": json.dumps(dict(config)), "comfy_config": json.dumps(comfy_config(family, config)),
+            "model_class": table()[family]["model_class"],
+            "quantization_config": json.dumps(quantization_config(precision, padded(rank)))}
     for key, value in (extra or {}).items():
         meta[key] = json.dumps(value)
     return meta
