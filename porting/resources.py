@@ -105,19 +105,26 @@ def stage_params(shapes: Iterable[tuple[str, tuple[int, ...]]],
     return max(stages.values(), default=0)
 
 
+def encoder_bytes(text_encoders: Sequence[Path]) -> int:
+    """The text encoders that encode --prompt, in float32 (a family's pipeline loads all of its encoders at once:
+    FLUX.1's CLIP and T5 together); headers only."""
+    return sum(folder_params(folder) * 4 for folder in text_encoders if folder.is_dir())
+
+
 def check_validate_memory(config: Mapping[str, Any], shapes: Iterable[tuple[str, tuple[int, ...]]], *,
                           resolution: int, text_len: int, batch: int, golden_dtype: str, dtype: str,
                           text_encoders: Sequence[Path] = (), available: int | None = None,
-                          stage_of: Callable[[str], str] | None = None, ranks: int = 1) -> int:
-    """`port validate`'s host memory on a CPU reference: the largest stage's weights (streamed), the activations of
-    every case in the golden's dtype, and the text encoders in float32 when they encode --prompt (a family's
-    pipeline loads all of its encoders at once: FLUX.1's CLIP and T5 together); `ranks` such processes on this
-    host (`--devices`), each as large as one."""
+                          stage_of: Callable[[str], str] | None = None, ranks: int = 1, encoders: int = 0,
+                          where: str = "", hint: str | None = None) -> int:
+    """`port validate`'s memory where the golden runs (the host on a CPU reference, or a device's free memory): the
+    largest stage's weights (streamed), the activations of every case in the golden's dtype, and the text encoders
+    in float32 when they encode --prompt (`text_encoders`, or their bytes in `encoders`); `ranks` such processes on
+    this host (`--devices`), each as large as one. `where` ("on cuda:0") and `hint` word a device's refusal."""
     biggest = stage_params(shapes, stage_of)
     weights = biggest * (itemsize(golden_dtype) + 4)  # the stage in the golden's dtype + the tensor read (<= fp32)
     tokens = image_tokens(resolution, resolution) + text_len
     acts = activation_bytes(config, tokens, batch, max(itemsize(golden_dtype), itemsize(dtype), 4))
-    encoder = sum(folder_params(folder) * 4 for folder in text_encoders if folder.is_dir())
+    encoder = encoders + encoder_bytes(text_encoders)
     need = ranks * (MEMORY_OVERHEAD + max(weights + acts, encoder))
     breakdown = (f"largest stage {biggest / 1e6:.1f} M parameters {gib(weights)}, activations of {batch} case(s) x "
                  f"{tokens:,} tokens x hidden {hidden_size(config)} {gib(acts)}"
@@ -126,9 +133,9 @@ def check_validate_memory(config: Mapping[str, Any], shapes: Iterable[tuple[str,
     if ranks > 1:
         breakdown = f"{ranks} ranks x ({breakdown})"
     return require_memory(f"validating at --resolution {resolution} --text-len {text_len} with a {golden_dtype} "
-                          "golden", need, breakdown, available=available,
-                          hint="Lower --resolution, --text-len or the number of --seeds / --timesteps, or run the "
-                               "golden elsewhere (--reference cuda).")
+                          f"golden{' ' + where if where else ''}", need, breakdown, available=available,
+                          hint=hint or "Lower --resolution, --text-len or the number of --seeds / --timesteps, or "
+                                       "run the golden elsewhere (--reference cuda).")
 
 
 def check_pipeline_memory(verb: str, components: Mapping[str, Path], config: Mapping[str, Any], *, width: int,

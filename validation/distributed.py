@@ -31,7 +31,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from porting.devices import DeviceSpec, parse_device, resolve_device
+from porting.devices import DeviceSpec, free_memory, parse_device, resolve_device
 from porting.errors import EXIT_CHECK_FAILED, EXIT_INTERNAL, EXIT_USAGE, DeviceError, PortError, UsageError
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
@@ -306,15 +306,13 @@ def _reference_for(job: Job, dev: torch.device, config: dict[str, Any], shapes: 
         return torch.device("cpu")
     from porting.resources import check_validate_memory
 
-    try:
-        free = (torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda"
-                else torch.npu.mem_get_info(dev)[0])  # type: ignore[attr-defined]
-        check_validate_memory(config, shapes, resolution=job.resolution, text_len=job.text_len, batch=batch,
-                              golden_dtype=job.golden_dtype, dtype=job.dtype, available=int(free),
-                              stage_of=stage_of)
-    except PortError:
+    free = free_memory(dev)
+    if free is None:  # no memory query on this backend: the CPU is the safe place
         return torch.device("cpu")
-    except Exception:  # no memory query on this backend: the CPU is the safe place
+    try:
+        check_validate_memory(config, shapes, resolution=job.resolution, text_len=job.text_len, batch=batch,
+                              golden_dtype=job.golden_dtype, dtype=job.dtype, available=free, stage_of=stage_of)
+    except PortError:
         return torch.device("cpu")
     return dev
 
