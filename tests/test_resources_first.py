@@ -97,6 +97,17 @@ def test_validate_with_an_accelerator_reference_is_estimated_on_the_host_before_
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.parametrize("devices", ["cuda:0,cuda:1", "npu:0,npu:1"])
+def test_validate_accelerator_ranks_are_estimated_on_the_host_before_the_devices_are_probed(capsys, port, tmp_path,
+                                                                                          devices):
+    """Each accelerator rank stages its weights and compares its stages through this host: two of them at
+    --text-len 2,000,000 are refused for the host first, on a machine that has neither device."""
+    doc = refused(capsys, "validate", port["transformer"], "--devices", devices, "--text-len", "2000000",
+                  "--out", tmp_path / "r")
+    assert "--devices: 2 processes on this host" in doc["error"] and "float64 copies compared" in doc["error"]
+    assert not (tmp_path / "r").exists()
+
+
 def test_validate_devices_beyond_the_stages_are_refused_before_any_rank(capsys, port, tmp_path):
     doc = refused(capsys, "validate", port["transformer"], "--devices", ",".join(["cpu"] * 20000),
                   "--out", tmp_path / "r")

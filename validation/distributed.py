@@ -587,14 +587,14 @@ def validate_pipeline(model: str | Path, *, devices: str | Sequence[str], dtype:
     `device_weight_transform` and `prepare_device_model` must be picklable (module-level functions or partials of
     them) to reach spawned ranks."""
     from porting.outputs import check_output
-    from porting.resources import MEMORY_OVERHEAD, check_device_count, check_ranks_memory, check_validate_memory, gib
+    from porting.resources import check_device_count, check_ranks_memory, check_validate_memory
 
     from .checks import check_not_one_computation
+    from .memory import host_breakdown, host_need, request_for
     from .verdict import _dtype
     from .weights import WeightSource
 
     specs = parse_devices(devices)
-    backend = check_backend(specs)
     reference = reference or "devices"
     if reference not in ("cpu", "devices"):
         raise UsageError(f"--reference {reference!r} with {OPTION}: use cpu (every rank's golden on its host's CPU) or "
@@ -622,8 +622,13 @@ def validate_pipeline(model: str | Path, *, devices: str | Sequence[str], dtype:
                               resolution=resolution, text_len=text_len, batch=len(seeds) * len(timesteps),
                               golden_dtype=golden_dtype, dtype=dtype, text_encoders=source.text_encoders(base, prompt),
                               stage_of=source.stage_of, ranks=len(specs))
-    else:
-        check_ranks_memory(OPTION, len(specs), MEMORY_OVERHEAD, f"interpreter {gib(MEMORY_OVERHEAD)}")
+    else:  # each rank stages its stages' weights to its device and compares them through this host
+        request = request_for(source, reference=kind, device=kind, resolution=resolution, text_len=text_len,
+                              batch=len(seeds) * len(timesteps), golden_dtype=golden_dtype, dtype=dtype, base=base,
+                              prompt=prompt)
+        per_rank, terms = host_need(request)
+        check_ranks_memory(OPTION, len(specs), per_rank, host_breakdown(request, terms))
+    backend = check_backend(specs)  # the devices are probed after the host's estimate (docs/validate.md, "Memory")
     job = Job(model=str(model), devices=[str(s) for s in specs], backend=backend, dtype=dtype,
               golden_dtype=golden_dtype, reference=reference, out=str(out) if out is not None else None,
               resolution=resolution, text_len=text_len, timesteps=list(timesteps), seeds=list(seeds),

@@ -128,6 +128,11 @@ def host_need(req: MemoryRequest) -> tuple[int, list[Term]]:
     return MEMORY_OVERHEAD + RUNTIME_HOST_BYTES + max(run, encoders), terms
 
 
+def host_breakdown(req: MemoryRequest, terms: Sequence[Term]) -> str:
+    return ", ".join(t.detail for t in terms) + (f", {req.reference} runtime {gib(RUNTIME_HOST_BYTES)}, "
+                                                 f"interpreter {gib(MEMORY_OVERHEAD)}")
+
+
 def check_host(req: MemoryRequest, *, available: int | None = None) -> int:
     """Refuse (exit 2, before any model is built or any device probed) a run whose host share does not fit
     `available` bytes (default: what psutil says is available); returns the need. The hint names the option that
@@ -139,10 +144,8 @@ def check_host(req: MemoryRequest, *, available: int | None = None) -> int:
                                      encoders=req.encoder_bytes)
     need, terms = host_need(req)
     ranked = sorted(terms, key=lambda t: -t.bytes)
-    breakdown = ", ".join(t.detail for t in terms) + (f", {req.reference} runtime {gib(RUNTIME_HOST_BYTES)}, "
-                                                      f"interpreter {gib(MEMORY_OVERHEAD)}")
-    return require_memory(f"validating with the golden on {req.reference} at {req.sizes}: the host", need, breakdown,
-                          available=available,
+    return require_memory(f"validating with the golden on {req.reference} at {req.sizes}: the host", need,
+                          host_breakdown(req, terms), available=available,
                           hint=f"The largest part is {ranked[0].name}: {ranked[0].lower}. Or --reference cpu on a "
                                "host with more memory.")
 
