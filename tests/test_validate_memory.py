@@ -11,7 +11,7 @@ import torch
 
 from porting.devices import free_memory
 from porting.resources import ResourceError
-from validation.memory import check_device, check_devices, check_host, host_need, request_for
+from validation.memory import check_device, check_devices, check_host, graph_bytes, host_need, request_for
 from validation.weights import WeightSource
 
 from .helpers import REAL2, meta_shapes, write_header_only
@@ -107,3 +107,19 @@ def test_no_device_memory_is_queried_for_the_cpu(klein9b):
     assert free_memory(torch.device("cpu")) is None
     check_devices(request(klein9b, reference="cpu", device="cpu", resolution=10**6), torch.device("cpu"),
                   torch.device("cpu"))  # a host-sized request: nothing here is a device's to refuse
+
+
+def test_an_onnxruntime_session_on_the_cpu_is_the_candidate_the_host_holds(klein9b, tmp_path):
+    graph = tmp_path / "model.onnx"
+    graph.write_bytes(b"g" * 1000)
+    (tmp_path / "model.onnx.data").write_bytes(b"w" * 5000)
+    assert graph_bytes(graph) == 6000
+    req = dataclasses.replace(request(klein9b, device=None, resolution=256, batch=1), session_bytes=36 * GIB)
+    need, terms = host_need(req)  # a klein-9B fp32 export: 36 GB held by the CPU session beside the compares
+    assert need > 36 * GIB and "the onnxruntime session on the cpu" in next(t.detail for t in terms
+                                                                            if t.name == "candidate")
+    assert "The largest part is candidate: --provider CUDAExecutionProvider" in refusal(req, 16 * GIB)
+    on_cpu = dataclasses.replace(req, reference="cpu")  # the CPU golden's estimate holds the session too
+    plain = check_host(dataclasses.replace(on_cpu, session_bytes=0), available=64 * GIB)
+    assert check_host(on_cpu, available=64 * GIB) > plain + 36 * GIB
+    assert "--provider CUDAExecutionProvider" in refusal(on_cpu, 36 * GIB)

@@ -107,7 +107,8 @@ def validate(model: str | Path, *, device: str = "cpu", dtype: str | None = None
     # probed (docs/validate.md, "Memory": why this order); then each accelerator's free memory, once it is there
     need = request_for(source, reference=ref_spec.type, device=dev_spec.type if dev_spec else None,
                        resolution=resolution, text_len=text_len, batch=len(seeds) * len(timesteps),
-                       golden_dtype=golden_dtype, dtype=dtype, base=base, prompt=prompt)
+                       golden_dtype=golden_dtype, dtype=dtype, base=base, prompt=prompt,
+                       session=_cpu_session_graph(Path(model), export, provider, resolution) if export else None)
     check_host(need)
     ref = resolve_device(reference, "--reference")
     dev = resolve_device(device) if runtime == "torch" else None
@@ -158,6 +159,15 @@ def validate(model: str | Path, *, device: str = "cpu", dtype: str | None = None
     if out is not None:
         report.write(Path(out), inputs=read_paths)
     return report
+
+
+def _cpu_session_graph(folder: Path, export: dict[str, Any], provider: str, resolution: int) -> Path | None:
+    """The graph an onnxruntime session opens in host memory (the CPU provider's), for the memory estimate."""
+    from porting.export.ort import model_path
+
+    if provider != "CPUExecutionProvider":
+        return None
+    return model_path(folder, export.get("graphs", {}).get(str(resolution)))
 
 
 def ryzenai_size(export: dict[str, Any], resolution: int) -> int:

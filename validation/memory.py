@@ -16,17 +16,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from porting.resources import (
     MEMORY_OVERHEAD,
-    _size_field,
     check_validate_memory,
     gib,
     hidden_size,
     image_tokens,
     itemsize,
     require_memory,
+    size_field,
     stage_params,
 )
 
@@ -41,6 +42,8 @@ DEVICE_RUN_COPIES = 12
 INPUT_COPIES = 2  # the inputs are drawn per case and concatenated: two float32 copies while the batch is built
 
 Shape = tuple[int, ...]
+CPU_HINT = "Lower --resolution, --text-len or the number of --seeds / --timesteps"
+SIZES_LOWER = "a lower --resolution or --text-len, or fewer --seeds / --timesteps"
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,7 @@ class MemoryRequest:
     dtype: str
     step_params: int = 0  # parameters of the largest plan step (its targets are made together); 0: largest tensor
     encoder_bytes: int = 0  # text encoders in float32 (with --prompt)
+    session_bytes: int = 0  # an onnxruntime session on the CPU: its graph and weights, as stored
     stage_of: Callable[[str], str] | None = field(default=None, compare=False)
 
     @property
@@ -96,6 +100,8 @@ def host_terms(req: MemoryRequest) -> list[Term]:
     terms = [Term("staging", staging, f"weights staged to the {req.reference} one plan step at a time "
                   f"({step / 1e6:.1f} M parameters read and made in float32, the largest tensor cast to "
                   f"{req.golden_dtype}) {gib(staging)}", staging_lower)]
+    if req.session_bytes:
+        terms.append(_session_term(req))
     if req.device == "cpu":
         biggest = stage_params(req.shapes, req.stage_of)
         candidate = (biggest * (itemsize(req.dtype) + 4)
@@ -107,16 +113,23 @@ def host_terms(req: MemoryRequest) -> list[Term]:
     compared = _stream(req, METRIC_COPIES, 8)
     terms.append(Term("compare", compared, f"float64 copies compared per stage ({req.batch} case(s) x "
                       f"{req.tokens:,} tokens x hidden {hidden_size(req.config)}) {gib(compared)}",
-                      "a lower --resolution or --text-len, or fewer --seeds / --timesteps"))
-    per_case = (image_tokens(req.resolution, req.resolution) * _size_field(req.config, "in_channels")
-                + req.text_len * _size_field(req.config, "joint_attention_dim"))
+                      SIZES_LOWER))
+    per_case = (image_tokens(req.resolution, req.resolution) * size_field(req.config, "in_channels")
+                + req.text_len * size_field(req.config, "joint_attention_dim"))
     inputs = INPUT_COPIES * req.batch * per_case * 4
     terms.append(Term("inputs", inputs, f"inputs built on the host {gib(inputs)}",
-                      "a lower --resolution or --text-len, or fewer --seeds / --timesteps"))
+                      SIZES_LOWER))
     if req.encoder_bytes:
         terms.append(Term("encoders", req.encoder_bytes, f"text encoder(s) in float32 {gib(req.encoder_bytes)}",
                           "no --prompt (synthetic text features)"))
     return terms
+
+
+def _session_term(req: MemoryRequest) -> Term:
+    held = req.session_bytes + _stream(req, DEVICE_RUN_COPIES, max(itemsize(req.dtype), 4))
+    return Term("candidate", held, f"the onnxruntime session on the cpu (graph and weights {gib(req.session_bytes)}, "
+                f"its activations) {gib(held)}", "--provider CUDAExecutionProvider or CANNExecutionProvider (the "
+                "graph on the accelerator), or a lower --resolution / --text-len")
 
 
 def host_need(req: MemoryRequest) -> tuple[int, list[Term]]:
@@ -138,10 +151,12 @@ def check_host(req: MemoryRequest, *, available: int | None = None) -> int:
     `available` bytes (default: what psutil says is available); returns the need. The hint names the option that
     lowers the largest part."""
     if req.reference == "cpu":
+        session = _session_term(req) if req.session_bytes else None
         return check_validate_memory(req.config, req.shapes, resolution=req.resolution, text_len=req.text_len,
                                      batch=req.batch, golden_dtype=req.golden_dtype, dtype=req.dtype,
-                                     available=available, stage_of=req.stage_of,
-                                     encoders=req.encoder_bytes)
+                                     available=available, stage_of=req.stage_of, encoders=req.encoder_bytes,
+                                     candidate=(session.bytes, session.detail) if session else None,
+                                     hint=f"{CPU_HINT}; or {session.lower}." if session else None)
     need, terms = host_need(req)
     ranked = sorted(terms, key=lambda t: -t.bytes)
     return require_memory(f"validating with the golden on {req.reference} at {req.sizes}: the host", need,
@@ -164,8 +179,7 @@ def check_device(req: MemoryRequest, where: str, *, golden: bool, free: int) -> 
     """Refuse (exit 2, before any model is built) a run that does not fit the `free` bytes of accelerator `where`:
     with `golden`, the golden's stage and activations (the estimate `--devices` uses to place a rank's golden), else
     the device under test's own."""
-    hint = ("Lower --resolution or --text-len, or fewer --seeds / --timesteps" + ("; or --reference cpu (the golden "
-            "in host memory)" if golden else "") + ".")
+    hint = CPU_HINT + ("; or --reference cpu (the golden in host memory)" if golden else "") + "."
     if golden:
         return check_validate_memory(req.config, req.shapes, resolution=req.resolution, text_len=req.text_len,
                                      batch=req.batch, golden_dtype=req.golden_dtype, dtype=req.dtype,
@@ -176,16 +190,24 @@ def check_device(req: MemoryRequest, where: str, *, golden: bool, free: int) -> 
 
 
 def request_for(source: Any, *, reference: str, device: str | None, resolution: int, text_len: int, batch: int,
-                golden_dtype: str, dtype: str, base: Any = None, prompt: str | None = None) -> MemoryRequest:
+                golden_dtype: str, dtype: str, base: Any = None, prompt: str | None = None,
+                session: Path | None = None) -> MemoryRequest:
     """The request of a run on `source` (a `validation.weights.WeightSource`): its config, the shapes and plan
-    steps from the headers, and the text encoders' size when they encode --prompt."""
+    steps from the headers, the text encoders' size when they encode --prompt, and `session`, the graph file an
+    onnxruntime CPU session opens (its size and its external data's: `<graph>.data`)."""
     from porting.resources import encoder_bytes
 
     steps = (sum(math.prod(shape) for shape in ps.out_shapes) for ps in source.plan.steps)
     return MemoryRequest(source.config, [(k, shape) for k, shape, _ in source.plan.outputs()], reference, device,
                          resolution, text_len, batch, golden_dtype, dtype, step_params=max(steps, default=0),
                          encoder_bytes=encoder_bytes(source.text_encoders(base, prompt)),
+                         session_bytes=graph_bytes(session) if session is not None else 0,
                          stage_of=source.stage_of)
+
+
+def graph_bytes(graph: Path) -> int:
+    """An ONNX graph's bytes and its external data's (`model.onnx.data` beside `model.onnx`), as stored."""
+    return sum(p.stat().st_size for p in (graph, graph.with_name(graph.name + ".data")) if p.is_file())
 
 
 def check_devices(req: MemoryRequest, reference: Any, device: Any) -> None:
