@@ -80,7 +80,7 @@ def resolve_device(text: str, option: str = "--device") -> torch.device:
         if count == 0:
             raise DeviceError(f"{option} {spec}: no CUDA device available (torch {torch.__version__}, "
                               f"built for CUDA {torch.version.cuda}; {_visible('cuda')}).",
-                              hint="Install a CUDA build of torch, or use --device cpu.")
+                              hint=f"Install a CUDA build of torch, or use {option} cpu.")
         _check_index(spec, count)
     elif spec.type == "xpu":
         count = torch.xpu.device_count() if hasattr(torch, "xpu") and torch.xpu.is_available() else 0

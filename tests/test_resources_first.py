@@ -90,7 +90,7 @@ def test_validate_with_an_accelerator_reference_is_estimated_on_the_host_before_
     assert "The largest part is" in doc["hint"] and "--resolution" in doc["hint"]
     if reference == "cuda" and not torch.cuda.is_available():
         doc = refused(capsys, "validate", port["transformer"], "--reference", reference, "--out", tmp_path / "r")
-        assert "--reference cuda: no CUDA device available" in doc["error"]
+        assert "--reference cuda: no CUDA device available" in doc["error"] and "--reference cpu" in doc["hint"]
     if reference == "npu" and importlib.util.find_spec("torch_npu") is None:
         doc = refused(capsys, "validate", port["transformer"], "--reference", reference, "--out", tmp_path / "r")
         assert "--reference npu needs torch_npu, which is not installed" in doc["error"]

@@ -161,8 +161,8 @@ def check_host(req: MemoryRequest, *, available: int | None = None) -> int:
     ranked = sorted(terms, key=lambda t: -t.bytes)
     return require_memory(f"validating with the golden on {req.reference} at {req.sizes}: the host", need,
                           host_breakdown(req, terms), available=available,
-                          hint=f"The largest part is {ranked[0].name}: {ranked[0].lower}. Or --reference cpu on a "
-                               "host with more memory.")
+                          hint=f"The largest part is {ranked[0].name}: {ranked[0].lower}. Or run on a host with "
+                               "more memory.")
 
 
 def device_run_need(req: MemoryRequest) -> tuple[int, str]:
