@@ -55,15 +55,16 @@ def _check_index(spec: DeviceSpec, count: int) -> None:
                           f"({_visible(spec.type)}).", hint=f"Pick an index below {count} or change {visible_env}.")
 
 
-def resolve_device(text: str) -> torch.device:
-    """Parse, import the backend if needed, check the device exists, and return a torch.device."""
+def resolve_device(text: str, option: str = "--device") -> torch.device:
+    """Parse, import the backend if needed, check the device exists, and return a torch.device; `option` names
+    the option the text came from in the refusal."""
     spec = parse_device(text)
     if spec.type == "cpu":
         return torch.device("cpu")
     if spec.type == "npu":
         if importlib.util.find_spec("torch_npu") is None:
             raise DeviceError(
-                f"--device {spec} needs torch_npu, which is not installed (torch {torch.__version__}; "
+                f"{option} {spec} needs torch_npu, which is not installed (torch {torch.__version__}; "
                 f"{_visible('npu')}).",
                 hint='Install the Ascend backend: pip install "flux-port[npu]" (torch_npu must match your torch and '
                      'CANN versions), then source the CANN set_env.sh.')
@@ -77,19 +78,34 @@ def resolve_device(text: str) -> torch.device:
     elif spec.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:
-            raise DeviceError(f"--device {spec}: no CUDA device available (torch {torch.__version__}, "
+            raise DeviceError(f"{option} {spec}: no CUDA device available (torch {torch.__version__}, "
                               f"built for CUDA {torch.version.cuda}; {_visible('cuda')}).",
-                              hint="Install a CUDA build of torch, or use --device cpu.")
+                              hint=f"Install a CUDA build of torch, or use {option} cpu.")
         _check_index(spec, count)
     elif spec.type == "xpu":
         count = torch.xpu.device_count() if hasattr(torch, "xpu") and torch.xpu.is_available() else 0
         if count == 0:
-            raise DeviceError(f"--device {spec}: no XPU device available ({_visible('xpu')}).")
+            raise DeviceError(f"{option} {spec}: no XPU device available ({_visible('xpu')}).")
         _check_index(spec, count)
     elif spec.type == "mps":
         if not torch.backends.mps.is_available():
-            raise DeviceError("--device mps: the MPS backend is not available on this machine.")
+            raise DeviceError(f"{option} mps: the MPS backend is not available on this machine.")
     return torch.device(str(spec))
+
+
+def free_memory(device: torch.device) -> int | None:
+    """Free bytes on an accelerator that is present (resolve_device first): torch.cuda.mem_get_info, or torch_npu's
+    torch.npu.mem_get_info; None for the CPU and where the backend cannot say."""
+    try:
+        if device.type == "cuda":
+            return int(torch.cuda.mem_get_info(device)[0])
+        if device.type == "npu":
+            return int(torch.npu.mem_get_info(device)[0])  # type: ignore[attr-defined]
+        if device.type == "xpu" and hasattr(torch.xpu, "mem_get_info"):
+            return int(torch.xpu.mem_get_info(device)[0])
+    except Exception:  # a backend without the query, or a driver that fails it: nothing to check against
+        return None
+    return None
 
 
 def npu_importable() -> bool:

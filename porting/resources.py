@@ -105,30 +105,42 @@ def stage_params(shapes: Iterable[tuple[str, tuple[int, ...]]],
     return max(stages.values(), default=0)
 
 
+def encoder_bytes(text_encoders: Sequence[Path]) -> int:
+    """The text encoders that encode --prompt, in float32 (a family's pipeline loads all of its encoders at once:
+    FLUX.1's CLIP and T5 together); headers only."""
+    return sum(folder_params(folder) * 4 for folder in text_encoders if folder.is_dir())
+
+
 def check_validate_memory(config: Mapping[str, Any], shapes: Iterable[tuple[str, tuple[int, ...]]], *,
                           resolution: int, text_len: int, batch: int, golden_dtype: str, dtype: str,
                           text_encoders: Sequence[Path] = (), available: int | None = None,
-                          stage_of: Callable[[str], str] | None = None, ranks: int = 1) -> int:
-    """`port validate`'s host memory on a CPU reference: the largest stage's weights (streamed), the activations of
-    every case in the golden's dtype, and the text encoders in float32 when they encode --prompt (a family's
-    pipeline loads all of its encoders at once: FLUX.1's CLIP and T5 together); `ranks` such processes on this
-    host (`--devices`), each as large as one."""
+                          stage_of: Callable[[str], str] | None = None, ranks: int = 1, encoders: int = 0,
+                          where: str = "", hint: str | None = None,
+                          candidate: tuple[int, str] | None = None) -> int:
+    """`port validate`'s memory where the golden runs (the host on a CPU reference, or a device's free memory): the
+    largest stage's weights (streamed), the activations of every case in the golden's dtype, and the text encoders
+    in float32 when they encode --prompt (`text_encoders`, or their bytes in `encoders`); `ranks` such processes on
+    this host (`--devices`), each as large as one. `where` ("on cuda:0") and `hint` word a device's refusal;
+    `candidate`: (bytes, breakdown) of a device under test held in host memory beside the golden (an onnxruntime CPU
+    session)."""
     biggest = stage_params(shapes, stage_of)
     weights = biggest * (itemsize(golden_dtype) + 4)  # the stage in the golden's dtype + the tensor read (<= fp32)
     tokens = image_tokens(resolution, resolution) + text_len
     acts = activation_bytes(config, tokens, batch, max(itemsize(golden_dtype), itemsize(dtype), 4))
-    encoder = sum(folder_params(folder) * 4 for folder in text_encoders if folder.is_dir())
-    need = ranks * (MEMORY_OVERHEAD + max(weights + acts, encoder))
+    encoder = encoders + encoder_bytes(text_encoders)
+    held = candidate[0] if candidate else 0
+    need = ranks * (MEMORY_OVERHEAD + max(weights + acts + held, encoder))
     breakdown = (f"largest stage {biggest / 1e6:.1f} M parameters {gib(weights)}, activations of {batch} case(s) x "
                  f"{tokens:,} tokens x hidden {hidden_size(config)} {gib(acts)}"
+                 + (f", {candidate[1]}" if candidate else "")
                  + (f", text encoder(s) in float32 {gib(encoder)}" if encoder else "")
                  + f", interpreter {gib(MEMORY_OVERHEAD)}")
     if ranks > 1:
         breakdown = f"{ranks} ranks x ({breakdown})"
     return require_memory(f"validating at --resolution {resolution} --text-len {text_len} with a {golden_dtype} "
-                          "golden", need, breakdown, available=available,
-                          hint="Lower --resolution, --text-len or the number of --seeds / --timesteps, or run the "
-                               "golden elsewhere (--reference cuda).")
+                          f"golden{' ' + where if where else ''}", need, breakdown, available=available,
+                          hint=hint or "Lower --resolution, --text-len or the number of --seeds / --timesteps, or "
+                                       "run the golden elsewhere (--reference cuda).")
 
 
 def check_pipeline_memory(verb: str, components: Mapping[str, Path], config: Mapping[str, Any], *, width: int,
@@ -199,7 +211,8 @@ LAYER_FIELDS = ("num_layers", "num_single_layers", "num_hidden_layers", "num_dec
 MODULE_BYTES = 64 * 2**10  # one block's few dozen nn.Module objects, beyond its parameters
 
 
-def _size_field(config: Mapping[str, Any], name: str) -> int:
+def size_field(config: Mapping[str, Any], name: str) -> int:
+    """A config's sizing field as a count: 0 when absent, not a number, NaN or negative; at most 2^62."""
     value = config.get(name)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value < 0:
         return 0
@@ -214,17 +227,17 @@ def config_size(config: Mapping[str, Any]) -> tuple[int, int]:
     nested = config.get("text_config")
     if isinstance(nested, Mapping):
         params, layers = config_size(nested)
-    hidden = _size_field(config, "hidden_size") or (_size_field(config, "num_attention_heads")
-                                                    * _size_field(config, "attention_head_dim"))
+    hidden = size_field(config, "hidden_size") or (size_field(config, "num_attention_heads")
+                                                    * size_field(config, "attention_head_dim"))
     ratio = config.get("mlp_ratio")
     ratio = ratio if isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and 0 < ratio < 1e6 else 4
-    width = _size_field(config, "intermediate_size") or int(hidden * ratio)
-    count = sum(_size_field(config, f) for f in LAYER_FIELDS)
-    params += count * (10 * hidden * hidden + 3 * hidden * width) + _size_field(config, "vocab_size") * hidden
+    width = size_field(config, "intermediate_size") or int(hidden * ratio)
+    count = sum(size_field(config, f) for f in LAYER_FIELDS)
+    params += count * (10 * hidden * hidden + 3 * hidden * width) + size_field(config, "vocab_size") * hidden
     channels = config.get("block_out_channels")
     if isinstance(channels, list):  # a VAE: per level, encoder and decoder, layers_per_block (+1) 3x3 resnets
-        per_level = _size_field(config, "layers_per_block") + 1
-        sizes = [_size_field({"c": c}, "c") for c in channels]
+        per_level = size_field(config, "layers_per_block") + 1
+        sizes = [size_field({"c": c}, "c") for c in channels]
         params += sum(2 * per_level * 18 * c * c for c in sizes)
         count += 2 * per_level * len(sizes)
     return params, layers + count
@@ -240,7 +253,7 @@ def check_config_size(what: str, config: Mapping[str, Any], *, nbytes: int = CON
     own estimate (the stored weights in the run's dtype, the interpreter) follows and decides the real runs."""
     params, layers = config_size(config)
     need = params * nbytes + layers * MODULE_BYTES
-    fields = ", ".join(f"{f} {config[f]}" for f in LAYER_FIELDS if _size_field(config, f))
+    fields = ", ".join(f"{f} {config[f]}" for f in LAYER_FIELDS if size_field(config, f))
     return require_memory(f"{what}: building the model its config describes ({fields or 'no layer count'})", need,
                           f"{params / 1e9:.2f} B parameters {gib(params * nbytes)}, {layers:,} layers' modules "
                           f"{gib(layers * MODULE_BYTES)}", available=available,
@@ -287,7 +300,7 @@ def check_static_inputs_memory(sizes: Sequence[int], text_len: int, config: Mapp
     """Refuse (exit 2, before any tracing) static shapes whose example inputs would not fit: per --size the
     transformer's image tokens (size / 16)^2 x in_channels and the VAE decoder's latents (size / 8)^2 x channels,
     and --text-len tokens x joint_attention_dim."""
-    in_ch, joint = _size_field(config, "in_channels"), _size_field(config, "joint_attention_dim")
+    in_ch, joint = size_field(config, "in_channels"), size_field(config, "joint_attention_dim")
     worst = max(sizes)
     tokens = (worst // 16) ** 2
     image = tokens * (in_ch * 4 * EXAMPLE_COPIES + ID_BYTES_PER_TOKEN)

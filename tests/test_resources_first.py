@@ -5,6 +5,7 @@ late (or eating the machine). Each refusal is exit 2 with the estimate, and noth
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import resource
 import shutil
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
+import torch
 
 from porting.pipeline.publish import publish
 
@@ -72,6 +74,37 @@ def _with_config(published: Path, tmp_path: Path, component: str, **fields: obje
 def test_validate_sizes_are_estimated_first(capsys, port, tmp_path, option, value, shown):
     doc = refused(capsys, "validate", port["transformer"], option, value, "--out", tmp_path / "r")
     assert shown in doc["error"] and "GiB" in doc["error"] and "nothing was done" in doc["error"]
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("reference", ["cuda", "npu"])
+def test_validate_with_an_accelerator_reference_is_estimated_on_the_host_before_the_device_is_probed(
+        capsys, port, tmp_path, reference):
+    """The host's share (weights staged, the cpu device under test, float64 compares) is refused first, from the
+    options and the headers, before any backend is imported; a request that fits is then refused for the missing
+    device (docs/validate.md, "Memory": the order)."""
+    doc = refused(capsys, "validate", port["transformer"], "--reference", reference, "--resolution", "1000000",
+                  "--out", tmp_path / "r")
+    assert f"validating with the golden on {reference} at --resolution 1000000" in doc["error"]
+    assert "the host needs about" in doc["error"] and "nothing was done" in doc["error"]
+    assert "The largest part is" in doc["hint"] and "--resolution" in doc["hint"]
+    if reference == "cuda" and not torch.cuda.is_available():
+        doc = refused(capsys, "validate", port["transformer"], "--reference", reference, "--out", tmp_path / "r")
+        assert "--reference cuda: no CUDA device available" in doc["error"] and "--reference cpu" in doc["hint"]
+    if reference == "npu" and importlib.util.find_spec("torch_npu") is None:
+        doc = refused(capsys, "validate", port["transformer"], "--reference", reference, "--out", tmp_path / "r")
+        assert "--reference npu needs torch_npu, which is not installed" in doc["error"]
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("devices", ["cuda:0,cuda:1", "npu:0,npu:1"])
+def test_validate_accelerator_ranks_are_estimated_on_the_host_before_the_devices_are_probed(capsys, port, tmp_path,
+                                                                                          devices):
+    """Each accelerator rank stages its weights and compares its stages through this host: two of them at
+    --text-len 2,000,000 are refused for the host first, on a machine that has neither device."""
+    doc = refused(capsys, "validate", port["transformer"], "--devices", devices, "--text-len", "2000000",
+                  "--out", tmp_path / "r")
+    assert "--devices: 2 processes on this host" in doc["error"] and "float64 copies compared" in doc["error"]
     assert not (tmp_path / "r").exists()
 
 

@@ -7,14 +7,14 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from porting.devices import resolve_device
+from porting.devices import parse_device, resolve_device
 from porting.errors import CheckFailed, InputError, PortError
 from porting.outputs import check_output
-from porting.resources import check_validate_memory
 
 from .checks import GoldenWeights, check_dequantized, check_not_one_computation
 from .compare import Runs, lockstep
 from .inputs import Inputs, build_inputs
+from .memory import check_devices, check_host, request_for
 from .report import Report
 from .runners.base import Runner
 from .runners.torch_staged import torch_runner
@@ -98,16 +98,22 @@ def validate(model: str | Path, *, device: str = "cpu", dtype: str | None = None
     read_paths = {"model": model, "source transformer": weights_path, "--base": base, "--config": config}
     if out is not None:
         check_output(Path(out), verb="validate", replace="owned", inputs=read_paths)
-    ref = resolve_device(reference)
-    dev = resolve_device(device) if runtime == "torch" else None
-    check_not_one_computation(dtype=dtype, golden_dtype=golden_dtype, device=dev, reference=ref, runtime=runtime)
-    intrinsic = intrinsic or default_intrinsic(dev, ref, runtime)
+    ref_spec = parse_device(reference)
+    dev_spec = parse_device(device) if runtime == "torch" else None
+    check_not_one_computation(dtype=dtype, golden_dtype=golden_dtype, device=dev_spec, reference=ref_spec,
+                              runtime=runtime)
     source = WeightSource(weights_path, config)
-    if ref.type == "cpu":  # the golden and the intrinsic run live in host memory: refuse what cannot fit, up front
-        check_validate_memory(source.config, [(k, shape) for k, shape, _ in source.plan.outputs()],
-                              resolution=resolution, text_len=text_len, batch=len(seeds) * len(timesteps),
-                              golden_dtype=golden_dtype, dtype=dtype, text_encoders=source.text_encoders(base, prompt),
-                              stage_of=source.stage_of)
+    # the host's share first, from the options and the headers alone, before any backend is imported or device
+    # probed (docs/validate.md, "Memory": why this order); then each accelerator's free memory, once it is there
+    need = request_for(source, reference=ref_spec.type, device=dev_spec.type if dev_spec else None,
+                       resolution=resolution, text_len=text_len, batch=len(seeds) * len(timesteps),
+                       golden_dtype=golden_dtype, dtype=dtype, base=base, prompt=prompt,
+                       session=_cpu_session_graph(Path(model), export, provider, resolution) if export else None)
+    check_host(need)
+    ref = resolve_device(reference, "--reference")
+    dev = resolve_device(device) if runtime == "torch" else None
+    check_devices(need, ref, dev)
+    intrinsic = intrinsic or default_intrinsic(dev, ref, runtime)
     weights = source.weights_sha256()
     if export is not None and weights != export["weights_sha256"]:
         raise CheckFailed(f"{weights_path}: the source weights changed since the export (recorded "
@@ -153,6 +159,15 @@ def validate(model: str | Path, *, device: str = "cpu", dtype: str | None = None
     if out is not None:
         report.write(Path(out), inputs=read_paths)
     return report
+
+
+def _cpu_session_graph(folder: Path, export: dict[str, Any], provider: str, resolution: int) -> Path | None:
+    """The graph an onnxruntime session opens in host memory (the CPU provider's), for the memory estimate."""
+    from porting.export.ort import model_path
+
+    if provider != "CPUExecutionProvider":
+        return None
+    return model_path(folder, export.get("graphs", {}).get(str(resolution)))
 
 
 def ryzenai_size(export: dict[str, Any], resolution: int) -> int:

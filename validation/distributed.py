@@ -31,7 +31,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from porting.devices import DeviceSpec, parse_device, resolve_device
+from porting.devices import DeviceSpec, free_memory, parse_device, resolve_device
 from porting.errors import EXIT_CHECK_FAILED, EXIT_INTERNAL, EXIT_USAGE, DeviceError, PortError, UsageError
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
@@ -306,15 +306,13 @@ def _reference_for(job: Job, dev: torch.device, config: dict[str, Any], shapes: 
         return torch.device("cpu")
     from porting.resources import check_validate_memory
 
-    try:
-        free = (torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda"
-                else torch.npu.mem_get_info(dev)[0])  # type: ignore[attr-defined]
-        check_validate_memory(config, shapes, resolution=job.resolution, text_len=job.text_len, batch=batch,
-                              golden_dtype=job.golden_dtype, dtype=job.dtype, available=int(free),
-                              stage_of=stage_of)
-    except PortError:
+    free = free_memory(dev)
+    if free is None:  # no memory query on this backend: the CPU is the safe place
         return torch.device("cpu")
-    except Exception:  # no memory query on this backend: the CPU is the safe place
+    try:
+        check_validate_memory(config, shapes, resolution=job.resolution, text_len=job.text_len, batch=batch,
+                              golden_dtype=job.golden_dtype, dtype=job.dtype, available=free, stage_of=stage_of)
+    except PortError:
         return torch.device("cpu")
     return dev
 
@@ -589,14 +587,14 @@ def validate_pipeline(model: str | Path, *, devices: str | Sequence[str], dtype:
     `device_weight_transform` and `prepare_device_model` must be picklable (module-level functions or partials of
     them) to reach spawned ranks."""
     from porting.outputs import check_output
-    from porting.resources import MEMORY_OVERHEAD, check_device_count, check_ranks_memory, check_validate_memory, gib
+    from porting.resources import check_device_count, check_ranks_memory, check_validate_memory
 
     from .checks import check_not_one_computation
+    from .memory import host_breakdown, host_need, request_for
     from .verdict import _dtype
     from .weights import WeightSource
 
     specs = parse_devices(devices)
-    backend = check_backend(specs)
     reference = reference or "devices"
     if reference not in ("cpu", "devices"):
         raise UsageError(f"--reference {reference!r} with {OPTION}: use cpu (every rank's golden on its host's CPU) or "
@@ -624,8 +622,13 @@ def validate_pipeline(model: str | Path, *, devices: str | Sequence[str], dtype:
                               resolution=resolution, text_len=text_len, batch=len(seeds) * len(timesteps),
                               golden_dtype=golden_dtype, dtype=dtype, text_encoders=source.text_encoders(base, prompt),
                               stage_of=source.stage_of, ranks=len(specs))
-    else:
-        check_ranks_memory(OPTION, len(specs), MEMORY_OVERHEAD, f"interpreter {gib(MEMORY_OVERHEAD)}")
+    else:  # each rank stages its stages' weights to its device and compares them through this host
+        request = request_for(source, reference=kind, device=kind, resolution=resolution, text_len=text_len,
+                              batch=len(seeds) * len(timesteps), golden_dtype=golden_dtype, dtype=dtype, base=base,
+                              prompt=prompt)
+        per_rank, terms = host_need(request)
+        check_ranks_memory(OPTION, len(specs), per_rank, host_breakdown(request, terms))
+    backend = check_backend(specs)  # the devices are probed after the host's estimate (docs/validate.md, "Memory")
     job = Job(model=str(model), devices=[str(s) for s in specs], backend=backend, dtype=dtype,
               golden_dtype=golden_dtype, reference=reference, out=str(out) if out is not None else None,
               resolution=resolution, text_len=text_len, timesteps=list(timesteps), seeds=list(seeds),
