@@ -84,9 +84,10 @@ def build_synthetic(folder: Path, transformer_cfg: dict, text_cfg: dict) -> Path
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from porting.demo.tinypipe import TINY_SCHEDULER, tiny_tokenizer
+    from porting.skeleton import empty_weights
 
     started = time.perf_counter()
-    with torch.device("meta"):
+    with empty_weights():
         transformer = Flux2Transformer2DModel(**transformer_cfg)
         text_encoder = Qwen3ForCausalLM(Qwen3Config(**text_cfg, max_position_embeddings=40960))
     transformer = transformer.to_empty(device="cpu").to(torch.bfloat16)

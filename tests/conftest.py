@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-# diffusers imports its quantizer modules lazily, and `bfl/utils.py` makes a module-level lookup tensor at import: the
-# first `with torch.device("meta"): Model.from_config(...)` in a process would create it on the meta device, and the
-# BFL-scheme oracle (tests/quantfiles.py) would then fail in whichever test runs after it. Import it here, on the CPU.
-import diffusers.quantizers.bfl.utils  # noqa: E402,F401
 import pytest
 
 from .helpers import TINY2, reference_model, save_state

@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from porting.cli.app import main
+from porting.skeleton import empty_weights
 
 from .reference.flux1_bfl import Flux1Params, Flux1Reference
 from .reference.flux2_bfl import Flux2Params, Flux2Reference
@@ -57,7 +58,7 @@ def save_state(path: Path, state: Mapping[str, torch.Tensor], dtype: torch.dtype
 
 
 def meta_shapes(params: Flux1Params | Flux2Params) -> dict[str, tuple[int, ...]]:
-    with torch.device("meta"):
+    with empty_weights():
         model = Flux2Reference(params) if isinstance(params, Flux2Params) else Flux1Reference(params)
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 

@@ -36,6 +36,8 @@ from typing import Callable, Iterable
 
 import torch
 
+from porting.skeleton import diffusers_skeleton
+
 SHIFT = 0.171875  # deepcompressor's GELU shift (ShiftedLinear), the kernel's SHIFT_GELU
 BF16 = torch.bfloat16
 F64 = torch.float64
@@ -347,8 +349,7 @@ def _one_thread():
 
 def _random_state(family: str, config: dict, seed: int) -> dict[str, torch.Tensor]:
     """Seeded float32 weights (bf16-representable) for every tensor of the diffusers model, in its order."""
-    with torch.device("meta"):
-        model = _model_class(family).from_config(config)
+    model = diffusers_skeleton(_model_class(family), config)
     gen = torch.Generator().manual_seed(seed)
     out = {}
     for name, p in model.state_dict().items():
@@ -696,8 +697,7 @@ def write_svdq_file(out_dir: Path, family: str = "flux2", precision: str = "int4
         path = _save(out_dir / f"{stem}.safetensors", {**other, **blocks}, meta)
         files = [path]
 
-    with torch.device("meta"):
-        shapes = {k: tuple(v.shape) for k, v in _model_class(family).from_config(config).state_dict().items()}
+    shapes = {k: tuple(v.shape) for k, v in diffusers_skeleton(_model_class(family), config).state_dict().items()}
     assert set(inp.expected) == set(shapes), sorted(set(inp.expected) ^ set(shapes))[:5]
     expected = {k: inp.expected[k].to(torch.float32) for k in shapes}
     assert all(tuple(expected[k].shape) == shapes[k] for k in shapes)
@@ -803,8 +803,7 @@ def _write_streamed(path: Path, config: dict, precision: str, rank: int, seed: i
     config = _full_config("flux2", config)
     inner = config["num_attention_heads"] * config["attention_head_dim"]
     mlp = int(inner * config["mlp_ratio"])
-    with torch.device("meta"):
-        shapes = {k: tuple(v.shape) for k, v in _model_class("flux2").from_config(config).state_dict().items()}
+    shapes = {k: tuple(v.shape) for k, v in diffusers_skeleton(_model_class("flux2"), config).state_dict().items()}
     # (name, n, k, pieces) per quantized layer, module names
     layers: list[tuple[str, int, int, int]] = []
     for i in range(config["num_layers"]):

@@ -12,9 +12,9 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 
 from porting.engine.convert import convert
+from porting.skeleton import diffusers_skeleton
 
 from .helpers import REAL1, REAL2, meta_shapes, run_port, write_header_only
 
@@ -101,8 +101,7 @@ def test_header_only_plan_diffusers_to_original(tmp_path, name):
         cls, config = diffusers.FluxTransformer2DModel, dict(guidance_embeds=False)
     else:
         cls, config = diffusers.Flux2Transformer2DModel, {k: v for k, v in CONFIG[name].items()}
-    with torch.device("meta"):
-        model = cls.from_config(config)
+    model = diffusers_skeleton(cls, config)
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     src = write_header_only(tmp_path / "diffusers-named.safetensors", shapes)
     result = convert(src, None, to="original", dry_run=True)

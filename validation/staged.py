@@ -8,11 +8,12 @@ used, and dropped back to the meta device, which keeps a float32 golden of a 9B 
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Callable
 
 import torch
 from torch import nn
+
+from porting.skeleton import diffusers_skeleton
 
 from .weights import WeightSource, WeightTransform
 
@@ -49,15 +50,7 @@ class StagedModel:
         self.packed = packed
         self.stages = source.stages
         cls = getattr(diffusers, source.detection.table.diffusers_class)
-        clean = {k: v for k, v in source.config.items() if not k.startswith("_")}
-        log = logging.getLogger("diffusers")
-        level = log.level
-        log.setLevel(logging.ERROR)
-        try:
-            with torch.device("meta"):
-                self.model = cls.from_config(clean)
-        finally:
-            log.setLevel(level)
+        self.model = diffusers_skeleton(cls, source.config)
         self.model.eval().requires_grad_(False)
         if emulate is not None:
             for module in self.model.modules():

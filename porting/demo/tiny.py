@@ -11,6 +11,7 @@ import torch
 from porting.engine.mapping import Naming
 from porting.families import get_family
 from porting.families.flux2 import FAMILY as FLUX2
+from porting.skeleton import empty_weights
 from porting.tensors.dtypes import ST_TO_TORCH
 from porting.tensors.writer import Entry, write_shards
 
@@ -93,7 +94,7 @@ def write_random_text_encoder(folder: str | Path, config: Mapping[str, Any], see
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     cfg = Qwen3Config(**config, architectures=["Qwen3ForCausalLM"])
-    with torch.device("meta"):
+    with empty_weights():
         model = Qwen3ForCausalLM(cfg)
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if cfg.tie_word_embeddings:

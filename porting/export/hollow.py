@@ -35,22 +35,19 @@ def hollow_pretrained(cls: Any, folder: Path, dtype: torch.dtype) -> Any:
     modules in float32, as `from_pretrained` does), buffers computed on the CPU; tied names recorded (TIES)."""
     import warnings
 
-    from accelerate import init_empty_weights
+    from porting.skeleton import diffusers_skeleton, empty_weights
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        if hasattr(cls, "load_config"):  # diffusers
-            from porting._files import read_config
+    if hasattr(cls, "load_config"):  # diffusers
+        from porting._files import read_config
 
-            config = {k: v for k, v in read_config(Path(folder) / "config.json", "a component config").items()
-                      if not k.startswith("_")}
-            with init_empty_weights(include_buffers=False):
-                model = cls.from_config(config)
-        else:  # transformers
-            from transformers import AutoConfig
+        model = diffusers_skeleton(cls, read_config(Path(folder) / "config.json", "a component config"))
+    else:  # transformers
+        from transformers import AutoConfig
 
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
             config = AutoConfig.from_pretrained(folder, local_files_only=True)
-            with init_empty_weights(include_buffers=False):
+            with empty_weights():
                 model = cls.from_config(config) if hasattr(cls, "from_config") else cls._from_config(config)
     keep32 = list(getattr(model, "_keep_in_fp32_modules", None) or [])
     names: dict[int, list[str]] = {}

@@ -18,6 +18,8 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
+from porting.skeleton import empty_weights
+
 
 @dataclass
 class Traceable:
@@ -86,7 +88,7 @@ def quiet_from_pretrained(cls: Any, folder: Path, dtype: torch.dtype, **kw: Any)
 
 
 def count_meta(build: Callable[[], nn.Module]) -> int:
-    with torch.device("meta"):
+    with empty_weights():
         model = build()
     return sum(p.numel() for p in model.parameters())
 

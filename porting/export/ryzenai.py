@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from porting.errors import UsageError
+from porting.skeleton import diffusers_skeleton
 
 from .external import padding, save_streamed  # noqa: F401  (save_streamed: used by the export engine)
 from .onnx_components import Traceable
@@ -393,8 +394,7 @@ def hollow_traceable(name: str, folder: Path, profile: Profile) -> tuple[Traceab
     if name == "transformer":
         from diffusers import Flux2Transformer2DModel
 
-        with torch.device("meta"):
-            model = Flux2Transformer2DModel.from_config(cfg).eval().requires_grad_(False)
+        model = diffusers_skeleton(Flux2Transformer2DModel, cfg).eval().requires_grad_(False)
         graph = transformer_graph(hollow(model))
         shape = Traceable(graph, {"hidden_states": torch.zeros(1, 16, model.config.in_channels),
                                   "encoder_hidden_states": torch.zeros(1, 6, model.config.joint_attention_dim),
@@ -404,8 +404,7 @@ def hollow_traceable(name: str, folder: Path, profile: Profile) -> tuple[Traceab
     if name == "vae_decoder":
         from diffusers import AutoencoderKLFlux2
 
-        with torch.device("meta"):
-            vae = AutoencoderKLFlux2.from_config(cfg).eval().requires_grad_(False)
+        vae = diffusers_skeleton(AutoencoderKLFlux2, cfg).eval().requires_grad_(False)
         shape = Traceable(VaeDecoderGraph(hollow(vae)), {"latent_sample": torch.zeros(1, vae.config.latent_channels,
                                                                                         2, 2)}, {}, ["sample"], {})
         return static_vae_decoder(shape, profile), "vae."

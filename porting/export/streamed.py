@@ -3,11 +3,10 @@ written from the safetensors files one tensor at a time.
 
 The family's loader builds the component as usual, but inside `hollow_loading(dtype)` its `from_pretrained` builds the
 model from its config with every parameter a zero-stride view in the export dtype (no memory) and every buffer
-computed for real (accelerate's `init_empty_weights(include_buffers=False)`: rotary tables, position ids). torch's
-dynamo exporter traces it with the same dynamic axes as the in-memory export; then every parameter initializer is
-read from the component's files (converted to the export dtype exactly as `from_pretrained(dtype=...)` does, a tensor
-at a time) and appended to `model.onnx.data`, the graph pointing at it. The graph is the in-memory export's, its
-weights the same bytes.
+computed for real (porting/skeleton.py: rotary tables, position ids). torch's dynamo exporter traces it with the
+same dynamic axes as the in-memory export; then every parameter initializer is read from the component's files
+(converted to the export dtype exactly as `from_pretrained(dtype=...)` does, a tensor at a time) and appended to
+`model.onnx.data`, the graph pointing at it. The graph is the in-memory export's, its weights the same bytes.
 
 A component is streamed when every parameter of the hollow module has a tensor of its name (after the graph wrapper's
 attribute) in the component's safetensors files, tied parameters under any of their names; a checkpoint whose keys

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from porting.errors import InputError
+from porting.skeleton import empty_weights
 
 from .external import padding
 from .onnx_components import Traceable
@@ -58,11 +59,11 @@ def hollow_text_encoder(folder: Path, profile: Any) -> tuple[Traceable, str]:
     from .ryzenai import hollow, static_text_encoder
 
     cfg = AutoConfig.from_pretrained(folder, local_files_only=True)
-    with warnings.catch_warnings(), torch.device("meta"):
+    with warnings.catch_warnings(), empty_weights():
         warnings.simplefilter("ignore")
         model = AutoModelForCausalLM.from_config(cfg)
     model = hollow(model.eval().requires_grad_(False))
-    for parent in list(model.modules()):  # rotary tables are computed from the config at init: rebuild them for real
+    for parent in list(model.modules()):  # hollow() zeroed the rotary tables the skeleton computed: rebuild them
         for child_name, child in list(parent.named_children()):
             if type(child).__name__.endswith("RotaryEmbedding"):
                 setattr(parent, child_name, type(child)(config=child.config))

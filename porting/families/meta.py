@@ -1,4 +1,4 @@
-"""A diffusers model's tensor shapes from the model itself, instantiated on the meta device (no memory)."""
+"""A diffusers model's tensor shapes from the model itself, its parameters on the meta device (no memory)."""
 
 from __future__ import annotations
 
@@ -8,20 +8,10 @@ Shape = tuple[int, ...]
 
 
 def meta_state_shapes(class_name: str, config: Mapping[str, Any]) -> dict[str, Shape]:
-    """Shapes of every tensor of the diffusers model, instantiated on the meta device (no memory)."""
-    import logging
-
+    """Shapes of every tensor of the diffusers model, built as a skeleton (porting/skeleton.py: no memory)."""
     import diffusers
-    import torch
 
-    cls = getattr(diffusers, class_name)
-    clean = {k: v for k, v in config.items() if not k.startswith("_")}
-    log = logging.getLogger("diffusers")
-    level = log.level
-    log.setLevel(logging.ERROR)
-    try:
-        with torch.device("meta"):
-            model = cls.from_config(clean)
-    finally:
-        log.setLevel(level)
+    from porting.skeleton import diffusers_skeleton
+
+    model = diffusers_skeleton(getattr(diffusers, class_name), config)
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from porting.errors import InputError
+from porting.skeleton import diffusers_skeleton
 from porting.tensors.checkpoint import Checkpoint
 from porting.tensors.quant.nunchaku import NAME, SvdqFile
 from porting.tensors.quant.svdq_decode import SvdqDecoder
@@ -62,8 +63,7 @@ def load_svdq_transformer(path: Any, dtype: torch.dtype, compute: str = "w4a4") 
                          "config.json next to it); the transformer's sizes cannot be known.",
                          hint="Put the diffusers config.json of the model next to the file.")
     cls = model_class(info.family, config)
-    with torch.device("meta"):
-        model = cls.from_config({k: v for k, v in config.items() if not k.startswith("_")})
+    model = diffusers_skeleton(cls, config)
     decoder = SvdqDecoder(info)
     for key, target in info.targets.items():
         if target.role != "weight":
