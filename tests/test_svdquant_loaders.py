@@ -171,10 +171,11 @@ def loader_state(family: str, meta: dict[str, str]) -> tuple[Params, set[str], s
     `quantization_config`, the names of its W4A4 modules, and the precision."""
     import diffusers
 
+    from porting.skeleton import diffusers_skeleton
+
     q = json.loads(meta["quantization_config"])
     precision, rank = precision_of(q), int(q.get("rank", 32))
-    with torch.device("meta"):
-        model = getattr(diffusers, DIFFUSERS_CLASS[family]).from_config(json.loads(meta["config"]))
+    model = diffusers_skeleton(getattr(diffusers, DIFFUSERS_CLASS[family]), json.loads(meta["config"]))
     state = {k: (tuple(v.shape), torch.bfloat16 if v.is_floating_point() else v.dtype)
              for k, v in model.state_dict().items()}
     modules: set[str] = set()
