@@ -68,10 +68,15 @@ def known_sha256(path: Path) -> str | None:
         return None
 
 
-def remember(path: Path, sha256: str, weights: Mapping[str, object] | None = None) -> None:
-    """Record the sha256 of `path` as it is now (and, for a shard, the weights identity of its set). Without a
-    usable sealing key nothing is recorded: later verbs hash the file again."""
+def remember(path: Path, sha256: str, weights: Mapping[str, object] | None = None,
+             expect: os.stat_result | None = None) -> None:
+    """Record the sha256 of `path` as it is now (and, for a shard, the weights identity of its set). `expect`: the
+    file's stat when it was hashed; a file that changed since is not recorded. Without a usable sealing key nothing
+    is recorded either: later verbs hash the file again."""
     st = os.stat(path)
+    if expect is not None and (expect.st_dev, expect.st_ino, expect.st_size, expect.st_mtime_ns) != (
+            st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns):
+        return
     doc: dict[str, object] = {"format_version": FORMAT, "path": os.path.abspath(path), "file": {
         "device": st.st_dev, "inode": st.st_ino, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha256}}
     if weights is not None:

@@ -264,3 +264,18 @@ def test_identity_from_byte_ranges_equals_the_tensors_safetensors_loads(finetune
             part.update(key[len("double_blocks.0."):], tensor, header[key]["dtype"])
     assert hash_checkpoint(open_source(finetune).view) == oracle.hexdigest()
     assert hash_checkpoint(open_source(finetune).view, prefix="double_blocks.0.") == part.hexdigest()
+
+
+def test_a_file_changed_after_it_was_hashed_is_not_recorded(tmp_path: Path, state: Path) -> None:
+    from porting.known_digests import remember
+
+    f = tmp_path / "f.bin"
+    f.write_bytes(b"a" * 10)
+    hashed = f.stat()
+    digest = sha256(f)
+    f.write_bytes(b"b" * 10)  # changed between the hash and the record
+    os.utime(f, ns=(hashed.st_atime_ns, hashed.st_mtime_ns + 1000))
+    remember(f, digest, expect=hashed)
+    assert known_sha256(f) is None
+    remember(f, sha256(f), expect=f.stat())
+    assert known_sha256(f) == sha256(f)

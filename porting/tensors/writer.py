@@ -577,6 +577,7 @@ def write_shards(folder: Path, stem: str, entries: list[Entry],
     hashing = ThreadPoolExecutor(1, thread_name_prefix="flux-port-hash")
     copier, side = _Copier(on_bytes), _SideHashes(hasher, known)
     file_sha256: dict[str, str] = {}
+    as_hashed: dict[str, os.stat_result] = {}
     try:
         for name, shard in zip(names, shards):
             # read too: the digest reads back what is written, and stops before the file is closed
@@ -621,6 +622,7 @@ def write_shards(folder: Path, stem: str, entries: list[Entry],
                     weight_map[e.key] = name
                 copier.flush(out_fd)
                 file_sha256[name] = follower.finish()
+                as_hashed[name] = os.fstat(out_fd)  # the file the digest describes; recorded only while still so
             side.finish()  # every hash of this shard is taken before the next shard (and before returning)
     finally:
         budget.close()  # a producer waiting for room returns, so closing the stream can join it
@@ -630,7 +632,7 @@ def write_shards(folder: Path, stem: str, entries: list[Entry],
         copier.close()
     weights = shards_record(hasher.hexdigest(), file_sha256) if hasher else None
     for name, sha in file_sha256.items():  # the files are closed: their modification times are final
-        remember(folder / name, sha, weights)
+        remember(folder / name, sha, weights, expect=as_hashed[name])
     if digests is not None:
         digests.update(file_sha256)
     if len(names) > 1:
