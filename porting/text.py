@@ -85,23 +85,23 @@ _GAP_WORD = re.compile(r"( *)(\S+)")
 _LABEL = re.compile(r"\[\d+/\d+\] ")
 
 
-def wrap_lines(text: str, width: int = 80) -> str:
+def wrap_lines(text: str, width: int = 80, continuation: str | None = None) -> str:
     """Each line of `text` wrapped at spaces to `width`, its continuation indented under it (under the text after
-    a "[3/9] " step label). A word longer than a line (a path) is broken after a `/`: the pieces continue on the
-    lines below, a piece still too long is folded."""
+    a "[3/9] " step label), or by `continuation` when given (a table cell: ""). A word longer than a line (a path)
+    is broken after a `/`: the pieces continue on the lines below, a piece still too long is folded."""
     out: list[str] = []
     for line in text.splitlines() or [""]:
-        out.extend(_wrap_line(line, width))
+        out.extend(_wrap_line(line, width, continuation))
     return "\n".join(out)
 
 
-def _wrap_line(line: str, width: int) -> list[str]:
+def _wrap_line(line: str, width: int, continuation: str | None = None) -> list[str]:
     if len(line) <= width:
         return [line]
     body = line.lstrip(" ")
     indent = line[: len(line) - len(body)]
     label = _LABEL.match(body)
-    follow = " " * len(label.group(0)) if label else indent + "  "
+    follow = continuation if continuation is not None else " " * len(label.group(0)) if label else indent + "  "
     if len(follow) > width // 2:
         follow = "  "
     lines: list[str] = []

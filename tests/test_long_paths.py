@@ -51,6 +51,26 @@ def test_a_path_longer_than_the_line_is_broken_after_a_separator() -> None:
     assert wrap_lines("[4/6] " + "x" * 200, 80).splitlines()[1].startswith("      x")  # folded under its label
 
 
+def test_a_long_path_in_a_vertical_table_is_broken_after_a_separator(capsys, monkeypatch) -> None:
+    from rich.table import Table
+
+    from porting.cli import _output
+
+    monkeypatch.setenv("COLUMNS", "80")
+    path = "/" + "/".join(["a-folder-name-of-thirty-chars-x"] * 5) + "/pub"
+    table = Table(title="published", show_header=False)
+    table.add_row("folder", path)
+    table.add_row("weights sha256", "37a4099f3392512834dc1b9bb0911905e7b43c220aa7a8e6e252c971132d69c8")
+    _output.Output().table(table)
+    lines = capsys.readouterr().out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("folder "))
+    column = lines[start].index("/")
+    block = [lines[start]] + [line for line in lines[start + 1:] if line[:column].strip() == ""]
+    assert not too_wide(*lines) and len(block) > 1
+    assert all(line.endswith("/") for line in block[:-1]), block  # broken after a separator, not mid-name
+    assert "".join(line[column:] for line in block) == path
+
+
 class _Console:
     def __init__(self, terminal: bool) -> None:
         self.is_terminal, self.width = terminal, 80

@@ -10,7 +10,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any, Iterator
 
 from porting.finite import dumps
-from porting.text import for_console, printable, relative_paths
+from porting.text import for_console, printable, relative_paths, wrap_lines
 
 if TYPE_CHECKING:  # rich is imported on first use: `port --help` and `port --version` never print through it
     from rich.console import Console, Group
@@ -197,7 +197,8 @@ def fits(console: Console, table: Table, width: int) -> bool:
 def vertical(table: Table, width: int) -> Group:
     """`table` as `label  value` lines: a table with headers gives one block per row (`header  cell`), blocks a blank
     line apart; a table without headers one block (its first cell the label, the others the value). A value wraps
-    at spaces; only a word longer than the line is folded."""
+    at spaces; a word longer than the line (a path) is broken after a `/`, as messages are, and folded only where a
+    piece is still too long."""
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
@@ -212,9 +213,13 @@ def vertical(table: Table, width: int) -> Group:
     parts: list[Any] = [table.title] if table.title else []
     for i, pairs in enumerate(blocks):
         grid = Table.grid(padding=(0, 2))
-        grid.add_column(width=min(max((len(k) for k, _ in pairs), default=1), width // 3), overflow="fold")
+        label_width = min(max((len(k) for k, _ in pairs), default=1), width // 3)
+        grid.add_column(width=label_width, overflow="fold")
         grid.add_column(overflow="fold")
+        room = max(width - label_width - 2, 1)
         for label, value in pairs:
+            if any(len(line) > room for line in value.plain.splitlines()):
+                value = Text(wrap_lines(value.plain, room, continuation=""))
             grid.add_row(label, value)
         parts.extend([Text(""), grid] if i else [grid])
     return Group(*parts)
