@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-
 from porting.text import for_console, relative_paths, wrap_lines
 
 from .helpers import run_port
@@ -112,7 +110,6 @@ def test_the_verbs_fit_80_columns_from_a_deep_folder(port, tmp_path, capsys, mon
     assert str(here / "j") in json.dumps(doc)
 
 
-@pytest.mark.slow
 def test_the_demo_fits_80_columns_from_a_deep_folder(tmp_path, capsys, monkeypatch) -> None:
     monkeypatch.setenv("COLUMNS", "80")
     monkeypatch.chdir(deep_folder(tmp_path))
