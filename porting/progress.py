@@ -13,6 +13,8 @@ import os
 import time
 from typing import Any, Callable
 
+from porting.text import for_console
+
 ESTIMATE_AFTER_S = 60.0
 clock: Callable[[], float] = time.perf_counter  # the timing source; tests replace it to make a step slow
 
@@ -89,7 +91,7 @@ class StepProgress:
     def say(self, text: str) -> None:
         """A status line above the bar (or a plain line)."""
         if self.console is not None:
-            self.console.print(text, markup=False, soft_wrap=True, highlight=False)
+            self.console.print(for_console(text, self.console), markup=False, soft_wrap=True, highlight=False)
 
     def begin_timing(self) -> None:
         """The timed work starts now (the first transformer call); defaults to the first step's start."""
@@ -175,4 +177,4 @@ class TimedSteps:
 
     def say(self, text: str) -> None:
         if self.console is not None:
-            self.console.print(text, markup=False, soft_wrap=True, highlight=False)
+            self.console.print(for_console(text, self.console), markup=False, soft_wrap=True, highlight=False)

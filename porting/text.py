@@ -41,3 +41,115 @@ def markdown_text(value: Any) -> str:
     """Plain markdown text with HTML and markdown syntax shown, not interpreted."""
     text = _UNPRINTABLE.sub("?", str(value))
     return re.sub(r"([\\`*_{}\[\]()#+!|<>~-])", r"\\\1", text)
+
+
+def relative_paths(text: str, cwd: str | None = None) -> str:
+    """`text` with every absolute path inside the current folder (`cwd`) written relative to it, and the folder
+    itself as `.`: what a user typed from there. A path elsewhere, and a folder whose name merely starts the same
+    (`/work/a` for `/work/ab`), is left as is. Messages only: `--json` keeps absolute paths."""
+    folders = [cwd] if cwd is not None else _current_folders()
+    for folder in folders:
+        if folder in ("", "/"):
+            continue
+        text = re.sub(rf"(?<![\w./~-]){re.escape(folder)}(?:/(?=[^\s'\"/])|(?=/?(?:[\s'\"),;:]|$)))", _inside, text)
+    return text
+
+
+def _inside(m: re.Match) -> str:
+    """The folder itself is `.`; a path inside it loses the folder and its `/` (`./` before a name that starts
+    with `-`, which would read as an option)."""
+    if not m.group().endswith("/"):
+        return "."
+    rest = m.string[m.end():m.end() + 1]
+    return "./" if rest == "-" else ""
+
+
+def _current_folders() -> list[str]:
+    """The current folder as the OS names it and, when the shell's $PWD is another spelling of it (a symbolic
+    link on the way), as the user sees it."""
+    import os
+
+    try:
+        here = os.getcwd()
+    except OSError:  # the folder was removed under us: nothing is inside it
+        return []
+    pwd = os.environ.get("PWD", "")
+    try:
+        same = bool(pwd) and pwd != here and os.path.isabs(pwd) and os.path.samefile(pwd, here)
+    except OSError:
+        same = False
+    return [pwd, here] if same else [here]
+
+
+_GAP_WORD = re.compile(r"( *)(\S+)")
+_LABEL = re.compile(r"\[\d+/\d+\] ")
+
+
+def wrap_lines(text: str, width: int = 80, continuation: str | None = None) -> str:
+    """Each line of `text` wrapped at spaces to `width`, its continuation indented under it (under the text after
+    a "[3/9] " step label), or by `continuation` when given (a table cell: ""). A word longer than a line (a path)
+    is broken after a `/`: the pieces continue on the lines below, a piece still too long is folded."""
+    out: list[str] = []
+    for line in text.splitlines() or [""]:
+        out.extend(_wrap_line(line, width, continuation))
+    return "\n".join(out)
+
+
+def _wrap_line(line: str, width: int, continuation: str | None = None) -> list[str]:
+    if len(line) <= width:
+        return [line]
+    body = line.lstrip(" ")
+    indent = line[: len(line) - len(body)]
+    label = _LABEL.match(body)
+    follow = continuation if continuation is not None else " " * len(label.group(0)) if label else indent + "  "
+    if len(follow) > width // 2:
+        follow = "  "
+    lines: list[str] = []
+    current, empty = indent, True
+    for gap, word in _GAP_WORD.findall(body):
+        sep = "" if empty else gap
+        if len(current) + len(sep) + len(word) <= width:
+            current, empty = current + sep + word, False
+        elif len(follow) + len(word) <= width:  # whole on a line of its own
+            lines.append(current)
+            current, empty = follow + word, False
+        else:  # longer than a line: broken after a `/`, as much as fits here first
+            pieces = path_pieces(word, width - len(current) - len(sep), width - len(follow))
+            lines.append(current + sep + pieces[0] if pieces[0] else current)
+            lines.extend(follow + p for p in pieces[1:-1])
+            current, empty = follow + pieces[-1], False
+    lines.append(current)
+    return [ln.rstrip() for ln in lines if ln.strip()] or [""]
+
+
+def path_pieces(word: str, first: int, room: int) -> list[str]:
+    """`word` cut after its `/` separators into pieces of at most `first` characters (the first piece; empty when
+    not even the first segment fits there) and `room` (the others); a segment longer than `room` is folded."""
+    pieces, current, limit = [], "", max(first, 0)
+    for segment in re.findall(r"[^/]*/|[^/]+", word):
+        if current and len(current) + len(segment) > limit:
+            pieces.append(current)
+            current, limit = "", room
+        elif not current and not pieces and limit < len(segment) <= room:  # whole on the next line
+            pieces.append("")
+            limit = room
+        elif not current and not pieces and limit <= 0:
+            pieces.append("")
+            limit = room
+        current += segment
+        while len(current) > limit:
+            pieces.append(current[:limit])
+            current, limit = current[limit:], room
+    return pieces + [current] if current else pieces
+
+
+def for_console(text: str, console: Any) -> str:
+    """A message as a rich `console` shows it: paths inside the current folder relative to it; wrapped (text.
+    wrap_lines) to the console's width on a terminal, or when $COLUMNS sets a width; piped with no $COLUMNS (as
+    `port ... | grep` runs: shells do not export it) one line a message, for grep and log readers."""
+    import os
+
+    text = relative_paths(text)
+    if console.is_terminal or os.environ.get("COLUMNS"):
+        text = wrap_lines(text, console.width)
+    return text

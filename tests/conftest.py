@@ -27,3 +27,10 @@ def port(tmp_path_factory):
     from .tinyport import build_tiny_port
 
     return build_tiny_port(tmp_path_factory.getbasetemp() / "tiny-port")
+
+
+@pytest.fixture(autouse=True)
+def _caller_columns_unset(monkeypatch):
+    """Messages wrap to $COLUMNS when it is set (porting.text.for_console): a test sees a width only where it sets
+    one, not the one the shell that ran pytest exported."""
+    monkeypatch.delenv("COLUMNS", raising=False)

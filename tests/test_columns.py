@@ -169,14 +169,18 @@ def _on_a_terminal(argv: list[str], cwd: Path) -> tuple[int, str]:
     return done.returncode, shown.decode().replace("\r\n", "\n")
 
 
-def test_messages_on_a_terminal_wrap_at_spaces_and_piped_stay_one_line(tmp_path, capsys) -> None:
+def test_messages_on_a_terminal_wrap_at_spaces_and_piped_stay_one_line(tmp_path, capsys, monkeypatch) -> None:
     """Issue 30, item 5: an error and its hint wrap at word boundaries to a terminal's 80 columns (a terminal cut
-    words at its edge); piped, each stays one line for grep."""
+    words at its edge), the path inside the current folder shown relative to it; piped with no $COLUMNS (shells do
+    not export it), each stays one line for grep."""
     missing = tmp_path / ("a-long-folder-name-" * 3) / "model.safetensors"
     code, shown = _on_a_terminal(["inspect", str(missing)], tmp_path)
     assert code == 2
-    assert all(len(line) <= 80 for line in shown.splitlines() if str(missing) not in line), shown
-    assert len(shown.splitlines()) > 1
+    assert all(len(line) <= 80 for line in shown.splitlines()), shown
+    assert len(shown.splitlines()) > 1 and str(tmp_path) not in shown
+    assert "\n  a-long-folder-name-a-long-folder-name-a-long-folder-name-/model.safetensors:\n" in shown
+    monkeypatch.delenv("COLUMNS")
+    monkeypatch.chdir(tmp_path)
     piped = run_port(capsys, "inspect", missing)
     assert piped.code == 2 and " ".join(shown.split()) == " ".join(piped.err.split())
     assert len(piped.err.splitlines()) < len(shown.splitlines())

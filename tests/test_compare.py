@@ -276,6 +276,29 @@ def test_lpips_gate_without_a_backbone_stops_before_rendering(folder: Path, tmp_
     assert not (tmp_path / "o").exists()
 
 
+def test_without_a_backbone_compare_warns_in_one_short_line(folder: Path, tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture) -> None:
+    """No --lpips-weights and an empty hub cache: one line (at most 80 columns) that names the missing file and the
+    option; compare.json keeps LPIPS unavailable with the full reason (the folder searched) and that line."""
+    code, stdout, err = run_cli(["compare", str(folder), str(folder), "-p", "x", "--steps", "1", "--size", "32",
+                                 "--out", str(tmp_path / "o")], capsys)
+    assert code == 0, err
+    lines = [line for line in err.splitlines() if "LPIPS" in line]
+    assert lines == ["Warning: LPIPS skipped: no alexnet-owt-7be5be79.pth; pass --lpips-weights FILE"], err
+    assert len(lines[0]) <= 80
+    lp = json.loads((tmp_path / "o" / "compare.json").read_text())["metrics"]["lpips"]
+    assert not lp["available"] and str(im.hub_checkpoint_path()) in lp["reason"]
+    assert lp["warning"] == lines[0].removeprefix("Warning: ")
+
+
+def test_images_below_lpips_minimum_name_the_size_that_fixes_it(backbone_file: Path) -> None:
+    from validation.image_compare import lpips_scorer
+
+    scorer, missing = lpips_scorer(None, backbone_file, 16, 16)
+    assert scorer is None and "below LPIPS' 32 px minimum" in missing.reason
+    assert missing.warning == "LPIPS skipped: 16x16 images, under 32 px; pass --size 32 or more"
+
+
 def test_existing_out_is_refused_before_any_work(folder: Path, tmp_path: Path,
                                                  capsys: pytest.CaptureFixture) -> None:
     (tmp_path / "o").mkdir()

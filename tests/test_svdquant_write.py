@@ -260,6 +260,29 @@ def test_inspect_shows_how_it_was_written(written, capsys):
     assert "written by" in r.out and "data-free" in r.out
 
 
+@pytest.mark.parametrize("family", ["flux1", "flux2"])
+def test_the_summary_says_what_each_count_counts(tmp_path, capsys, monkeypatch, sources, family):
+    """`quantized to` counts the layers stored in the file, `reread` the diffusers tensors they read back as (12 and
+    14 for the tiny klein: q/k/v are one stored layer, the single block's projections two); each row names its
+    unit. On 80 columns the error table goes vertical with no empty cell; the file size is the plan's output size."""
+    monkeypatch.setenv("COLUMNS", "80")
+    doc = json.loads(run_port(capsys, "convert", sources[family], "--quantize", "svdq-int4", "--out",
+                              tmp_path / "j", "--json").out)
+    layers, tensors = sum(doc["stored_kinds"].values()), sum(doc["reread"]["tensors"].values())
+    assert layers != tensors and (family != "flux2" or (layers, tensors) == (12, 14))
+    r = run_port(capsys, "convert", sources[family], "--quantize", "svdq-int4", "--out", tmp_path / "h")
+    assert r.code == 0, r.err
+    text = " ".join(r.out.split())
+    assert f"rank 32: {layers} layers in the file (" in text
+    assert f"reread the {layers} layers read back as {tensors} diffusers tensors (" in text
+    assert "fuses q/k/v" in text and ("each bias is a tensor" in text) == (family == "flux1")
+    share = doc["svdq"]["file_bytes"] / doc["svdq"]["bf16_bytes"]
+    assert f"output size {doc['svdq']['file_bytes'] / 1e9:.3f} GB, {share:.1%} of" in text
+    errors = r.out[r.out.index("SVDQuant int4 rank 32: weight error"):].splitlines()[1:]
+    assert errors and all(len(line.split()) >= 2 for line in errors if line.strip()), errors  # no empty cell
+    assert not any(line.startswith("weights") and "file size" in line for line in errors)
+
+
 def test_rank_is_padded_to_16(tmp_path, capsys, sources):
     r = run_port(capsys, "convert", sources["flux2"], "--quantize", "svdq-int4", "--rank", "20", "--out",
                  tmp_path / "r20", "--json")

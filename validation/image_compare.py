@@ -316,15 +316,19 @@ def default_out(candidate: Side) -> Path:
 # the verb
 
 def lpips_scorer(backbone: torch.nn.Module | None, weights: str | Path | None, width: int,
-                 height: int) -> tuple[im.LpipsScorer | None, str | None]:
-    """(scorer, None), or (None, why LPIPS is unavailable). An explicit weights file that is missing is an error."""
+                 height: int) -> tuple[im.LpipsScorer | None, im.LpipsSource | None]:
+    """(scorer, None), or (None, why LPIPS is unavailable: its `reason` and short `warning`). An explicit weights
+    file that is missing is an error."""
     source = None if backbone is not None else im.find_backbone(weights)
-    if min(width, height) < im.LPIPS_MIN_SIDE:
-        return None, f"images of {width}x{height} are below LPIPS' {im.LPIPS_MIN_SIDE} px minimum"
+    side = im.LPIPS_MIN_SIDE
+    if min(width, height) < side:
+        return None, im.LpipsSource(None, f"images of {width}x{height} are below LPIPS' {side} px minimum",
+                                    f"LPIPS skipped: {width}x{height} images, under {side} px; pass --size {side} "
+                                    "or more")
     if backbone is not None:
         return im.LpipsScorer(backbone, source="injected"), None
-    if source is None or source.path is None:
-        return None, source.reason if source else "no backbone"
+    if source is None or source.path is None:  # (source is None only with a backbone, handled above)
+        return None, source
     return im.LpipsScorer.from_file(source.path), None
 
 
@@ -406,9 +410,9 @@ def compare(reference: Side, candidate: Side, *, prompts: Sequence[str] | None =
                   "--image": list(images), "--lpips-weights": lpips_weights, **(inputs or {})}
     check_output(out, force=force, verb="compare", inputs=read_paths)  # before an hour of rendering
     # settled before anything is rendered: a gate on LPIPS must not fail after an hour of generation
-    scorer, lpips_reason = lpips_scorer(lpips_backbone, lpips_weights, width, height)
-    if max_lpips is not None and scorer is None:
-        raise DeviceError(f"--max-lpips needs LPIPS, which is unavailable: {lpips_reason}.",
+    scorer, lpips_missing = lpips_scorer(lpips_backbone, lpips_weights, width, height)
+    if max_lpips is not None and lpips_missing is not None:
+        raise DeviceError(f"--max-lpips needs LPIPS, which is unavailable: {lpips_missing.reason}.",
                           hint="Pass --lpips-weights FILE, or drop --max-lpips.")
     im.psnr(torch.zeros(1, 3, 8, 8), torch.zeros(1, 3, 8, 8))  # without torchmetrics: fails now, not after rendering
 
@@ -467,7 +471,7 @@ def compare(reference: Side, candidate: Side, *, prompts: Sequence[str] | None =
         say("scoring PSNR, SSIM" + (", LPIPS" if scorer else ""))
         t0 = time.perf_counter()
         names = [f"{i:03d}.png" for i in range(len(prompts))]
-        scores = _score(staging, names, prompts, seed_list, scorer, lpips_reason)
+        scores = _score(staging, names, prompts, seed_list, scorer, lpips_missing)
         timings["metrics_s"] = time.perf_counter() - t0
         pairs = [(_pixels(staging / "reference" / n), _pixels(staging / "candidate" / n)) for n in names]
         _grid(pairs, diff_gain).save(staging / GRID_PNG, format="PNG")
@@ -501,7 +505,7 @@ def _pixels(path: Path) -> np.ndarray:
 
 
 def _score(staging: Path, names: Sequence[str], prompts: Sequence[str], seeds: Sequence[int],
-           scorer: im.LpipsScorer | None, lpips_reason: str | None) -> dict[str, Any]:
+           scorer: im.LpipsScorer | None, lpips_missing: im.LpipsSource | None) -> dict[str, Any]:
     rows, capped = [], 0
     for name, prompt, seed in zip(names, prompts, seeds):
         a = im.to_tensor(_pixels(staging / "reference" / name))
@@ -519,7 +523,8 @@ def _score(staging: Path, names: Sequence[str], prompts: Sequence[str], seeds: S
         "ssim": {"library": "torchmetrics structural_similarity_index_measure", "data_range": [0, 1],
                  "kernel": "gaussian 11, sigma 1.5"},
         "lpips": {"library": "torchmetrics LearnedPerceptualImagePatchSimilarity", "net": "alex", "normalize": True,
-                  "available": scorer is not None, "reason": None if scorer else lpips_reason,
+                  "available": scorer is not None, "reason": lpips_missing.reason if lpips_missing else None,
+                  "warning": lpips_missing.warning if lpips_missing else None,
                   "backbone": (scorer.source if scorer else None)},
     }
     return {"summary": summary, "metrics": metrics, "images": rows}

@@ -86,10 +86,12 @@ def hub_checkpoint_path() -> Path:
 
 @dataclass
 class LpipsSource:
-    """Where the AlexNet backbone comes from, or why it cannot be had."""
+    """Where the AlexNet backbone comes from, or why LPIPS cannot be had: `reason` in full (compare.json, compare.md),
+    `warning` in one short line naming what is missing and the option that fixes it (what port compare prints)."""
 
     path: Path | None
     reason: str | None = None
+    warning: str | None = None
 
     @property
     def available(self) -> bool:
@@ -109,7 +111,8 @@ def find_backbone(explicit: str | Path | None = None) -> LpipsSource:
         return LpipsSource(cached)
     return LpipsSource(None, f"the AlexNet backbone weights LPIPS needs are not in the torch hub cache ({cached}) and "
                              "flux-port does not download them; pass --lpips-weights FILE (torchvision's "
-                             f"{ALEXNET_CHECKPOINT})")
+                             f"{ALEXNET_CHECKPOINT})",
+                       f"LPIPS skipped: no {ALEXNET_CHECKPOINT}; pass --lpips-weights FILE")
 
 
 def load_backbone(path: Path) -> nn.Sequential:

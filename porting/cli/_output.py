@@ -10,7 +10,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any, Iterator
 
 from porting.finite import dumps
-from porting.text import printable
+from porting.text import for_console, printable, relative_paths, wrap_lines
 
 if TYPE_CHECKING:  # rich is imported on first use: `port --help` and `port --version` never print through it
     from rich.console import Console, Group
@@ -46,14 +46,18 @@ class Output:
 
     @staticmethod
     def _line(console: Console, text: str) -> None:
-        """One message: on a terminal wrapped at spaces to its width (a terminal cuts words at its edge); piped,
-        one line, as grep and log readers want it."""
-        if console.is_terminal:
-            text = wrap_lines(text, console.width)
-        console.print(text, markup=False, soft_wrap=True)
+        """One message, through text.for_console: paths inside the current folder relative; wrapped at spaces (a
+        long path after a `/`) to the width on a terminal (which cuts words at its edge) or when $COLUMNS sets one;
+        piped with no $COLUMNS, one line, as grep and log readers want it."""
+        console.print(for_console(text, console), markup=False, soft_wrap=True)
 
     def result(self, text: str) -> None:
         """A line of data for humans (stdout); silent in --json."""
+        if not self.json_mode:
+            self._line(self.out, printable(text))
+
+    def document_text(self, text: str) -> None:
+        """A document for humans on stdout (markdown): printed as it is, its lines neither wrapped nor rewritten."""
         if not self.json_mode:
             self.out.print(printable(text), markup=False, soft_wrap=True)
 
@@ -68,7 +72,9 @@ class Output:
         for column in table.columns:  # cells hold key names and paths from files: show control characters
             # and newlines, and print them as plain text ('[b]' or ':abc:' in a path is not markup or emoji);
             # a cell made with cell() keeps its deliberate line breaks
-            column._cells = [Text(printable(c, lines=False)) if isinstance(c, str) else c for c in column._cells]
+            # a path inside the current folder is shown relative to it, as in messages
+            column._cells = [Text(relative_paths(printable(c, lines=False))) if isinstance(c, str) else c
+                             for c in column._cells]
         if isinstance(table.title, str):
             table.title = Text(printable(table.title, lines=False))
         width = self.out.width
@@ -91,6 +97,10 @@ class Output:
         """An error paragraph (one line: a newline in a name from a file is shown as \\x0a); `lines=True` for
         details that list one item a line."""
         self._line(self.err, printable(text, lines=lines))
+
+    def note(self, text: str) -> None:
+        """A line for humans on stderr that --quiet keeps (a caveat under a table)."""
+        self._line(self.err, printable(text, lines=False))
 
     def warning(self, text: str) -> None:
         self._line(self.err, printable(f"Warning: {text}", lines=False))
@@ -155,20 +165,6 @@ def examples(text: str, width: int = 76) -> str:
     return "\n".join(fitted) + ("\n" if text.endswith("\n") else "")
 
 
-def wrap_lines(text: str, width: int = 80) -> str:
-    """Each line of `text` wrapped at spaces to `width`, its continuation indented under it (under the text after
-    a "[3/9] " step label); a word longer than a line (a path) is kept whole."""
-    out = []
-    for line in text.splitlines():
-        body = line.lstrip(" ")
-        indent = line[: len(line) - len(body)]
-        label = re.match(r"\[\d+/\d+\] ", body)
-        follow = " " * len(label.group(0)) if label else indent + "  "
-        out.extend(textwrap.wrap(body, width, initial_indent=indent, subsequent_indent=follow,
-                                 break_long_words=False, break_on_hyphens=False) or [""])
-    return "\n".join(out)
-
-
 def cell(*lines: object) -> Text:
     """A table cell of several lines: each line shown as plain text (control characters escaped), one per line."""
     from rich.text import Text
@@ -201,7 +197,8 @@ def fits(console: Console, table: Table, width: int) -> bool:
 def vertical(table: Table, width: int) -> Group:
     """`table` as `label  value` lines: a table with headers gives one block per row (`header  cell`), blocks a blank
     line apart; a table without headers one block (its first cell the label, the others the value). A value wraps
-    at spaces; only a word longer than the line is folded."""
+    at spaces; a word longer than the line (a path) is broken after a `/`, as messages are, and folded only where a
+    piece is still too long."""
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
@@ -216,9 +213,13 @@ def vertical(table: Table, width: int) -> Group:
     parts: list[Any] = [table.title] if table.title else []
     for i, pairs in enumerate(blocks):
         grid = Table.grid(padding=(0, 2))
-        grid.add_column(width=min(max((len(k) for k, _ in pairs), default=1), width // 3), overflow="fold")
+        label_width = min(max((len(k) for k, _ in pairs), default=1), width // 3)
+        grid.add_column(width=label_width, overflow="fold")
         grid.add_column(overflow="fold")
+        room = max(width - label_width - 2, 1)
         for label, value in pairs:
+            if any(len(line) > room for line in value.plain.splitlines()):
+                value = Text(wrap_lines(value.plain, room, continuation=""))
             grid.add_row(label, value)
         parts.extend([Text(""), grid] if i else [grid])
     return Group(*parts)

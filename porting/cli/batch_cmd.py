@@ -116,7 +116,7 @@ def batch(
     if output.json_mode:
         output.document({**doc, **({"exit_code": CheckFailed.exit_code} if failed else {})})
     else:
-        output.result(markdown(doc))
+        output.document_text(markdown(doc))
     output.status(f"summary: {out / '_batch' / 'batch.json'} and batch.md")
     if failed:
         if output.json_mode:

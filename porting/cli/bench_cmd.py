@@ -90,7 +90,7 @@ def bench(
             table.add_row(*row)
         output.table(table)
         for note in notes:
-            output.err.print(note, markup=False, soft_wrap=True)
+            output.note(note)
         output.status(f"memory counter: {doc['memory_counter']}")
     from porting.charts import BENCH_PNG, missing
 

@@ -144,13 +144,13 @@ def compare(
         output.status(f"PSNR capped at {metrics['psnr']['cap_db']:g} dB for {metrics['psnr']['capped']} identical "
                       "image pair(s).")
     if not metrics["lpips"]["available"]:
-        output.err.print(f"Warning: LPIPS unavailable: {metrics['lpips']['reason']}.", markup=False, soft_wrap=True)
+        output.warning(metrics["lpips"]["warning"])
     output.status(f"wrote {result.out} (compare.json, compare.md, grid.png, reference/, candidate/)")
     if not result.passed:
         message = "compare gate missed: " + "; ".join(result.failures) + "."
         if output.json_mode:  # one document: the comparison, saying why it failed
             output.document({**doc, "out": str(result.out), "error": message, "exit_code": CheckFailed.exit_code})
-            output.err.print(f"Error: {message}", markup=False, soft_wrap=True)
+            output.error(f"Error: {message}")
             raise typer.Exit(CheckFailed.exit_code)
         raise CheckFailed(message, hint=f"See {result.out / 'grid.png'} for where the images differ.")
     output.document({**doc, "out": str(result.out)})

@@ -72,9 +72,17 @@ def summary_table(result: ConvertResult) -> Table:
     table.add_row("tensors",
                   f"{s['source_tensors']} -> {s['target_tensors']} (target model: {s['target_model_tensors']})")
     table.add_row("parameters", f"{s['parameters']:,}")
-    table.add_row("output size", f"{s['output_bytes'] / 1e9:.3f} GB")
+    svdq = result.extra.get("svdq")
+    if svdq:  # the file written, against the same weights in bf16 (the plan's output size)
+        size, bf16 = svdq["file_bytes"], svdq["bf16_bytes"]
+        table.add_row("output size", f"{size / 1e9:.3f} GB, {size / max(bf16, 1):.1%} of {bf16 / 1e9:.3f} GB in bf16")
+    else:
+        table.add_row("output size", f"{s['output_bytes'] / 1e9:.3f} GB")
     table.add_row("plan", "every key and shape accounted for" if s["ok"] else f"{len(s['problems'])} problem(s)")
-    if result.extra.get("reread"):
+    if svdq and result.extra.get("reread"):
+        for label, text in svdq_rows(result.extra, svdq):
+            table.add_row(label, text)
+    elif result.extra.get("reread"):
         r = result.extra["reread"]
         table.add_row("quantized to", f"{result.extra['quantized_to']}: " + ", ".join(
             f"{k} x {v}" for k, v in sorted(result.extra["stored_kinds"].items())))
@@ -93,6 +101,23 @@ def summary_table(result: ConvertResult) -> Table:
     return table
 
 
+def svdq_rows(extra: dict, svdq: dict) -> list[tuple[str, str]]:
+    """`quantized to` and `reread` for an SVDQuant file, each saying what it counts: the layers stored in the file,
+    and the diffusers tensors they read back as (Nunchaku stores q, k and v as one layer and some projections as
+    two, so the numbers differ by design)."""
+    layers, r = extra["stored_kinds"], extra["reread"]
+    tensors = r.get("tensors", {})
+    weights = sum(row["tensors"] for row in svdq["quality"].values())
+    n_layers, n_tensors = sum(layers.values()), sum(tensors.values())
+    kinds = ", ".join(f"{k} x {v}" for k, v in sorted(tensors.items()))
+    why = "the file fuses q/k/v and splits some projections" + (
+        ", and each bias is a tensor of its own" if n_tensors > weights else "")
+    return [("quantized to", f"{extra['quantized_to']}: {n_layers} layers in the file (" + ", ".join(
+                 f"{k} x {v}" for k, v in sorted(layers.items())) + ")"),
+            ("reread", f"the {n_layers} layers read back as {n_tensors} diffusers tensors ({kinds}): {why}; worst "
+                       f"dequantized error {100 * r['worst_rel_l2']:.3g} % ({r['worst_key'] or 'not reread'})")]
+
+
 def svdq_table(doc: dict) -> Table:
     """Per layer kind: the file's weight error and plain 4-bit rounding's (same group size, no branch)."""
     from rich.table import Table
@@ -105,9 +130,7 @@ def svdq_table(doc: dict) -> Table:
     for kind, row in doc["quality"].items():
         table.add_row(kind, row["layer"], str(row["tensors"]), f"{100 * row['rel_error']:.2f} %",
                       f"{100 * row['plain_rel_error']:.2f} %")
-    table.add_row("file size", "", "", f"{doc['file_bytes'] / 1e9:.3f} GB",
-                  f"bf16 {doc['bf16_bytes'] / 1e9:.3f} GB ({doc['file_bytes'] / max(doc['bf16_bytes'], 1):.1%})")
-    return table
+    return table  # the file size against bf16 is the conversion plan's `output size`
 
 
 def convert(

@@ -241,7 +241,9 @@ def validate_line(d: dict, report: Path, step: str = "[4/6]", what: str = "") ->
 
 def _say(out: _output.Output, text: str) -> None:
     """A step's lines, wrapped to the console's width (80 columns off a terminal)."""
-    out.result(_output.wrap_lines(text, out.out.width))
+    from porting.text import wrap_lines
+
+    out.result(wrap_lines(text, out.out.width))
 
 
 def _run(workdir: Path, json_: bool, running: list[str], tiny: TinyBase, lora: bool = False) -> None:

@@ -85,8 +85,12 @@ def reread(path: Path, family: str, layout: L.FileLayout, quality: writer.Qualit
                           f"{detection.table.name}, {len(got_keys ^ meant)} keys differ).",
                           hint="This is a flux-port bug; please report it with the command line.")
     worst = (0.0, "")
+    # what the file's layers read back as: diffusers tensors (weights and biases) by kind of layer; not the stored
+    # layer count (Nunchaku fuses q/k/v into one layer and splits some projections in two)
+    read_as = {"layout": written.quantization.label, "format": written.quantization.to_dict()["format"],
+               "tensors": dict(written.quantization.to_dict()["layers"])}
     if tensors is None:
-        return {"layout": written.quantization.label, "worst_rel_l2": math.sqrt(max(
+        return {**read_as, "worst_rel_l2": math.sqrt(max(
             (e / n if n else 0.0) for e, _, n in quality.targets.values())), "worst_key": "", "values": "not reread"}
     for _, key, _ in layout.plain:
         if not torch.equal(written.read(key), tensors.get(key).to(torch.bfloat16)):
@@ -113,7 +117,7 @@ def reread(path: Path, family: str, layout: L.FileLayout, quality: writer.Qualit
             raise CheckFailed(f"{path}: bias {key} reads back {diff:.3g} away from the source; bf16 rounding of what "
                               f"was stored allows {2**-8 * stored_norm:.3g}.",
                               hint="This is a flux-port bug; please report it with the command line.")
-    return {"layout": written.quantization.label, "worst_rel_l2": worst[0], "worst_key": worst[1]}
+    return {**read_as, "worst_rel_l2": worst[0], "worst_key": worst[1]}
 
 
 def convert_svdquant(src: SourceLike, out: str | Path, quantize: str, rank: int = 32,
