@@ -200,3 +200,28 @@ def test_ryzenai_hollow_keeps_the_rotary_tables() -> None:
     assert all(p.stride() == (0,) * p.ndim for p in model.parameters())
     for name, buffer in tables.items():
         assert torch.equal(dict(model.named_buffers())[name], buffer), name
+
+
+@pytest.mark.slow
+def test_bench_offload_synthetic_pipeline_builds_through_materialise(tmp_path) -> None:
+    """bench/offload.py's synthetic pipeline (not run in CI otherwise) at the tiny geometry: the text encoder saved is
+    what `fill_` writes into a normally built Qwen3, its embeddings tied; about 8 s (the full-size FLUX.2 VAE)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from porting.demo.tinypipe import TINY_BASE_TRANSFORMER, TINY_TEXT_ENCODER
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import offload
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    text = {k: v for k, v in TINY_TEXT_ENCODER.items() if k != "max_position_embeddings"}
+    transformer = {k: v for k, v in TINY_BASE_TRANSFORMER.items() if not k.startswith("_")}
+    folder = offload.build_synthetic(tmp_path / "pipe", transformer, text)
+    saved = Qwen3ForCausalLM.from_pretrained(folder / "text_encoder", dtype=torch.bfloat16)
+    assert saved.lm_head.weight.data_ptr() == saved.model.embed_tokens.weight.data_ptr()
+    normal = Qwen3ForCausalLM(Qwen3Config(**text, max_position_embeddings=40960)).to(torch.bfloat16)
+    offload.fill_(normal, 2)
+    want = normal.state_dict()
+    for name, tensor in saved.state_dict().items():
+        assert torch.equal(tensor, want[name]), name
