@@ -105,7 +105,9 @@ class StagedModel:
                     param.copy_(tensor.to(dtype=self.dtype))
 
     def release(self, stage: str) -> None:
-        for _, module in self._modules(stage):
+        for prefix, module in self._modules(stage):
+            if self.packed is not None:
+                self.packed.release(prefix, module)
             release(module)
 
     def run(self, stage: str, states: list[State]) -> list[State]:
