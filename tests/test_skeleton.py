@@ -44,7 +44,8 @@ def test_a_skeleton_built_first_leaves_the_bfl_lookup_table_on_the_cpu(case: str
 
 
 def _meta_device_blocks(tree: ast.AST) -> list[int]:
-    """Lines of `with torch.device("meta")` and of direct calls to accelerate's init_empty_weights / init_on_device."""
+    """Lines of `with torch.device("meta")`, of direct calls to accelerate's init_empty_weights / init_on_device, and
+    of `to_empty` (which wipes the buffers a skeleton computed: porting.skeleton.materialise)."""
     lines = []
     for node in ast.walk(tree):
         if isinstance(node, ast.With):
@@ -54,7 +55,7 @@ def _meta_device_blocks(tree: ast.AST) -> list[int]:
                         and any(isinstance(a, ast.Constant) and a.value == "meta" for a in call.args)):
                     lines.append(node.lineno)
         if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) in (
-                "init_empty_weights", "init_on_device"):
+                "init_empty_weights", "init_on_device", "to_empty"):
             lines.append(node.lineno)
     return lines
 
@@ -67,7 +68,8 @@ def test_every_skeleton_is_built_by_porting_skeleton() -> None:
             if path == ROOT / "porting" / "skeleton.py":
                 continue
             found += [f"{path.relative_to(ROOT)}:{n}" for n in _meta_device_blocks(ast.parse(path.read_text()))]
-    assert not found, f"build these through porting.skeleton (empty_weights / diffusers_skeleton): {found}"
+    assert not found, f"build and materialise these through porting.skeleton (empty_weights / diffusers_skeleton / " \
+                      f"materialise): {found}"
 
 
 # ---------------------------------------------------------------- materialise: memory for the meta tensors only
