@@ -84,18 +84,18 @@ def build_synthetic(folder: Path, transformer_cfg: dict, text_cfg: dict) -> Path
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from porting.demo.tinypipe import TINY_SCHEDULER, tiny_tokenizer
-    from porting.skeleton import empty_weights
+    from porting.skeleton import empty_weights, materialise
 
     started = time.perf_counter()
     with empty_weights():
         transformer = Flux2Transformer2DModel(**transformer_cfg)
         text_encoder = Qwen3ForCausalLM(Qwen3Config(**text_cfg, max_position_embeddings=40960))
-    transformer = transformer.to_empty(device="cpu").to(torch.bfloat16)
+    transformer = materialise(transformer, "cpu", torch.bfloat16)
     fill_(transformer, 1)
-    text_encoder = text_encoder.to_empty(device="cpu").to(torch.bfloat16)
+    text_encoder = materialise(text_encoder, "cpu", torch.bfloat16)  # the rotary tables keep their values
     fill_(text_encoder, 2)
     if text_cfg.get("tie_word_embeddings"):
-        text_encoder.tie_weights()  # to_empty gave the tied pair separate storage
+        text_encoder.tie_weights()  # a skeleton's tied pair are two meta parameters: tie them as a load would
     vae = AutoencoderKLFlux2().to(torch.bfloat16)  # the FLUX.2 VAE defaults; its own random init
     pipe = Flux2KleinPipeline(scheduler=FlowMatchEulerDiscreteScheduler(**TINY_SCHEDULER), vae=vae,
                               text_encoder=text_encoder, tokenizer=tiny_tokenizer(), transformer=transformer,

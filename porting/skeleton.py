@@ -12,12 +12,19 @@ frequencies, batch-norm statistics), and a skeleton at klein-9B or Qwen3-8B size
 
 The patch is process-wide while the block runs: a module built in another thread at that moment gets meta
 parameters too. flux-port builds models on one thread (its threads only hash files).
+
+A skeleton is given memory by `materialise`, never by `module.to_empty(device=...)`: to_empty replaces every tensor,
+buffers included, by uninitialised memory, so the rotary tables and batch-norm statistics computed at build time
+would be garbage. `release` hands a materialised module's parameters back to the meta device and keeps its buffers.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
+
+if TYPE_CHECKING:
+    import torch
 
 
 @contextlib.contextmanager
@@ -46,3 +53,47 @@ def diffusers_skeleton(cls: Any, config: Mapping[str, Any]) -> Any:
             return cls.from_config(clean)
     finally:
         log.setLevel(level)
+
+
+def materialise(module: torch.nn.Module, device: torch.device | str,
+                dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """`module` in place, returned: each tensor on the meta device allocated on `device` (uninitialised; floating ones
+    in `dtype` when given), each real one moved there (floating ones cast to `dtype`, as `module.to(device, dtype)`
+    casts them) with its values. A meta parameter is allocated once, at its final dtype; a parameter or buffer shared
+    by several modules (tied weights) stays one tensor."""
+    import torch
+
+    done: dict[int, torch.Tensor] = {}
+
+    def place(t: torch.Tensor) -> torch.Tensor:
+        if id(t) in done:
+            return done[id(t)]
+        want = dtype if dtype is not None and t.is_floating_point() else t.dtype
+        new = torch.empty(t.shape, dtype=want, device=device) if t.is_meta else t.to(device=device, dtype=want)
+        if isinstance(t, torch.nn.Parameter) and new is not t:
+            new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
+        done[id(t)] = new
+        return new
+
+    with torch.no_grad():
+        for m in module.modules():
+            for tensors in (m._parameters, m._buffers):
+                for name, t in list(tensors.items()):
+                    if t is not None:
+                        tensors[name] = place(t)
+    return module
+
+
+def release(module: torch.nn.Module) -> torch.nn.Module:
+    """`module` in place, returned: every parameter back on the meta device (its memory freed once nothing else holds
+    it); buffers kept where they are, with their values, for the next `materialise`."""
+    import torch
+
+    done: dict[int, torch.nn.Parameter] = {}
+    for m in module.modules():
+        for name, p in list(m._parameters.items()):
+            if p is not None and not p.is_meta:
+                if id(p) not in done:
+                    done[id(p)] = torch.nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
+                m._parameters[name] = done[id(p)]
+    return module

@@ -250,6 +250,25 @@ def test_validate_runs_the_packed_computation_on_reference_and_device(family, pr
     assert errors["4-bit"] > 1e-3 and errors["4-bit"] > errors[None] / 10, errors
 
 
+def test_a_released_packed_stage_holds_no_memory(tmp_path):
+    """The packed linears' weights are buffers, which porting.skeleton.release keeps: the staged runner drops them
+    itself, or every stage validated would stay packed in memory."""
+    from validation.packed import PackedLinears
+    from validation.staged import StagedModel
+    from validation.weights import WeightSource
+
+    source = WeightSource(write_svdq_file(tmp_path / "src", "flux2", "int4").path)
+    staged = StagedModel(source, torch.device("cpu"), torch.float32, packed=PackedLinears(source))
+    stage = "transformer_blocks.0"
+    module = staged.model.get_submodule(stage)
+    staged.materialise(stage)
+    packed = [m for m in module.modules() if isinstance(m, SvdqLinear)]
+    assert packed and all(not b.is_meta for m in packed for b in m.buffers())
+    staged.release(stage)
+    held = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if not t.is_meta]
+    assert held == []
+
+
 @pytest.mark.slow  # the klein int4 compare and bench above run in the README command
 @pytest.mark.parametrize("family,precision,variant", [("flux2", "nvfp4", "klein"), ("flux1", "int4", "flux1-dev"),
                                                       ("flux1", "nvfp4", "flux1-dev")])

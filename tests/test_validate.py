@@ -131,6 +131,28 @@ def test_streamed_golden_equals_a_normal_float32_forward(converted):
     torch.testing.assert_close(streamed, full, rtol=0, atol=1e-6)
 
 
+def test_a_stage_keeps_its_computed_buffers_across_materialise_and_release(converted):
+    """A stage module's buffers computed at build (here a batch-norm's statistics, made in the skeleton as the
+    family's model makes its own) keep their values: to_empty made them uninitialised memory, release's
+    `.to("meta")` dropped them."""
+    from porting.skeleton import empty_weights
+
+    staged = StagedModel(WeightSource(converted), torch.device("cpu"), torch.float32)
+    stage = "transformer_blocks.0"
+    with empty_weights():
+        norm = torch.nn.BatchNorm1d(4, affine=False)
+    norm.running_var.copy_(torch.arange(1.0, 5.0))
+    staged.model.get_submodule(stage).add_module("probe", norm)
+    want = {name: b.clone() for name, b in norm.named_buffers()}
+    for _ in range(2):
+        staged.materialise(stage)
+        assert not any(p.is_meta for p in staged.model.get_submodule(stage).parameters())
+        assert all(torch.equal(getattr(norm, name), b) for name, b in want.items()), dict(norm.named_buffers())
+        staged.release(stage)
+        assert all(p.is_meta for p in staged.model.get_submodule(stage).parameters())
+        assert all(torch.equal(getattr(norm, name), b) for name, b in want.items()), dict(norm.named_buffers())
+
+
 def test_original_naming_file_is_validated_through_the_tables(finetune, clean_report):
     d = validate(finetune, intrinsic="native", **SMALL).to_dict()  # the same intrinsic as clean_report
     assert d["verdict"] == "pass"

@@ -40,5 +40,12 @@ class PackedLinears:
             linear.act_dtype = act_dtype
             module.set_submodule(name[len(prefix) + 1:], linear.to(device))
 
+    def release(self, prefix: str, module: nn.Module) -> None:
+        """Drop the packed linears `install` put under `prefix` to the meta device: their weights are buffers, which
+        `porting.skeleton.release` keeps (the next `install` builds them again)."""
+        for name in self.modules:
+            if name == prefix or name.startswith(prefix + "."):
+                module.get_submodule(name[len(prefix) + 1:]).to("meta")
+
 
 __all__ = ["PackedLinears"]

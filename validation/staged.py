@@ -13,7 +13,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from porting.skeleton import diffusers_skeleton
+from porting.skeleton import diffusers_skeleton, materialise, release
 
 from .weights import WeightSource, WeightTransform
 
@@ -86,8 +86,8 @@ class StagedModel:
 
     def materialise(self, stage: str) -> None:
         for prefix, module in self._modules(stage):
-            module.to_empty(device=self.device).to(self.dtype)
-            if self.packed is not None:  # after to_empty: the packed parts are built, not cast
+            materialise(module, self.device, self.dtype)  # the buffers computed at build keep their values
+            if self.packed is not None:  # after materialise: the packed parts are built, not cast
                 self.packed.install(prefix, module, self.device, self.emulate)
                 if self.emulate is not None:
                     for sub in module.modules():
@@ -105,8 +105,10 @@ class StagedModel:
                     param.copy_(tensor.to(dtype=self.dtype))
 
     def release(self, stage: str) -> None:
-        for _, module in self._modules(stage):
-            module.to("meta")
+        for prefix, module in self._modules(stage):
+            if self.packed is not None:
+                self.packed.release(prefix, module)
+            release(module)
 
     def run(self, stage: str, states: list[State]) -> list[State]:
         """Run one stage on several input states with its weights loaded once."""

@@ -371,14 +371,16 @@ def save(proto: Any, dest: Path, file: str) -> None:
 # ---------------------------------------------------------------- bounded memory: hollow trace, streamed weights
 
 def hollow(module: torch.nn.Module) -> torch.nn.Module:
-    """Replace every parameter and buffer by a zero-stride float view of its shape: CPU tensors that hold no memory,
-    enough for torch.export (which traces with fake tensors) to see shapes and dtypes."""
+    """Replace every parameter, and every buffer left on the meta device, by a zero-stride float view of its shape:
+    CPU tensors that hold no memory, enough for torch.export (which traces with fake tensors) to see shapes and
+    dtypes. The buffers a skeleton computed (rotary tables) keep their values: the trace folds them into the graph."""
     for m in module.modules():
         for name, p in list(m.named_parameters(recurse=False)):
             setattr(m, name, torch.nn.Parameter(torch.zeros((), dtype=torch.float32).expand(p.shape),
                                                 requires_grad=False))
         for name, b in list(m.named_buffers(recurse=False)):
-            m._buffers[name] = torch.zeros((), dtype=b.dtype if b.is_floating_point() else b.dtype).expand(b.shape)
+            if b.is_meta:
+                m._buffers[name] = torch.zeros((), dtype=b.dtype).expand(b.shape)
     return module
 
 

@@ -2,10 +2,10 @@
 the bf16 safetensors files, each Linear weight quantized to 4-bit `MatMulNBits` blocks as it is read.
 
 1. The encoder is built on the meta device from its config, its parameters replaced by zero-stride views (nothing in
-   memory; `ryzenai.hollow`) and its rotary tables rebuilt for real (they are computed at init, not stored), then
-   traced once by torch's dynamo exporter with the profile's static shapes. Every parameter becomes an initializer
-   that points at a placeholder file: the graph holds no weight, so onnx's in-memory shape inference and the opset-17
-   rewrite work on it whatever the model's size (protobuf's 2 GB limit is never approached).
+   memory; `ryzenai.hollow`) and its rotary tables kept as the skeleton computed them (a checkpoint does not store
+   them), then traced once by torch's dynamo exporter with the profile's static shapes. Every parameter becomes an
+   initializer that points at a placeholder file: the graph holds no weight, so onnx's in-memory shape inference and
+   the opset-17 rewrite work on it whatever the model's size (protobuf's 2 GB limit is never approached).
 2. The graph's initializers are then filled from the source files one tensor at a time, in graph order:
    - a Linear weight W (out, in), which the trace feeds to `MatMul` through `Transpose`, is read, transposed to
      (K=in, N=out) in float32 and quantized by onnxruntime's own block quantizer (`DefaultWeightOnlyQuantizer
@@ -62,16 +62,12 @@ def hollow_text_encoder(folder: Path, profile: Any) -> tuple[Traceable, str]:
     with warnings.catch_warnings(), empty_weights():
         warnings.simplefilter("ignore")
         model = AutoModelForCausalLM.from_config(cfg)
-    model = hollow(model.eval().requires_grad_(False))
-    for parent in list(model.modules()):  # hollow() zeroed the rotary tables the skeleton computed: rebuild them
-        for child_name, child in list(parent.named_children()):
-            if type(child).__name__.endswith("RotaryEmbedding"):
-                setattr(parent, child_name, type(child)(config=child.config))
+    model = hollow(model.eval().requires_grad_(False))  # the rotary tables the skeleton computed are kept
     hollow_buffers = [name for name, b in model.named_buffers() if b.numel() > 1 and b.stride() and
                       max(b.stride()) == 0]
     if hollow_buffers:
-        raise ValueError(f"{folder}: buffer {hollow_buffers[0]} is computed at init and was not rebuilt; the hollow "
-                         "trace would read zeros for it")
+        raise ValueError(f"{folder}: buffer {hollow_buffers[0]} was built on the meta device, not computed; the "
+                         "hollow trace would read zeros for it")
     layers = encoder_layers(cfg.num_hidden_layers, TEXT_ENCODER_LAYERS)
     ids = torch.zeros(1, 2, dtype=torch.long)
     shape = Traceable(TextEncoderGraph(model, layers), {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
