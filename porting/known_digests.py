@@ -9,9 +9,8 @@ changes. Otherwise the file is read and hashed, as before.
 A shard's record may also carry the weights identity of the set of shards written with it (`known_weights`), so
 that validate and publish need not read every tensor to name the weights they check.
 
-Trusting the modification time is the same bet `make` and rsync make: a same-size rewrite that restores the
-nanosecond mtime (on purpose: `touch -d`) is not noticed. publish's manifest and the Hub's own check after an upload
-compare sha256 either way.
+Trusting the modification time is the same bet `make` and rsync make: a same-size rewrite that puts the nanosecond
+mtime back on purpose (`touch -d`) is not noticed (docs/publish.md says so).
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
@@ -41,7 +41,7 @@ def _stat(path: Path) -> os.stat_result | None:
         st = os.stat(path)
     except OSError:
         return None
-    return st if os.path.isfile(path) else None
+    return st if stat.S_ISREG(st.st_mode) else None
 
 
 def _record(st: os.stat_result) -> dict | None:
