@@ -18,9 +18,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import stat
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 from porting.ownership import (
     SealingKeyError,
@@ -33,6 +34,8 @@ from porting.ownership import (
 
 KIND = "digests"
 FORMAT = 1
+Range = tuple[int, int]  # a tensor's bytes in its file: (offset, length)
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 READ = 1 << 20  # bytes per read when a file must be hashed: small enough to stay in the CPU cache
 
 
@@ -69,10 +72,10 @@ def known_sha256(path: Path) -> str | None:
 
 
 def remember(path: Path, sha256: str, weights: Mapping[str, object] | None = None,
-             expect: os.stat_result | None = None) -> None:
-    """Record the sha256 of `path` as it is now (and, for a shard, the weights identity of its set). `expect`: the
-    file's stat when it was hashed; a file that changed since is not recorded. Without a usable sealing key nothing
-    is recorded either: later verbs hash the file again."""
+             expect: os.stat_result | None = None, tensors: Mapping[Range, str] | None = None) -> None:
+    """Record the sha256 of `path` as it is now (and, for a shard, the weights identity of its set; for a verified
+    download, each tensor's sha256 by byte range). `expect`: the file's stat when it was hashed; a file that changed
+    since is not recorded. Without a usable sealing key nothing is recorded either: later verbs hash it again."""
     st = os.stat(path)
     if expect is not None and (expect.st_dev, expect.st_ino, expect.st_size, expect.st_mtime_ns) != (
             st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns):
@@ -81,11 +84,42 @@ def remember(path: Path, sha256: str, weights: Mapping[str, object] | None = Non
         "device": st.st_dev, "inode": st.st_ino, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha256}}
     if weights is not None:
         doc["weights"] = dict(weights)
+    if tensors:
+        doc["tensors"] = {f"{start}:{length}": digest for (start, length), digest in sorted(tensors.items())}
     try:
         write_state_record(KIND, st, doc)
         _prune_once()
     except (SealingKeyError, OSError):
         pass
+
+
+
+def known_tensor_digests(path: Path) -> dict[Range, str]:
+    """Each tensor's sha256 by byte range, recorded when port fetch verified `path`, while the file is as it was
+    then; else {}."""
+    st = _stat(path)
+    doc = _record(st) if st is not None else None
+    digests = doc.get("tensors") if doc is not None else None
+    if not isinstance(digests, dict):
+        return {}
+    known: dict[Range, str] = {}
+    for key, digest in digests.items():
+        start, _, length = str(key).partition(":")
+        if not (start.isdigit() and length.isdigit() and isinstance(digest, str) and _HEX64.fullmatch(digest)):
+            return {}
+        known[(int(start), int(length))] = digest
+    return known
+
+
+def tensor_digests(files: Iterable[Path]) -> dict[Path, dict[Range, str]]:
+    """`known_tensor_digests` of each file that has them: a tensor copied byte for byte reuses its digest instead
+    of being read again."""
+    known = {}
+    for file in files:
+        digests = known_tensor_digests(file)
+        if digests:
+            known[file] = digests
+    return known
 
 
 PRUNE_AT = 4096  # records kept before the stale ones are swept (a few hundred bytes each)

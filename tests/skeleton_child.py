@@ -23,7 +23,7 @@ def _count_meta() -> int:
     import diffusers
 
     from porting.demo.tiny import REAL_FLUX2
-    from porting.export.onnx_components import count_meta
+    from porting.families.export_spec import count_meta
 
     config = {k: v for k, v in REAL_FLUX2["klein-9b"].items() if not k.startswith("_")}
     return count_meta(lambda: diffusers.Flux2Transformer2DModel.from_config(config))
@@ -34,7 +34,7 @@ def _text_encoder() -> int:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from porting.demo.tiny import REAL_QWEN3
-    from porting.export.onnx_components import count_meta
+    from porting.families.export_spec import count_meta
 
     return count_meta(lambda: Qwen3ForCausalLM(Qwen3Config(**REAL_QWEN3["qwen3-8b"])))
 

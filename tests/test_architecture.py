@@ -101,6 +101,66 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
+# The floors of docs/architecture.md, from the ground up: a room (a top-level file or folder of porting/, or
+# validation/) imports only rooms on floors below its own. A new room is given its floor here and in the doc.
+FLOORS: dict[int, tuple[str, ...]] = {
+    1: ("errors", "text", "charts"),
+    2: ("_files", "paths", "progress", "devices", "finite", "seeds"),
+    3: ("ownership", "compat", "skeleton"),
+    4: ("outputs", "known_digests", "families"),
+    5: ("tensors", "reports"),
+    6: ("inputs", "hub", "resources", "demo"),
+    7: ("engine", "export", "runtime", "environment"),
+    8: ("adapters",),
+    9: ("pipeline",),
+    10: ("validation",),
+    11: ("cli",),
+    12: ("__main__",),
+}
+FLOOR_OF = {room: floor for floor, rooms in FLOORS.items() for room in rooms}
+
+
+def room_of(module: str) -> str:
+    parts = module.split(".")
+    return "validation" if parts[0] == "validation" else (parts[1] if len(parts) > 1 else "__init__")
+
+
+def climbing(graph: dict[str, set[str]]) -> list[str]:
+    """Each import that reaches a room on its own floor or above, or a room without a floor."""
+    wrong = []
+    for module, deps in sorted(graph.items()):
+        here = room_of(module)
+        for dep in sorted(deps):
+            there = room_of(dep)
+            if there == here or "__init__" in (here, there):
+                continue
+            if here not in FLOOR_OF or there not in FLOOR_OF:
+                wrong.append(f"{module} -> {dep}: give {here if here not in FLOOR_OF else there} a floor in FLOORS")
+            elif FLOOR_OF[there] >= FLOOR_OF[here]:
+                wrong.append(f"{module} (floor {FLOOR_OF[here]}) -> {dep} (floor {FLOOR_OF[there]})")
+    return wrong
+
+
+def test_no_import_climbs_a_floor() -> None:
+    """docs/architecture.md's floors hold: every room imports only rooms below it (lazy imports included)."""
+    assert climbing(import_graph()) == []
+
+
+def test_every_room_has_a_floor() -> None:
+    rooms = {room_of(m) for m in project_modules()} - {"__init__"}
+    assert sorted(rooms - set(FLOOR_OF)) == []
+    assert sorted(set(FLOOR_OF) - rooms) == [], "a room in FLOORS no longer exists: drop it"
+
+
+def test_the_floor_rule_sees_an_upward_import_and_a_sideways_one() -> None:
+    graph = {"porting.tensors.reader": {"porting.engine.convert"}, "porting.engine.plan": {"porting.export.onnx"},
+             "porting.cli.app": {"porting.engine.convert"}, "porting.newroom.x": {"porting.errors"}}
+    assert climbing(graph) == [
+        "porting.engine.plan (floor 7) -> porting.export.onnx (floor 7)",
+        "porting.newroom.x -> porting.errors: give newroom a floor in FLOORS",
+        "porting.tensors.reader (floor 5) -> porting.engine.convert (floor 7)"]
+
+
 def test_dependencies_point_one_way() -> None:
     """validation/ builds on porting/; porting/ (the CLI, its composition root, aside) never imports validation/.
     The tensor I/O layer depends on nothing above it."""
@@ -174,7 +234,7 @@ def test_inspect_of_quantized_files_never_imports_torch(tmp_path: Path, tiny2_st
     assert layouts[0] == "ComfyUI scaled fp8" and layouts[-1] == "GGUF"
 
 
-# Callers of `open_checkpoint` outside porting/tensors/ besides porting/inputs.py, each with why it may: none today.
+# Callers of `open_checkpoint` outside porting/tensors/ besides porting/inputs/, each with why it may: none today.
 OPEN_CHECKPOINT_ALLOWED: dict[str, str] = {}
 
 
@@ -195,13 +255,14 @@ def open_checkpoint_calls(path: Path) -> list[int]:
 
 def test_only_inputs_opens_checkpoints_outside_the_tensor_layer() -> None:
     """A checkpoint is opened once, at the boundary, as a `porting.inputs.Source` handed down; no verb, engine or
-    validation module opens one again (outside porting/tensors/, only porting/inputs.py calls open_checkpoint)."""
+    validation module opens one again (outside porting/tensors/, only porting/inputs/source.py calls
+    open_checkpoint)."""
     found = {name: lines for name, path in project_modules().items()
-             if not name.startswith("porting.tensors") and name != "porting.inputs"
+             if not name.startswith(("porting.tensors", "porting.inputs"))
              and (lines := open_checkpoint_calls(path))}
     assert {n: ls for n, ls in found.items() if n not in OPEN_CHECKPOINT_ALLOWED} == {}
     assert set(OPEN_CHECKPOINT_ALLOWED) <= set(found), "an allowed caller no longer opens checkpoints: drop it"
-    assert open_checkpoint_calls(ROOT / "porting" / "inputs.py")
+    assert open_checkpoint_calls(ROOT / "porting" / "inputs" / "source.py")
 
 
 def test_the_open_checkpoint_rule_sees_each_spelling(tmp_path: Path) -> None:

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
+from porting import known_digests
 from porting.engine.convert import convert
-from porting.hub.fetch import manifest
 from porting.hub.fetch.paths import MANIFEST_NAME
-from porting.hub.fetch.verify import RemoteFile, file_digests
+from porting.hub.fetch.verify import file_digests
 from porting.inputs import open_source
 from porting.tensors.checkpoint import read_header
 from porting.tensors.digests import RangeDigests
@@ -68,12 +68,9 @@ def test_file_digests_take_each_tensors_sha256_from_the_same_reads(tmp_path: Pat
 
 
 def _fetched(folder: Path, file: Path, tensors: dict[tuple[int, int], str]) -> None:
-    """The fetch-manifest.json port fetch writes for `file` in `folder`, with these per-tensor digests."""
-    data = file.read_bytes()
-    remote = RemoteFile(file.relative_to(folder).as_posix(), len(data), hashlib.sha256(data).hexdigest())
-    doc = manifest.new({"source": "hf:acme/x"})
-    doc["files"].append(manifest.file_record(remote, file, remote.sha256, tensors))
-    manifest.save(folder, doc)
+    """What port fetch records of `file` once verified: its sha256 and these per-tensor digests, in the one digest
+    store (porting.known_digests)."""
+    known_digests.remember(file, hashlib.sha256(file.read_bytes()).hexdigest(), tensors=tensors)
 
 
 def test_convert_reuses_the_digests_fetch_recorded_while_the_file_is_unchanged(tmp_path: Path,
@@ -107,20 +104,21 @@ def test_a_record_that_does_not_fit_is_ignored(tmp_path: Path, tiny2_file: Path,
     folder.mkdir()
     src = folder / "klein.safetensors"
     src.write_bytes(tiny2_file.read_bytes())
-    _fetched(folder, src, {k: "f" * 64 for k in _tensor_sha256(src)})
-    doc = json.loads((folder / MANIFEST_NAME).read_text())
-    record = doc["files"][0]
     if bad == "size":
-        record["size"] += 1
+        _fetched(folder, src, {k: "f" * 64 for k in _tensor_sha256(src)})
+        assert known_digests.known_tensor_digests(src)
+        with open(src, "ab") as f:  # the file grew since it was verified
+            f.write(b" ")
     else:
-        record["tensors_sha256"] = {k: "not-a-digest" for k in record["tensors_sha256"]}
-    (folder / MANIFEST_NAME).write_text(json.dumps(doc))
-    assert manifest.tensor_digests(src, src.stat().st_size, src.stat().st_mtime_ns) == {}
+        _fetched(folder, src, {k: "not-a-digest" for k in _tensor_sha256(src)})
+    assert known_digests.known_tensor_digests(src) == {}
 
 
-def test_port_fetch_records_each_tensors_sha256(cli, hubs, tmp_path: Path, tiny2_file: Path) -> None:  # noqa: F811
+def test_port_fetch_records_each_tensors_sha256(cli, hubs, tmp_path: Path, tiny2_file: Path,  # noqa: F811
+                                                monkeypatch) -> None:
     hubs.add_hf(Repo("acme/klein", {"klein.safetensors": tiny2_file.read_bytes(), "config.json": b"{}"}))
-    r = cli.run(["fetch", "hf:acme/klein", "--out", "out", "--json"], client_env(tmp_path, hubs), tmp_path)
+    env = client_env(tmp_path, hubs)
+    r = cli.run(["fetch", "hf:acme/klein", "--out", "out", "--json"], env, tmp_path)
     assert r.code == 0, r
     doc = json.loads((tmp_path / "out" / MANIFEST_NAME).read_text())
     records = {rec["path"]: rec for rec in doc["files"]}
@@ -128,4 +126,5 @@ def test_port_fetch_records_each_tensors_sha256(cli, hubs, tmp_path: Path, tiny2
     assert records["klein.safetensors"]["tensors_sha256"] == expected
     assert "tensors_sha256" not in records["config.json"]
     src = tmp_path / "out" / "klein.safetensors"
-    assert manifest.tensor_digests(src, src.stat().st_size, src.stat().st_mtime_ns) == _tensor_sha256(src)
+    monkeypatch.setenv("FLUX_PORT_STATE_DIR", str(Path(env["HOME"]) / ".local" / "state" / "flux-port"))  # fetch's user
+    assert known_digests.known_tensor_digests(src) == _tensor_sha256(src)

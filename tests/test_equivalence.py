@@ -15,7 +15,7 @@ import torch
 from diffusers import Flux2Transformer2DModel, FluxTransformer2DModel
 
 from porting.engine.convert import convert
-from porting.engine.mapping import load_table_file
+from porting.families.mapping import load_table_file
 
 from .helpers import (
     REAL1,

@@ -12,11 +12,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from porting.engine.convert import convert
-from porting.engine.detect import detect
 from porting.errors import UnknownArchitectureError
 from porting.families import families, get_family, register, unregister
 from porting.families.generate_shapes import generate
 from porting.families.meta import meta_state_shapes
+from porting.inputs.detect import detect
 from porting.tensors.checkpoint import open_checkpoint
 
 from .toyfamily.toy import make as make_toy
@@ -109,8 +109,8 @@ def test_a_checkpoint_two_tables_claim_is_refused_with_both_names(toy, tmp_path:
 
 
 def test_a_table_without_its_format_version_is_refused(tmp_path: Path) -> None:
-    from porting.engine.mapping import load_table_file
     from porting.errors import MappingTableError
+    from porting.families.mapping import load_table_file
 
     text = get_family("flux2").resource_path("flux2.toml").read_text().replace("format_version = 1\n", "")
     path = tmp_path / "old.toml"

@@ -327,8 +327,8 @@ def test_a_damaged_companion_config_is_exit_2_naming_the_file_and_field(tmp_path
 def test_detect_leaves_the_checkpoint_it_is_given_as_it_was(tmp_path):
     """ComfyUI's spelling is read through a respelled view: the opened checkpoint keeps its stored keys, so one
     opened file can be detected twice (another base config, other tables) and reads the same both times."""
-    from porting.engine.detect import detect
     from porting.inputs import open_source
+    from porting.inputs.detect import detect
 
     saved = comfy_saved(reference_model(TINY2, seed=3).state_dict())
     source = open_source(save_state(tmp_path / "comfy-saved.safetensors", saved, torch.bfloat16))

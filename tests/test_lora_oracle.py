@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 
 from porting.adapters.convert import convert_adapter
 from porting.engine.convert import convert
-from porting.engine.mapping import load_table_file
+from porting.families.mapping import load_table_file
 
 from .helpers import TINY2, reference_model, run_port, save_state
 from .lorakit import BY_NAME, NAMINGS, adapter_for, bfl_deltas

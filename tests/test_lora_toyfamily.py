@@ -105,9 +105,9 @@ def test_a_toy_family_lora_converts_and_merges_through_the_registry(toy, tmp_pat
 def test_a_lora_both_flux_tables_read_goes_to_the_family_declaring_the_higher_priority(tmp_path: Path,
                                                                                       monkeypatch) -> None:
     """double_blocks.N.img_attn.qkv is a module of FLUX.1 and of FLUX.2: the families' declarations decide."""
-    from porting.adapters.naming import read_adapter
     from porting.families import get_family
     from porting.inputs import open_source
+    from porting.inputs.adapter_keys import read_adapter
 
     path = tmp_path / "shared.safetensors"
     save_file({"lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight": torch.zeros(2, 64),

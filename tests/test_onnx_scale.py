@@ -476,7 +476,7 @@ def test_text_encoder_estimate_is_the_largest_linear_not_the_embedding(tmp_path)
 @pytest.mark.slow
 def test_generate_picks_the_graph_of_its_size_or_names_the_sizes(sized_export) -> None:
     from porting.errors import PortError
-    from porting.export.ort_pipeline import graph_for_size
+    from porting.pipeline.ort_pipeline import graph_for_size
 
     _, out, _ = sized_export
     assert graph_for_size(out, (48, 48)) == "model_48.onnx"

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from porting.engine.mapping import load_table_file
-from porting.engine.ops import Cast, Concat, OpShapeError, Rename, Split, SwapHalves
 from porting.errors import MappingTableError
 from porting.families import builtin_tables, get_family
+from porting.families.mapping import load_table_file
+from porting.families.ops import Cast, Concat, OpShapeError, Rename, Split, SwapHalves
 
 # --- hand-built expectations ---------------------------------------------------------------------------------------
 

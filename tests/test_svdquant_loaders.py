@@ -29,7 +29,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from porting.tensors.quant.svdq_comfy import comfy_config
+from porting.tensors.quant.svdq.comfy import comfy_config
 
 from .helpers import reference_model, save_state
 from .reference.flux1_bfl import Flux1Params

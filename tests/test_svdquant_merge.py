@@ -79,7 +79,7 @@ def _lowrank_parts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("kind", ["lora", "lokr", "loha"])
 def test_merged_reads_back_as_base_plus_delta(flux2_base, tmp_path, capsys, kind):
-    from porting.tensors.quant.svdq_packing import unpack_lowrank
+    from porting.tensors.quant.svdq.tiles import unpack_lowrank
 
     view = _view(flux2_base.path)
     modules = FLUX2_MODULES if kind == "lora" else FLUX2_MODULES[:4]

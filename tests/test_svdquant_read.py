@@ -256,7 +256,7 @@ def test_a_corrupted_packed_tile_fails_validation_in_its_block(compute, tmp_path
     import shutil
 
     from porting.runtime.svdq_linear import PackedPiece
-    from porting.tensors.quant import svdq_packing as P
+    from porting.tensors.quant.svdq import tiles as P
     from validation.api import validate
 
     from .svdqfiles import corrupt_tile

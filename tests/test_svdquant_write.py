@@ -74,8 +74,8 @@ def test_packed_bytes_are_deepcompressors(written, family, precision):
     from deepcompressor.backend.nunchaku.utils import NunchakuWeightPacker
     from deepcompressor.backend.tinychat.utils import pack_w4
 
-    from porting.tensors.quant import svdq_pack as W
-    from porting.tensors.quant import svdq_packing as P
+    from porting.tensors.quant.svdq import tiles as P
+    from porting.tensors.quant.svdq import tiles as W
 
     tensors, _ = _tensors(written[family, precision]["path"])
     packer = NunchakuWeightPacker(bits=4)
@@ -166,8 +166,8 @@ def _meant(source: Path, family: str, precision: str) -> dict[str, torch.Tensor]
     from porting.engine.convert import plan_source, weights_source
     from porting.engine.svdq_convert import PlanTensors
     from porting.tensors.export.svdquant import _bias, _weight
-    from porting.tensors.quant import svdq_layout as L
-    from porting.tensors.quant.svdq_quantize import quantize_awq, quantize_w4a4
+    from porting.tensors.quant.svdq import layout as L
+    from porting.tensors.quant.svdq.quantize import quantize_awq, quantize_w4a4
 
     src = weights_source(source)
     ckpt, detection, plan = plan_source(src, "diffusers")
@@ -294,7 +294,7 @@ def test_rank_is_padded_to_16(tmp_path, capsys, sources):
     assert json.loads(meta["flux_port"])["rank_asked"] == 20
     down = tensors["transformer_blocks.0.attn.to_qkv.proj_down"]
     assert down.shape[1] == 32
-    from porting.tensors.quant.svdq_packing import unpack_lowrank
+    from porting.tensors.quant.svdq.tiles import unpack_lowrank
 
     assert not unpack_lowrank(down, True)[20:].any()
     assert math.isfinite(doc["reread"]["worst_rel_l2"])
@@ -305,7 +305,7 @@ def test_structure_the_branch_takes_out(precision):
     """The data-free rule on the shapes trained weights have (a low-rank part over noise; spread column ranges)
     lowers the error well below plain rounding; on i.i.d. uniform values, where there is nothing to take out, the
     layer falls back to plain rounding (s = 1, zero branch) instead of coming out worse."""
-    from porting.tensors.quant.svdq_quantize import quantize_w4a4
+    from porting.tensors.quant.svdq.quantize import quantize_w4a4
 
     gen = torch.Generator().manual_seed(0)
     n, k = 256, 384
@@ -327,9 +327,9 @@ def test_calibrated_smoothing_uses_the_input_maxima(tmp_path, capsys, sources):
     """--calibrate runs the bf16 model in the tiny demo pipeline (its text encoder and VAE) and sets each layer's
     smoothing from the recorded input maxima: the file's factors are the rule applied to them."""
     from porting.demo.tinypipe import build_demo_base
-    from porting.engine.svdq_calibrate import input_maxima
-    from porting.tensors.quant.svdq_packing import unpack_vector
-    from porting.tensors.quant.svdq_quantize import smoothing
+    from porting.pipeline.calibrate import input_maxima
+    from porting.tensors.quant.svdq.quantize import smoothing
+    from porting.tensors.quant.svdq.tiles import unpack_vector
 
     base = build_demo_base(tmp_path / "base")
     r = run_port(capsys, "convert", sources["flux2"], "--out", tmp_path / "bf16")

@@ -145,7 +145,7 @@ class _Prepared:
 
     def load(self, svdq_compute: str, text_encoder: bool = True) -> Any:
         if self.export_source is not None:
-            from porting.export.ort_pipeline import load_onnx_pipeline
+            from porting.pipeline.ort_pipeline import load_onnx_pipeline
 
             pipe = load_onnx_pipeline(self.folder, DTYPES[self.dtype_name], text_encoder=text_encoder).to(self.device)
             pipe.set_progress_bar_config(disable=True)
@@ -156,7 +156,7 @@ class _Prepared:
 
 
 def _prepare(side: Side, what: str) -> _Prepared:
-    from porting.export.ort_pipeline import export_source, exported_weights
+    from porting.pipeline.ort_pipeline import export_source, exported_weights
 
     folder = Path(side.folder)
     source = export_source(folder)  # an ONNX export whose components changed since it was made is refused here

@@ -14,7 +14,7 @@ from torch import nn
 from porting.errors import InputError
 from porting.runtime.svdq_linear import SvdqLinear
 from porting.runtime.svdq_model import svdq_info
-from porting.tensors.quant.svdq_decode import SvdqDecoder
+from porting.tensors.quant.svdq.decode import SvdqDecoder
 
 from .weights import WeightSource
 

@@ -11,7 +11,7 @@ from typing import Any, Mapping
 from rich.table import Table
 
 from porting import charts
-from porting.engine.mapping import MappingTable
+from porting.families.mapping import MappingTable
 from porting.outputs import atomic_folder
 from porting.reports import prepare_run_folder
 

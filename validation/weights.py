@@ -11,11 +11,11 @@ from typing import Any, Callable
 
 import torch
 
-from porting.engine.detect import Detection, load_base_config
 from porting.engine.plan import Plan, build_plan
 from porting.errors import InputError
 from porting.families.stages import TransformerStages
 from porting.inputs import Source, SourceLike, as_source
+from porting.inputs.detect import Detection, load_base_config
 from porting.tensors.checkpoint import Checkpoint, hash_checkpoint
 
 WeightTransform = Callable[[str, torch.Tensor], torch.Tensor]

@@ -19,16 +19,16 @@ import torch
 from safetensors.torch import save_file
 
 from porting import __version__
-from porting.engine.mapping import MappingTable, Naming
 from porting.errors import InternalError, PortError
 from porting.families import family_for
+from porting.families.mapping import MappingTable, Naming
 from porting.finite import check_tensor, dumps
 from porting.inputs import SourceLike, as_source, shown
+from porting.inputs.adapter_keys import Adapter, naming_config
 from porting.outputs import InputPaths, atomic_folder
 from porting.text import one_line
 
 from . import LORA_FILE, MANIFEST
-from .naming import Adapter, naming_config
 from .transform import Factors, NotSplittable, as_full_rank_lora, baked, carry, materialised, unsized
 
 Style = Literal["diffusers", "bfl", "kohya"]

@@ -12,8 +12,7 @@ import torch
 
 from porting.errors import InputError
 from porting.finite import NotFinite, check_tensor
-
-from .naming import Adapter, ModuleAdapter
+from porting.inputs.adapter_keys import Adapter, ModuleAdapter
 
 Shape = tuple[int, ...]
 

@@ -7,9 +7,9 @@ from collections import Counter
 from typing import TYPE_CHECKING, Any, Mapping
 
 from porting.families import family_for, get_family
+from porting.inputs.adapter_keys import Adapter
 
 from .delta import delta_shape, rank, scale
-from .naming import Adapter
 
 if TYPE_CHECKING:
     from porting.inputs import SourceLike

@@ -22,12 +22,13 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from porting.engine.convert import ConvertResult, convert, iter_tensors
-from porting.engine.detect import Detection
-from porting.engine.mapping import Naming, Step
 from porting.engine.plan import Plan, PlannedStep
 from porting.errors import InputError, PlanError, UsageError
+from porting.families.mapping import Naming, Step
 from porting.finite import check_number, check_tensor
 from porting.inputs import SourceLike, as_source, shown
+from porting.inputs.adapter_keys import NOT_A_FACTOR, Adapter, ModuleAdapter
+from porting.inputs.detect import Detection
 from porting.tensors.checkpoint import ST_TO_TORCH, Checkpoint
 from porting.tensors.dtypes import itemsize
 from porting.tensors.reader import TensorInfo
@@ -37,7 +38,6 @@ from porting.text import one_line
 from .delta import Shape, delta, delta_shape, multiplier, read32
 from .describe import variant_configs
 from .effect import Effect, changed_bf16, effect_of, squares
-from .naming import NOT_A_FACTOR, Adapter, ModuleAdapter
 
 
 class AdapterMismatchError(PlanError):

@@ -34,20 +34,20 @@ from porting.engine.convert import MANIFEST, ConvertResult, plan_source
 from porting.errors import UsageError
 from porting.finite import check_tensor, dumps
 from porting.inputs import Source
+from porting.inputs.adapter_keys import Adapter, ModuleAdapter
 from porting.outputs import atomic_folder, check_output
 from porting.tensors.checkpoint import ST_TO_TORCH, Checkpoint
 from porting.tensors.identity import WeightsHasher
-from porting.tensors.quant import svdq_pack as pack
-from porting.tensors.quant import svdq_packing as P
-from porting.tensors.quant.svdq_decode import SvdqDecoder, UnpackedLayer
-from porting.tensors.quant.svdq_layout import padded
-from porting.tensors.quant.svdq_quantize import FULL_SVD_MAX, quantize_awq, top_singular
-from porting.tensors.quant.svdq_types import SvdqFile, SvdqLayer, Target
+from porting.tensors.quant.svdq import tiles as P
+from porting.tensors.quant.svdq import tiles as pack
+from porting.tensors.quant.svdq.decode import SvdqDecoder, UnpackedLayer
+from porting.tensors.quant.svdq.header import SvdqFile, SvdqLayer, Target
+from porting.tensors.quant.svdq.layout import padded
+from porting.tensors.quant.svdq.quantize import FULL_SVD_MAX, quantize_awq, top_singular
 from porting.tensors.reader import TensorInfo, read_stored
 from porting.tensors.writer import Entry, Segments, write_shards
 
 from .delta import multiplier, rank, read32
-from .naming import Adapter, ModuleAdapter
 
 MAX_ERROR = 1e-3
 SUM_HINT = "Lower the adapter's strength, or merge into a bf16 / fp32 copy of the base."

@@ -22,12 +22,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from porting.engine.mapping import MappingTable, Step
-from porting.engine.ops import Concat, Rename, Split, SwapHalves
 from porting.errors import PortError
+from porting.families.mapping import MappingTable, Step
+from porting.families.ops import Concat, Rename, Split, SwapHalves
+from porting.inputs.adapter_keys import Adapter, ModuleAdapter
 
 from . import delta as D
-from .naming import Adapter, ModuleAdapter
 
 
 class NotSplittable(PortError):

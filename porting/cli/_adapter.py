@@ -18,8 +18,8 @@ def convert(output: Output, src: Source, out: Optional[Path], to: str, style: Op
     from rich.table import Table
 
     from porting.adapters.convert import convert_adapter
-    from porting.engine.detect import load_base_config
     from porting.errors import PortError
+    from porting.inputs.detect import load_base_config
 
     if out is None and not dry_run:
         raise PortError("port convert needs --out DIR (or --dry-run to only print the plan).")

@@ -227,15 +227,16 @@ def convert(
     with output.bytes_progress("converting") as (on_start, on_bytes):
         if svdq and not dry_run:
             from porting.engine.svdq_convert import convert_svdquant
+            from porting.pipeline.calibrate import Calibration
 
             result = convert_svdquant(source, out, quantize.value, rank=32 if rank is None else rank, config=config,
                                       strict=strict, force=force, on_start=on_start, on_bytes=on_bytes,
-                                      calibrate=calibrate, device=device)
+                                      calibrate=None if calibrate is None else Calibration(calibrate, device))
         elif svdq:
             result = run_convert(source, None, to="diffusers", config=config, strict=strict, dry_run=True,
                                  on_notice=output.warning)
             from porting.engine.svdq_convert import PRECISIONS
-            from porting.tensors.quant.svdq_layout import file_name
+            from porting.tensors.quant.svdq.layout import file_name
 
             r = 32 if rank is None else rank
             result.extra.update(quantize_to=f"Nunchaku SVDQuant ({quantize.value}, rank {r})",

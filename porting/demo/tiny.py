@@ -8,9 +8,9 @@ from typing import Any, Mapping
 
 import torch
 
-from porting.engine.mapping import Naming
 from porting.families import get_family
 from porting.families.flux2 import FAMILY as FLUX2
+from porting.families.mapping import Naming
 from porting.skeleton import empty_weights
 from porting.tensors.dtypes import ST_TO_TORCH
 from porting.tensors.writer import Entry, write_shards

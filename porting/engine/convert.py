@@ -15,8 +15,11 @@ if TYPE_CHECKING:
 
 from porting import __version__
 from porting.errors import PlanError
+from porting.families.mapping import MappingTable, Naming
 from porting.finite import check_tensor, dumps
 from porting.inputs import Source, SourceLike, as_source, shown
+from porting.inputs.detect import Detection, load_base_config
+from porting.known_digests import tensor_digests
 from porting.outputs import InputPaths, atomic_folder, check_output
 from porting.tensors.checkpoint import Checkpoint
 from porting.tensors.dtypes import itemsize, torch_dtype
@@ -33,8 +36,6 @@ from porting.tensors.writer import (
 )
 from porting.text import one_line
 
-from .detect import Detection, load_base_config
-from .mapping import MappingTable, Naming
 from .plan import Plan, build_plan, torch_dtype_tag
 
 MANIFEST = "flux-port.json"  # written next to the weights; validate and publish read it
@@ -190,19 +191,6 @@ def _row_blocks(ckpt: Checkpoint, keys: tuple[str, ...], shapes: list[tuple[int,
             yield ckpt.read(keys[i], (a, min(a + step, last)), dtype=target).contiguous()
 
 
-def known_digests(source: Source) -> dict[Path, dict[tuple[int, int], str]]:
-    """Per-tensor sha256 already taken of the source's files (port fetch's, while verifying them), for the files
-    unchanged since then; the identity of a tensor copied byte for byte reuses them instead of reading it again."""
-    from porting.hub.fetch.manifest import tensor_digests
-
-    known = {}
-    for file, (_, size, mtime_ns) in source.stamps.items():
-        digests = tensor_digests(file, size, mtime_ns)
-        if digests:
-            known[file] = digests
-    return known
-
-
 OUTPUT_STEM: dict[str, str] = {"diffusers": "diffusion_pytorch_model", "original": "model"}
 DEFAULT_SHARD_SIZE: dict[str, str | None] = {"diffusers": "5GB", "original": None}  # None: one file
 ONE_FILE_RUNTIMES = "ComfyUI, Forge and BFL's reference code"
@@ -276,8 +264,8 @@ def convert(src: SourceLike, out: str | Path | None, to: Naming = "diffusers", d
     with atomic_folder(out, force=force, verb="convert", inputs=read_paths, on_notice=on_notice) as staging:
         digests: dict[str, str] = {}
         files = write_shards(staging, stem, entries, (tensors or iter_tensors)(ckpt, plan), limit,
-                             metadata={"format": "pt"}, on_bytes=on_bytes, hasher=hasher, known=known_digests(source),
-                             digests=digests)
+                             metadata={"format": "pt"}, on_bytes=on_bytes, hasher=hasher,
+                             known=tensor_digests(source.stamps), digests=digests)
         if to == "diffusers":
             cfg = {**detection.config, "_class_name": detection.table.diffusers_class}
             cfg["_diffusers_version"] = importlib.metadata.version("diffusers")  # the version, without the import

@@ -13,12 +13,11 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from porting.errors import MappingTableError
+from porting.families.mapping import Naming, Step
+from porting.families.ops import OpShapeError, Shape
+from porting.inputs.detect import Detection
 from porting.tensors.checkpoint import Checkpoint
 from porting.tensors.dtypes import OPTION_TO_TAG, nbytes
-
-from .detect import Detection
-from .mapping import Naming, Step
-from .ops import OpShapeError, Shape
 
 
 @dataclass

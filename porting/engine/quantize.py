@@ -17,6 +17,7 @@ import torch
 
 from porting import __version__
 from porting.errors import CheckFailed, PortError
+from porting.families.mapping import MappingTable
 from porting.finite import check_tensor, dumps, peak
 from porting.inputs import Source, SourceLike, open_source
 from porting.outputs import atomic_folder, check_output
@@ -31,7 +32,6 @@ from .convert import (
     strict_error,
     weights_source,
 )
-from .mapping import MappingTable
 from .plan import Plan
 
 TARGETS: dict[str, tuple[str, str]] = {  # option -> (layout, file name)

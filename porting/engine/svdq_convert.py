@@ -3,7 +3,7 @@
 Any weights flux-port reads (BFL or diffusers naming, bf16, fp8, GGUF, ...) are planned to diffusers names, then
 each quantized layer is made from its diffusers tensors, one layer in memory at a time
 (`porting/tensors/export/svdquant.py`). The written file is then opened through the same reader as any input
-(`porting/tensors/quant/nunchaku.py`): it must be detected as the same model, its 16-bit tensors must be the
+(`porting/tensors/quant/svdq/reader.py`): it must be detected as the same model, its 16-bit tensors must be the
 source's in bf16, and every weight it yields must carry the error the writer computed for it (the file holds
 exactly what the writer meant).
 """
@@ -13,22 +13,22 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Protocol
 
 import torch
 
 from porting import __version__
 from porting.errors import CheckFailed, UsageError
+from porting.families.mapping import MappingTable
 from porting.inputs import SourceLike, open_source
 from porting.outputs import atomic_folder, check_output
 from porting.resources import MEMORY_OVERHEAD, require_memory
 from porting.tensors.checkpoint import Checkpoint
 from porting.tensors.export import svdquant as writer
-from porting.tensors.quant import svdq_layout as L
-from porting.tensors.quant.svdq_quantize import ALPHA, BAND
+from porting.tensors.quant.svdq import layout as L
+from porting.tensors.quant.svdq.quantize import ALPHA, BAND
 
 from .convert import ConvertResult, plan_source, stranded_sidecars, strict_error, weights_source
-from .mapping import MappingTable
 from .plan import Plan
 from .quantize import _sha256, write_manifest
 
@@ -120,15 +120,25 @@ def reread(path: Path, family: str, layout: L.FileLayout, quality: writer.Qualit
     return {**read_as, "worst_rel_l2": worst[0], "worst_key": worst[1]}
 
 
+class Calibrator(Protocol):
+    """Runs the source for its per-channel input maxima (pipeline/calibrate.py: Calibration)."""
+
+    base: Path
+
+    def check(self, transformer: Path) -> None: ...
+    def maxima(self, transformer: Path) -> dict[str, torch.Tensor]: ...
+    def describe(self) -> str: ...
+
+
 def convert_svdquant(src: SourceLike, out: str | Path, quantize: str, rank: int = 32,
                      config: str | Path | None = None, strict: bool = True, force: bool = False,
                      on_start: Callable[[int], None] | None = None, on_bytes: Callable[[int], None] | None = None,
                      tables: Mapping[str, MappingTable] | None = None, tensors: type[PlanTensors] = PlanTensors,
                      extra_meta: Mapping[str, Any] | None = None, verb: str = "convert",
-                     calibrate: str | Path | None = None, device: str = "cpu") -> ConvertResult:
+                     calibrate: Calibrator | None = None) -> ConvertResult:
     """`tensors`: what hands the diffusers weights to the writer (merge --requantize folds deltas in on the way;
     those are used once, so its values are then not reread); `extra_meta` goes into the header metadata;
-    `calibrate`: a base pipeline folder to run the source in (on `device`) for calibrated smoothing."""
+    `calibrate`: what runs the source in a base pipeline for calibrated smoothing (pipeline.calibrate.Calibration)."""
     precision = PRECISIONS[quantize]
     check_rank(rank)
     started = time.perf_counter()
@@ -150,23 +160,18 @@ def convert_svdquant(src: SourceLike, out: str | Path, quantize: str, rank: int 
                    hint="Close other programs, or convert on a machine with more memory.")
     name = L.file_name(precision, rank, source.path)
     out = Path(out)
-    read_paths = {"source": source.path, "--config": config, "--calibrate": calibrate}
+    read_paths = {"source": source.path, "--config": config, "--calibrate": calibrate and calibrate.base}
     if calibrate is not None:
-        from .svdq_calibrate import check_calibrate_base
-
-        check_calibrate_base(Path(calibrate), source.path)
+        calibrate.check(source.path)
     check_output(out, force=force, verb=verb, inputs=read_paths)
     if on_start:
         on_start(plan.output_bytes)
     maxima = None
     smoothing = SMOOTHING
     if calibrate is not None:
-        from .svdq_calibrate import PROMPTS, STEPS, input_maxima
-
-        maxima = input_maxima(Path(calibrate), source.path, device)
+        maxima = calibrate.maxima(source.path)
         smoothing = (f"calibrated: s_j = max|X_j|^{ALPHA:g} / max|W[:, j]|^{1 - ALPHA:g} (SmoothQuant), input maxima "
-                     f"of {len(PROMPTS)} prompts x {STEPS} steps in {Path(calibrate).name} on {device}, geometric "
-                     "mean 1")
+                     f"of {calibrate.describe()}, geometric mean 1")
     made = {"tool": "flux-port", "version": __version__, "smoothing": smoothing, "rank_asked": rank}
     meta = L.metadata(family, {**detection.config, "_class_name": detection.table.diffusers_class},
                       precision, rank, {"flux_port": made, **(extra_meta or {})})

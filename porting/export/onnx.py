@@ -24,6 +24,7 @@ import torch
 from porting import __version__
 from porting._files import read_config, read_json_object
 from porting.errors import CheckFailed, InputError, PortError, UsageError
+from porting.families.export_spec import ExportSpec, Traceable, gib, nbytes
 from porting.finite import dumps
 from porting.inputs import open_source
 from porting.outputs import atomic_folder, check_output
@@ -37,7 +38,6 @@ from porting.resources import (
 )
 
 from . import identity
-from .onnx_components import ExportSpec, Traceable, gib, nbytes
 from .ort import MODEL_FILE, require
 from .streamed import hollow_traceable, key_map, stream_component, streamed_bytes
 

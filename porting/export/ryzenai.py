@@ -27,10 +27,10 @@ import numpy as np
 import torch
 
 from porting.errors import UsageError
+from porting.families.export_spec import Traceable
 from porting.skeleton import diffusers_skeleton
 
 from .external import padding, save_streamed  # noqa: F401  (save_streamed: used by the export engine)
-from .onnx_components import Traceable
 from .ort import require
 
 OPSET = 17
@@ -388,9 +388,8 @@ def hollow_traceable(name: str, folder: Path, profile: Profile) -> tuple[Traceab
     """The component's graph module built from its config with hollow weights, static example inputs, and the prefix
     its parameter names carry in the graph. Nothing of the weights is read."""
     from porting._files import read_config
+    from porting.families.export_spec import VaeDecoderGraph
     from porting.families.flux2_export import transformer_graph
-
-    from .onnx_components import VaeDecoderGraph
 
     cfg = {k: v for k, v in read_config(folder / "config.json", "a component config").items() if not k.startswith("_")}
     if name == "transformer":

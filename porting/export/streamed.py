@@ -22,10 +22,10 @@ from typing import Any
 import torch
 
 from porting.errors import InputError
+from porting.families.export_spec import Traceable
+from porting.skeleton import TIES, hollow_loading
 
 from .external import padding, save_streamed
-from .hollow import TIES, hollow_loading
-from .onnx_components import Traceable
 from .ort import require
 
 

@@ -29,10 +29,10 @@ import numpy as np
 import torch
 
 from porting.errors import InputError
+from porting.families.export_spec import Traceable
 from porting.skeleton import empty_weights
 
 from .external import padding
-from .onnx_components import Traceable
 from .ort import require
 
 PENDING = "__flux_port_pending__.data"  # where the hollow trace's initializers point until their bytes are written

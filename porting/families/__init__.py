@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from porting.engine.mapping import MappingTable
+from porting.families.mapping import MappingTable
 
 from .base import Family, PipelineVariant
 from .flux1 import FAMILY as FLUX1

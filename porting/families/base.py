@@ -17,8 +17,8 @@ from typing import Any, ClassVar, Mapping
 
 import tomllib
 
-from porting.engine.mapping import MappingTable, Naming, parse_table
-from porting.engine.ops import OpShapeError
+from porting.families.mapping import MappingTable, Naming, parse_table
+from porting.families.ops import OpShapeError
 
 from .meta import meta_state_shapes
 from .shapes import ShapeTemplate, load_template
@@ -173,7 +173,7 @@ class Family:
         return default if default in named or not named else named[0]
 
     def export_spec(self, config: Mapping[str, Any], pipeline_class: str | None = None) -> Any:
-        """What `port export` writes for a model of this family (a `porting.export.onnx_components.ExportSpec`);
+        """What `port export` writes for a model of this family (a `porting.families.export_spec.ExportSpec`);
         KeyError when the family declares no export."""
         if self.export_module is None:
             raise KeyError(f"{self.title or self.name} declares no exportable components")

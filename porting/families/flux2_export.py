@@ -10,7 +10,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from porting.export.onnx_components import (
+from porting.families.export_spec import (
     Component,
     ExportSpec,
     Traceable,

@@ -301,7 +301,7 @@ def generate(folder: str | Path, prompt: str, *, device: str = "cpu", steps: int
     `transformer` replaces the folder's own: a transformer folder, or a Nunchaku SVDQuant file kept packed and
     computed as `svdq_compute` (w4a4: the kernel's 4-bit activations; w4a16: the dequantized weights).
     """
-    from porting.export.ort_pipeline import export_source
+    from porting.pipeline.ort_pipeline import export_source
 
     folder, output = Path(folder), Path(output)
     say = on_status or (lambda text: None)
@@ -352,7 +352,7 @@ def generate(folder: str | Path, prompt: str, *, device: str = "cpu", steps: int
         + (f", {cpu_offload} offload" if cpu_offload else "") + ")")
     started = time.perf_counter()
     if onnx_source is not None:
-        from porting.export.ort_pipeline import load_onnx_pipeline
+        from porting.pipeline.ort_pipeline import load_onnx_pipeline
 
         say(f"transformer: onnxruntime {provider} on {folder / 'transformer'}; the rest: torch from {onnx_source}")
         from porting.export.ort import SessionSettings

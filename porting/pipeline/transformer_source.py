@@ -93,7 +93,7 @@ class TransformerSource:
 
 def _svdq(source: Any) -> Any:
     """The SvdqFile of an opened input, or None when it is not an SVDQuant checkpoint (headers only, no torch)."""
-    from porting.tensors.quant.nunchaku import NAME
+    from porting.tensors.quant.svdq.reader import NAME
 
     ckpt = source.view
     if ckpt.quantization is None or not ckpt.quantization.format.startswith(NAME):

@@ -1,6 +1,6 @@
 """`SvdqLinear`: one diffusers linear computed from Nunchaku SVDQuant parts kept packed, in plain torch.
 
-A diffusers linear is made of pieces (`porting.tensors.quant.nunchaku.Target`): rows [a, b) of a stored layer (q, k
+A diffusers linear is made of pieces (`porting.tensors.quant.svdq.reader.Target`): rows [a, b) of a stored layer (q, k
 or v of a fused qkv), several layers whose outputs are stacked (FLUX.2's single-block qkv + mlp), or several layers
 that read consecutive input columns and whose outputs add (the single block's out + mlp down-projection). Each
 piece keeps its part of the file packed (`PackedPiece`): 4-bit codes two per byte in plain row-major order (the
@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from porting.tensors.quant import svdq_packing as P
-from porting.tensors.quant.nunchaku import SvdqLayer, Target
-from porting.tensors.quant.svdq_decode import SvdqDecoder, _awq_bias
+from porting.tensors.quant.svdq import tiles as P
+from porting.tensors.quant.svdq.decode import SvdqDecoder, _awq_bias
+from porting.tensors.quant.svdq.reader import SvdqLayer, Target
 from porting.tensors.reader import read_stored
 
 from .svdq_act import SHIFT_GELU, int4_activations, nvfp4_activations, round_to, smoothed
@@ -85,7 +85,7 @@ class PackedPiece(nn.Module):
             buf("down", None)
             buf("up", None)
         buf("bias", unpacked.file_bias[a:b].clone() if with_bias else None)
-        # w4a16 multiplies u, not u + shift: its bias carries the kernel's shift correction (svdq_decode)
+        # w4a16 multiplies u, not u + shift: its bias carries the kernel's shift correction (quant/svdq/decode.py)
         buf("bias_w4a16", unpacked.bias[a:b].clone() if with_bias and layer.gelu_shift else None)
 
     def _buffer(self, name: str, value: torch.Tensor | None) -> None:
@@ -130,7 +130,7 @@ class PackedPiece(nn.Module):
         return cached
 
     def weight(self, r0: int, r1: int) -> torch.Tensor:
-        """Rows [r0, r1) of the effective weight R/s + U·D, float32 (what svdq_decode dequantizes)."""
+        """Rows [r0, r1) of the effective weight R/s + U·D, float32 (what svdq/decode.py dequantizes)."""
         w = self.values(r0, r1)
         if self.kind == "awq":
             return w

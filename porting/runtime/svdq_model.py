@@ -15,8 +15,8 @@ from torch import nn
 from porting.errors import InputError
 from porting.skeleton import diffusers_skeleton
 from porting.tensors.checkpoint import Checkpoint
-from porting.tensors.quant.nunchaku import NAME, SvdqFile
-from porting.tensors.quant.svdq_decode import SvdqDecoder
+from porting.tensors.quant.svdq.decode import SvdqDecoder
+from porting.tensors.quant.svdq.reader import NAME, SvdqFile
 
 from .svdq_linear import COMPUTES, SvdqLinear
 

@@ -13,7 +13,7 @@ from typing import Any, Callable, Protocol
 
 from rich.console import Console
 
-from porting import errors
+from porting import errors, known_digests
 from porting.errors import CheckFailed, DiskSpaceError, InputError, NetworkError, PortError
 from porting.hub.recipes import Recipe
 from porting.hub.workspace import recipe_paths, record_step
@@ -140,7 +140,7 @@ def plan_part(part: str, source: Source, out: Path, opts: FetchOptions, ui: Repo
 def _verify(path: Path, remote: RemoteFile, progress: FetchProgress,
             tensors: dict[Range, str]) -> tuple[str | None, str | None]:
     """(problem or None, sha256); a .safetensors file's per-tensor sha256 go into `tensors` from the same reads
-    (convert reuses them for tensors it copies byte for byte: manifest.tensor_digests)."""
+    (convert reuses them for tensors it copies byte for byte: known_digests.known_tensor_digests)."""
     with progress.file(f"verify {remote.path}", remote.size, counts=False) as bar:
         return mismatch(path, remote, on_bytes=bar.update, tensors=tensors)
 
@@ -180,6 +180,7 @@ def run_part(run: PartRun, opts: FetchOptions, ui: Reporter) -> PartRun:
             problem, sha256 = _verify(dest, remote, progress, tensors)
             if problem is None:
                 run.adopted.append(remote.path)
+                _remember(dest, sha256, tensors)
                 doc["files"].append(manifest.file_record(remote, dest, sha256, tensors))
                 manifest.save(out, doc)
             elif file_is_flux_ports(dest):
@@ -213,12 +214,19 @@ def run_part(run: PartRun, opts: FetchOptions, ui: Reporter) -> PartRun:
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 os.replace(got, dest)
             run.fetched.append(remote.path)
+            _remember(dest, sha256, tensors)
             doc["files"].append(manifest.file_record(remote, dest, sha256, tensors))
             manifest.save(out, doc)
     doc["complete"] = True
     run.manifest_path = manifest.save(out, doc)
     _remove_if_empty(out / PARTIAL_DIR)
     return run
+
+
+def _remember(dest: Path, sha256: str | None, tensors: dict[Range, str]) -> None:
+    """Per-tensor digests go to the one digest store (porting.known_digests), where convert finds them."""
+    if sha256 and tensors:
+        known_digests.remember(dest, sha256, tensors=tensors)
 
 
 def _remove_if_empty(folder: Path) -> None:

@@ -7,7 +7,6 @@ the next run skips those files without hashing them again (same size and modific
 from __future__ import annotations
 
 import os
-import re
 import time
 from pathlib import Path
 from typing import Any, Mapping
@@ -21,7 +20,6 @@ from .paths import MANIFEST_NAME
 from .verify import Range, RemoteFile
 
 FORMAT_VERSION = 1
-_HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
 def now() -> str:
@@ -63,27 +61,6 @@ def file_record(remote: RemoteFile, local: Path, sha256: str | None,
     if tensors:  # per-tensor sha256 by byte range, "start:length" -> digest (taken with the file's own sha256)
         record["tensors_sha256"] = {f"{start}:{length}": digest for (start, length), digest in sorted(tensors.items())}
     return record
-
-
-def tensor_digests(file: Path, size: int, mtime_ns: int) -> dict[Range, str]:
-    """The per-tensor sha256 port fetch recorded for `file` when it verified it (in the fetch-manifest.json of the
-    folder it fetched to, `file`'s folder or one of the two above), if the file still has the size and modification
-    time it had then; else {}."""
-    file = Path(os.path.abspath(file))
-    for folder in list(file.parents)[:3]:
-        record = recorded(load(folder)).get(file.relative_to(folder).as_posix())
-        if record is None:
-            continue
-        digests = record.get("tensors_sha256")
-        if record.get("size") != size or record.get("mtime_ns") != mtime_ns or not isinstance(digests, dict):
-            return {}
-        known: dict[Range, str] = {}
-        for key, digest in digests.items():
-            start, _, length = str(key).partition(":")
-            if start.isdigit() and length.isdigit() and isinstance(digest, str) and _HEX64.fullmatch(digest):
-                known[(int(start), int(length))] = digest
-        return known
-    return {}
 
 
 def new(header: dict[str, Any]) -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """A Nunchaku SVDQuant file written from float weights, streaming: the header from known shapes, then one layer
-quantized (`svdq_quantize.py`), packed (`svdq_pack.py`) and written at a time.
+quantized (`quant/svdq/quantize.py`), packed (`quant/svdq/tiles.py`) and written at a time.
 
 `tensors` hands out diffusers-named weights (`get`) and is told when a tensor is no longer needed (`release`), so
 only the tensors of the layer being quantized are in memory. The file's 16-bit tensors are written in bf16, as
@@ -18,12 +18,12 @@ from typing import Iterator, Mapping, Protocol
 import torch
 
 from porting.finite import check_tensor
+from porting.tensors.quant.svdq import tiles as pack
+from porting.tensors.quant.svdq.header import GELU_SHIFT
+from porting.tensors.quant.svdq.layout import FileLayout, LayerPlan, Slice, padded
+from porting.tensors.quant.svdq.quantize import quantize_awq, quantize_w4a4, rel
 
 from ..identity import WeightsHasher
-from ..quant import svdq_pack as pack
-from ..quant.svdq_layout import FileLayout, LayerPlan, Slice, padded
-from ..quant.svdq_quantize import quantize_awq, quantize_w4a4, rel
-from ..quant.svdq_types import GELU_SHIFT
 from ..writer import Entry, write_shards
 
 NAME = "Nunchaku SVDQuant"
@@ -141,7 +141,7 @@ def _w4a4(layer: LayerPlan, precision: str, rank: int, tensors: TensorSource, qu
         yield pack.pack_micro_scales(q.scales)
     if layer.bias:
         b = _bias(layer, tensors)
-        if layer.gelu_shift and precision == "int4":  # the kernel adds 0.171875 · rowsum(R/s) back (svdq_decode)
+        if layer.gelu_shift and precision == "int4":  # the kernel adds 0.171875 · rowsum(R/s) back (svdq/decode)
             b = b - GELU_SHIFT * q.residual_rowsum
         check_tensor(b, f"the bias of layer {layer.name}", where, into=torch.bfloat16, hint=HINT)
         stored = b.to(torch.bfloat16)

@@ -11,14 +11,15 @@ from __future__ import annotations
 from types import ModuleType
 
 from porting.errors import InputError, UnsupportedQuantizationError
+from porting.tensors.quant import bfl_scheme, comfy_mixed, comfy_scaled_fp8, modelopt_int8
+from porting.tensors.quant.svdq import reader as svdq
 
 from ..reader import Checkpoint
-from . import bfl_scheme, comfy_mixed, comfy_scaled_fp8, modelopt_int8, nunchaku
 from .base import is_sidecar, rewrite
 
 # a marker in the file says which layout (nunchaku: its metadata, or packed `qweight` with `wscales` and a low-rank
 # or smoothing part)
-DECLARED: tuple[ModuleType, ...] = (comfy_mixed, comfy_scaled_fp8, nunchaku)
+DECLARED: tuple[ModuleType, ...] = (comfy_mixed, comfy_scaled_fp8, svdq)
 BY_SIDECARS: tuple[ModuleType, ...] = (bfl_scheme, modelopt_int8)  # no marker: `weight_scale` next to the weight
 
 # stored-key endings of layouts flux-port recognises and refuses (no exact way to plain weights)

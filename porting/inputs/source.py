@@ -18,10 +18,10 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal, Mapping, Union
 
-from porting.adapters.naming import Adapter, looks_like_adapter, read_adapter
-from porting.engine.detect import Detection, detect
-from porting.engine.mapping import MappingTable
 from porting.errors import InputError, InternalError
+from porting.families.mapping import MappingTable
+from porting.inputs.adapter_keys import Adapter, looks_like_adapter, read_adapter
+from porting.inputs.detect import Detection, detect
 from porting.tensors import checkpoint
 from porting.tensors.checkpoint import Checkpoint, hash_checkpoint
 

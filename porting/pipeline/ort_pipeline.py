@@ -19,10 +19,9 @@ from torch import nn
 
 from porting._files import read_config
 from porting.errors import InputError, PortError
-
-from . import identity
-from .onnx import MANIFEST, find_manifest
-from .ort import SessionSettings, open_session
+from porting.export import identity
+from porting.export.onnx import MANIFEST, find_manifest
+from porting.export.ort import SessionSettings, open_session
 
 NUMPY_DTYPES = {"tensor(float)": torch.float32, "tensor(float16)": torch.float16}
 

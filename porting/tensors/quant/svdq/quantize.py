@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .svdq_packing import E2M1
+from porting.tensors.quant.svdq.tiles import E2M1
 
 ALPHA = 0.5
 SMOOTH_FLOOR = 1e-3

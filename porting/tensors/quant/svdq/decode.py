@@ -15,10 +15,9 @@ from collections import OrderedDict
 import torch
 
 from porting.finite import check_scales
-
-from ..reader import read_stored
-from . import svdq_packing as P
-from .svdq_types import GELU_SHIFT, SvdqFile, SvdqLayer, Target
+from porting.tensors.quant.svdq import tiles as P
+from porting.tensors.quant.svdq.header import GELU_SHIFT, SvdqFile, SvdqLayer, Target
+from porting.tensors.reader import read_stored
 
 KEEP_LAYERS = 4  # unpacked scales and low-rank factors of this many recent layers stay cached
 

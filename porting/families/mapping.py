@@ -15,8 +15,7 @@ from typing import Any, Iterable, Iterator, Literal, Mapping
 import tomllib
 
 from porting.errors import MappingTableError
-
-from .ops import Op, op_from_spec
+from porting.families.ops import Op, op_from_spec
 
 Naming = Literal["original", "diffusers"]
 NAMINGS: tuple[Naming, Naming] = ("original", "diffusers")
@@ -99,7 +98,7 @@ class MappingTable:
 
     def identity(self, config: Mapping[str, Any], naming: Naming) -> list[Step]:
         """Steps that keep every key of `naming` as it is (re-shard or cast without renaming)."""
-        from .ops import Rename
+        from porting.families.ops import Rename
 
         other: Naming = "diffusers" if naming == "original" else "original"
         return [Step((key,), (key,), Rename(), step.rule_index)

@@ -1,6 +1,8 @@
-"""Nunchaku's packed SVDQuant layouts, undone: 4-bit MMA tiles, permuted scales and vectors, low-rank tiles, AWQ.
+"""Nunchaku's packed SVDQuant layouts, both ways: `unpack_*` reads a stored tensor, `pack_*` writes one.
 
-Each function is the inverse of one of deepcompressor's packers (`NunchakuWeightPacker.pack_weight`,
+The layouts: 4-bit MMA tiles, permuted scales and vectors, low-rank tiles, AWQ.
+
+Each `unpack_*` is the inverse of one of deepcompressor's packers (`NunchakuWeightPacker.pack_weight`,
 `pack_scale`, `pack_micro_scale`, `pack_lowrank_weight`; TinyChat's `pack_w4` for the AWQ W4A16 layers); the
 permutations are written as the inverse index orders of the packers' (`../shared/svdquant.md` section 3). The tests
 hold them to deepcompressor's own packers.
@@ -8,13 +10,15 @@ hold them to deepcompressor's own packers.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 TILE_N = 128  # output rows per packed tile (warp_n)
 TILE_K = 64  # input columns per packed tile (insn_k for 4 bits)
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
-# Each layout as (axes of the stored order, the permutation to the logical order); `svdq_pack.py` runs them backwards.
+# Each layout as (axes of the stored order, the permutation to the logical order); the packers below run them backwards.
 CODE_AXES, CODE_PERM = (1, 8, 8, 4, 2, 2, 1, 4), (0, 3, 6, 4, 8, 1, 2, 7, 5, 9)  # after (n/128, k/64); bytes
 SCALE_AXES, SCALE_PERM = (1, 8, 4, 2, 2), (0, 2, 3, 5, 4, 6, 1)  # after (n/128, groups)
 MICRO_AXES, MICRO_PERM = (1, 8, 4, 4, 4), (0, 2, 5, 4, 3, 1, 6)  # after (n/128, k/64)
@@ -112,3 +116,92 @@ __all__ = ["TILE_N", "TILE_K", "E2M1", "CODE_AXES", "CODE_PERM", "SCALE_AXES", "
            "MICRO_PERM", "LOWRANK_AXES", "LOWRANK_PERM", "nibbles", "unpack_code_bytes", "unpack_codes", "byte_values",
            "decode_values", "signed_int4", "e2m1", "unpack_scales", "unpack_vector", "unpack_micro_scales",
            "unpack_lowrank", "unpack_awq_codes", "deinterleave_rows"]
+
+
+# Writing: each packer runs one unpacker above backwards (reshape to the permuted axes, inverse permutation,
+# flatten); the tests hold them to deepcompressor's own packers byte for byte.
+def _inverse(perm: Sequence[int]) -> tuple[int, ...]:
+    out = [0] * len(perm)
+    for i, p in enumerate(perm):
+        out[p] = i
+    return tuple(out)
+
+
+def _backwards(logical: torch.Tensor, stored_axes: Sequence[int], perm: Sequence[int]) -> torch.Tensor:
+    """The stored order of `logical`, when unpacking is `stored.reshape(stored_axes).permute(perm)`."""
+    permuted = [stored_axes[p] for p in perm]
+    return logical.reshape(permuted).permute(_inverse(perm)).contiguous()
+
+
+def code_bytes(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes (n, k), values 0..15 -> row-major bytes (n, k/2) uint8, column 2j in the low nibble of byte j."""
+    c = codes.to(torch.uint8)
+    return c[:, 0::2] | (c[:, 1::2] << 4)
+
+
+def pack_codes(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes (n, k), 0..15 (int4 two's complement or E2M1 indices) -> `qweight` (n, k/2) int8 in MMA tiles."""
+    n, k = codes.shape
+    t = _backwards(code_bytes(codes), (n // TILE_N, k // TILE_K, *CODE_AXES), (*CODE_PERM,))
+    return t.reshape(n, k // 2).view(torch.int8)
+
+
+def pack_scales(scales: torch.Tensor) -> torch.Tensor:
+    """int4 group scales (n, groups) -> stored (groups, n) in 128-channel permuted tiles."""
+    n, groups = scales.shape
+    return _backwards(scales, (n // TILE_N, groups, *SCALE_AXES), SCALE_PERM).reshape(groups, n)
+
+
+def pack_vector(vector: torch.Tensor) -> torch.Tensor:
+    """A per-channel vector (bias, smooth, wcscales) in logical order -> the scales' channel order."""
+    n = vector.numel()
+    return pack_scales(vector.reshape(n, 1)).reshape(n)
+
+
+def pack_micro_scales(scales: torch.Tensor) -> torch.Tensor:
+    """nvfp4 micro-scales (n, k/16) float8_e4m3fn -> stored (k/16, n) permuted."""
+    n, groups = scales.shape
+    k = groups * 16
+    t = _backwards(scales.view(torch.uint8), (n // TILE_N, k // TILE_K, *MICRO_AXES), MICRO_PERM)
+    return t.reshape(groups, n).view(torch.float8_e4m3fn)
+
+
+def pad_rank(t: torch.Tensor, rank: int, dim: int) -> torch.Tensor:
+    """Zeros appended along `dim` up to `rank` (the kernel's rank is a multiple of 16)."""
+    missing = rank - t.shape[dim]
+    if missing <= 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = missing
+    return torch.cat([t, t.new_zeros(shape)], dim=dim)
+
+
+def pack_lowrank(weight: torch.Tensor, down: bool) -> torch.Tensor:
+    """D (r, k) -> `proj_down` (k, r); U (n, r) -> `proj_up` (n, r), in 16x16 register tiles (r a multiple of 16)."""
+    if down:
+        r, c = weight.shape
+        tiles = weight.reshape(r // 16, 16, c // 16, 16).permute(2, 0, 1, 3)  # undoes permute(1, 2, 0, 3)
+    else:
+        c, r = weight.shape
+        tiles = weight.reshape(c // 16, 16, r // 16, 16).permute(0, 2, 1, 3)  # its own inverse
+    return _backwards(tiles, (c // 16, r // 16, *LOWRANK_AXES), LOWRANK_PERM).reshape(c, r)
+
+
+def pack_awq_codes(codes: torch.Tensor) -> torch.Tensor:
+    """Unsigned codes (n, k), 0..15 -> TinyChat W4A16 `qweight` (n/4, k/2) int32 (the inverse of `unpack_awq_codes`)."""
+    n, k = codes.shape
+    c = codes.to(torch.int32).reshape(n, k // 32, 4, 8).permute(0, 1, 3, 2).reshape(n, k // 4, 4)
+    words = c[..., 0] | (c[..., 1] << 4) | (c[..., 2] << 8) | (c[..., 3] << 12)  # 16 bits, 0..65535
+    words = torch.where(words >= 1 << 15, words - (1 << 16), words).to(torch.int16)
+    t = words.reshape(n // 4, 4, k // 64, 16).permute(0, 2, 1, 3).reshape(n // 4, k)
+    return t.contiguous().view(torch.int32)
+
+
+def interleave_rows(t: torch.Tensor, splits: int) -> torch.Tensor:
+    """Logical row j*(n/S) + d -> stored row d*S + j (Nunchaku's adaLN layers; undone by `deinterleave_rows`)."""
+    n = t.shape[0]
+    return t.reshape(splits, n // splits, *t.shape[1:]).transpose(0, 1).reshape(t.shape).contiguous()
+
+
+__all__ = ["code_bytes", "pack_codes", "pack_scales", "pack_vector", "pack_micro_scales", "pad_rank",
+           "pack_lowrank", "pack_awq_codes", "interleave_rows"]

@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from porting._files import parse_json
-from porting.engine.mapping import MappingTable, Naming
 from porting.errors import InputError, UnsupportedFormatError
 from porting.families import builtin_tables, families
+from porting.families.mapping import MappingTable, Naming
 from porting.finite import NotFinite, check_number
 from porting.tensors.checkpoint import Checkpoint
 

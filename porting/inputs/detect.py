@@ -10,9 +10,8 @@ from typing import Any, Mapping
 from porting._files import read_config
 from porting.errors import ConfigMismatchError, InputError, InternalError, UnknownArchitectureError
 from porting.families import Family, builtin_tables, families, family_for
+from porting.families.mapping import NAMINGS, MappingTable, Naming
 from porting.tensors.checkpoint import Checkpoint
-
-from .mapping import NAMINGS, MappingTable, Naming
 
 # Prefixes added by training and UI tools (ComfyUI saves `model.diffusion_model.`).
 KNOWN_PREFIXES = ("", "model.diffusion_model.", "diffusion_model.", "model.", "net.")

@@ -77,7 +77,7 @@ def quiet_from_pretrained(cls: Any, folder: Path, dtype: torch.dtype, **kw: Any)
     config with hollow weights instead (nothing read: the streamed export writes them tensor by tensor)."""
     import warnings
 
-    from .hollow import hollow_dtype, hollow_pretrained
+    from porting.skeleton import hollow_dtype, hollow_pretrained
 
     if hollow_dtype() is not None:
         return hollow_pretrained(cls, folder, hollow_dtype())

@@ -8,6 +8,7 @@ with these maxima instead of assuming them equal.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -72,4 +73,23 @@ def input_maxima(base: Path, transformer: Path, device: str = "cpu", prompts: Se
     return maxima
 
 
-__all__ = ["PROMPTS", "STEPS", "check_calibrate_base", "input_maxima"]
+
+@dataclass(frozen=True)
+class Calibration:
+    """`--calibrate BASE --device D` as `engine.svdq_convert.convert_svdquant` takes it (its `Calibrator`), so the
+    engine runs no pipeline of its own."""
+
+    base: Path
+    device: str = "cpu"
+
+    def check(self, transformer: Path) -> None:
+        check_calibrate_base(self.base, transformer)
+
+    def maxima(self, transformer: Path) -> dict[str, torch.Tensor]:
+        return input_maxima(self.base, transformer, self.device)
+
+    def describe(self) -> str:
+        return f"{len(PROMPTS)} prompts x {STEPS} steps in {self.base.name} on {self.device}"
+
+
+__all__ = ["PROMPTS", "STEPS", "Calibration", "check_calibrate_base", "input_maxima"]

@@ -3,7 +3,7 @@
 Declared by `quantization_config` metadata with `"method": "svdquant"`, or by `qweight` next to `wscales` and a
 low-rank or smoothing part. Everything here reads the header only (plus the raw bytes of biases FLUX.2 has no place
 for, to check that they are zero): `port inspect` of such a file never imports torch. Which stored layers make which
-diffusers tensors is data (`mappings/svdquant.toml`); the arithmetic is in `svdq_decode.py`.
+diffusers tensors is data (`mappings/svdquant.toml`); the arithmetic is in `decode.py`.
 
 Each weight comes out as the weight the kernel multiplies by, W = R·diag(1/s) + U·D (R the dequantized 4-bit
 residual, s the smoothing factors, U·D the low-rank branch), under diffusers' names and shapes, so detection, the
@@ -21,10 +21,9 @@ from typing import Any, Mapping
 import tomllib
 
 from porting.errors import InputError, UnsupportedQuantizationError
-
-from ..dtypes import nbytes
-from ..reader import Checkpoint, Quantization, TensorInfo, read_bytes
-from .svdq_types import GELU_SHIFT, Piece, SvdqFile, SvdqLayer, Target
+from porting.tensors.dtypes import nbytes
+from porting.tensors.quant.svdq.header import GELU_SHIFT, Piece, SvdqFile, SvdqLayer, Target
+from porting.tensors.reader import Checkpoint, Quantization, TensorInfo, read_bytes
 
 NAME = "Nunchaku SVDQuant"
 METADATA_KEY = "quantization_config"
@@ -401,7 +400,7 @@ class LazyDecoder:
 
     def dequantize(self, key: str, rows: tuple[int, int] | None = None, dtype: Any = None) -> Any:
         if self._decoder is None:
-            from .svdq_decode import SvdqDecoder
+            from porting.tensors.quant.svdq.decode import SvdqDecoder
 
             self._decoder = SvdqDecoder(self.info)
         return self._decoder.dequantize(key, rows, dtype)

@@ -15,9 +15,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from porting.errors import InputError, InternalError
-
-from .nunchaku import BLOCKS, TILE, table
-from .svdq_comfy import comfy_config
+from porting.tensors.quant.svdq.comfy import comfy_config
+from porting.tensors.quant.svdq.reader import BLOCKS, TILE, table
 
 Shape = tuple[int, ...]
 

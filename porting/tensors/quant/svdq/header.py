@@ -1,6 +1,6 @@
 """What an SVDQuant header says, as data (no torch): layers, how they make diffusers tensors, the file's facts.
 
-Shared by the header reader (`nunchaku.py`), the decoder (`svdq_decode.py`) and the packed runtime.
+Shared by the header reader (`reader.py`), the decoder (`decode.py`) and the packed runtime.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from ..reader import TensorInfo, read_bytes
+from porting.tensors.reader import TensorInfo, read_bytes
 
 GELU_SHIFT = 0.171875  # Nunchaku's SHIFT_GELU: int4 inputs of GELU down-projections are GELU(x) + this, unsigned
 
