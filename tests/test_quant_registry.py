@@ -5,6 +5,7 @@ recognised by open, inspect and convert, and its sidecars count as sidecars, wit
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -114,8 +115,19 @@ def test_the_registry_gives_the_lists_once_written_by_hand():
     assert [m.name for m in registry.by_sidecars()] == ["BFL-scheme quantized",
                                                         "ModelOpt int8 (per-channel weight_scale)"]
     refused = registry.refused_formats()
-    assert refused["ComfyUI mixed precision: convrot_w4a4"] == "ConvRot W4A4 (Hadamard-rotated int4)"
-    assert "AWQ / GPTQ (packed int4 with zero points)" in refused and len(refused) == 6
+    assert refused["ComfyUI mixed precision", "convrot_w4a4"] == "ConvRot W4A4 (Hadamard-rotated int4)"
+    assert ("AWQ / GPTQ (packed int4 with zero points)",) * 2 in refused and len(refused) == 6
+
+
+def test_every_refused_format_is_in_the_docs():
+    """A format the registry refuses by name is listed in docs/quantized.md (a new refusal is documented)."""
+    doc = (Path(__file__).parents[1] / "docs" / "quantized.md").read_text()
+    for (layout, fmt), what in registry.refused_formats().items():
+        if fmt == layout:  # a whole layout: its name and marker keys
+            declared = next(m for m in registry.LAYOUTS if m.name == layout)
+            assert what.split(" (")[0] in doc and all(f"`{k}`" in doc for k in declared.markers), layout
+        else:
+            assert f"`{fmt}`" in doc, (layout, fmt)
 
 
 def test_awq_gptq_is_refused_by_name(tmp_path, capsys):

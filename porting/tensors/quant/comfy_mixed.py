@@ -109,5 +109,6 @@ def find(ckpt: Checkpoint) -> Found:
     return found
 
 
+# `recognise`: the metadata, or a `<layer>.comfy_quant` tensor (a layer's, never a bare key)
 LAYOUT = Layout(NAME, sidecars=(MARKER[1:], "weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale"),
                 markers=(MARKER[1:],), metadata_keys=(METADATA_KEY,), recognise=claims, find=find, refuses=REFUSED)

@@ -49,10 +49,11 @@ def metadata_keys() -> frozenset[str]:
     return frozenset(key for layout in LAYOUTS for key in layout.metadata_keys)
 
 
-def refused_formats() -> dict[str, str]:
-    """Every format refused by name: the whole refused layouts, and formats inside a layout ("layout: format")."""
-    out = {layout.name: layout.name for layout in refused()}
-    out.update({f"{layout.name}: {fmt}": what for layout in LAYOUTS for fmt, what in layout.refuses.items()})
+def refused_formats() -> dict[tuple[str, str], str]:
+    """Every format refused by name, (layout, format as the file names it) -> what it is; a layout refused whole is
+    (its name, its name)."""
+    out = {(layout.name, layout.name): layout.name for layout in refused()}
+    out.update({(layout.name, fmt): what for layout in LAYOUTS for fmt, what in layout.refuses.items()})
     return out
 
 
