@@ -13,8 +13,8 @@ from torch import nn
 
 from porting.errors import InputError
 from porting.runtime.svdq_linear import SvdqLinear
-from porting.runtime.svdq_model import svdq_info
 from porting.tensors.quant.svdq.decode import SvdqDecoder
+from porting.tensors.quant.svdq.reader import svdq_info
 
 from .weights import WeightSource
 

@@ -523,9 +523,11 @@ def merge(base: SourceLike, adapters: list[tuple[SourceLike, float]], out: str |
     merged: list[dict[str, Any]] = [
         {"adapter": str(Path(a.path).resolve()), "strength": s, "format": a.format, "naming": a.naming,
          "modules": len(a.modules), "kinds": a.kinds, "skipped": skipped[str(a.path)]} for a, s in read]
+    from porting.tensors.quant.svdq.reader import svdq_info
+
     from . import svdq_merge
 
-    if svdq_merge.svdq_info(ckpt) is not None:
+    if svdq_info(ckpt) is not None:
         return svdq_merge.merge_svdq(source, read, placement, lambda part, key: _Delta(part, key).whole(), merged, out,
                                      to=to, max_shard_size=max_shard_size,
                                      force=force, dry_run=dry_run, max_error=max_error, requantize=requantize,

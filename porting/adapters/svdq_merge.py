@@ -25,7 +25,7 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping, Protocol
 
 import torch
 
@@ -36,7 +36,7 @@ from porting.finite import check_tensor, dumps
 from porting.inputs import Source
 from porting.inputs.adapter_keys import Adapter, ModuleAdapter
 from porting.outputs import atomic_folder, check_output
-from porting.tensors.checkpoint import ST_TO_TORCH, Checkpoint
+from porting.tensors.checkpoint import ST_TO_TORCH
 from porting.tensors.identity import WeightsHasher
 from porting.tensors.quant.svdq import tiles as P
 from porting.tensors.quant.svdq import tiles as pack
@@ -44,6 +44,7 @@ from porting.tensors.quant.svdq.decode import SvdqDecoder, UnpackedLayer
 from porting.tensors.quant.svdq.header import SvdqFile, SvdqLayer, Target
 from porting.tensors.quant.svdq.layout import padded
 from porting.tensors.quant.svdq.quantize import FULL_SVD_MAX, quantize_awq, top_singular
+from porting.tensors.quant.svdq.reader import svdq_info
 from porting.tensors.reader import TensorInfo, read_stored
 from porting.tensors.writer import Entry, Segments, write_shards
 
@@ -52,17 +53,27 @@ from .delta import multiplier, rank, read32
 MAX_ERROR = 1e-3
 SUM_HINT = "Lower the adapter's strength, or merge into a bf16 / fp32 copy of the base."
 Contribution = tuple[Adapter, ModuleAdapter, float]
-# merge.py's `Placement` (where each delta lands) and the whole float32 delta of one of its parts, handed in by
-# merge.py (which imports this module: importing it back would be a cycle)
-Placement = Any
+# the whole float32 delta of one part of a `Placement`, handed in by merge.py
 DeltaOf = Callable[[Any, str], torch.Tensor]
 
 
-def svdq_info(ckpt: Checkpoint) -> SvdqFile | None:
-    """The SVDQuant header facts of a base opened through the reader (None: not an SVDQuant file)."""
-    decoder = ckpt.decoder
-    info = getattr(decoder, "info", None)
-    return info if isinstance(info, SvdqFile) else None
+class Placement(Protocol):
+    """What this module uses of merge.py's `Placement` (where each delta lands), which is built there: merge.py
+    imports this module, so importing it back would be a cycle."""
+
+    @property
+    def direct(self) -> Mapping[str, Any]: ...
+
+    @property
+    def via(self) -> Mapping[str, Any]: ...
+
+    def __contains__(self, param: str) -> bool: ...
+
+    def names(self, param: str) -> str: ...
+
+    def pop(self, param: str) -> list[Any]: ...
+
+    def add_into(self, param: str, weight: torch.Tensor) -> None: ...
 
 
 @dataclass
@@ -210,6 +221,94 @@ def merged_name(name: str, total: int) -> str:
     return re.sub(r"_r\d+-", f"_r{total}-", name, count=1)
 
 
+@dataclass
+class _Plan:
+    """What a merge appends, requantizes and adds, from the headers and the adapters, before anything is written."""
+
+    info: SvdqFile
+    layers: dict[str, _Layer]  # stored layer prefix -> what its branch gains
+    plain: dict[str, str]  # stored key of a 16-bit tensor -> its diffusers key, which a delta lands on
+    requantized: list[str]  # AWQ layers folded and quantized again
+    base_rank: int
+    total: int  # the merged branches' common rank
+    report: list[dict[str, Any]]  # the factorised dense deltas
+
+
+def _plan_merge(info: SvdqFile, stored: dict[str, TensorInfo], placement: Placement, delta_of: DeltaOf,
+                max_error: float) -> _Plan:
+    requantized: list[str] = []
+    layers, report = _plan_layers(info, placement, delta_of, max_error, requantized)
+    base_rank = max((layer.rank for layer in info.layers.values() if layer.kind == "w4a4"), default=0)
+    added = max((e.added_rank for e in layers.values() if e.layer.kind == "w4a4"), default=0)
+    plain = {stored_key: diff_key for stored_key in stored
+             if (diff_key := info.renamed.get(stored_key, stored_key)) in placement and stored_key not in info.consumed}
+    left = [k for k in list(placement.direct) + list(placement.via) if k not in plain.values()]
+    if left:
+        raise UsageError(f"{placement.names(left[0])}: a delta on {left[0]}, which this SVDQuant file has in no "
+                         "form flux-port can add it to.", hint="Merge with --requantize.")
+    return _Plan(info, layers, plain, requantized, base_rank, padded(base_rank + added), report)
+
+
+def _check_copied_branches(info: SvdqFile) -> None:
+    """The stored branches are copied, not dequantized: a NaN group scale, a zero smoothing factor or a NaN branch
+    would be written on as it is, so they are checked as the decoder does."""
+    for layer in info.layers.values():
+        if layer.kind == "w4a4":
+            unpacked = UnpackedLayer(layer)
+            for role, factor in (("lora_up", unpacked.up), ("lora_down", unpacked.down)):
+                if factor is not None:
+                    check_tensor(factor, repr(layer.parts[role].name), layer.parts[role].file)
+
+
+def _merged_metadata(metadata: dict[str, str] | None, total: int, merged: list[dict[str, Any]]) -> dict[str, str]:
+    """The base's header metadata with the merged rank and this merge appended to the record of merged adapters."""
+    meta = dict(metadata or {})
+    qc = json.loads(meta.get("quantization_config", "{}"))
+    qc["rank"] = total
+    meta["quantization_config"] = json.dumps(qc)
+    history = json.loads(meta.get("flux_port_merged", "[]"))
+    meta["flux_port_merged"] = json.dumps(history + [{k: v for k, v in a.items() if k != "adapter"}
+                                                     | {"adapter": Path(a["adapter"]).name} for a in merged])
+    return meta
+
+
+def _merged_tensors(plan: _Plan, order: list[TensorInfo], placement: Placement
+                    ) -> Iterator[torch.Tensor | Segments]:
+    """Every stored tensor in file order: branches extended, AWQ layers requantized, 16-bit deltas added, the rest
+    copied byte for byte."""
+    info, layers, total = plan.info, plan.layers, plan.total
+    decoder = SvdqDecoder(info)
+    lowrank = {layer.parts[role].name: (prefix, role) for prefix, layer in info.layers.items()
+               for role in ("lora_down", "lora_up") if role in layer.parts}
+    awq_parts = {layer.parts[role].name: (layer.prefix, role) for layer in info.layers.values()
+                 if layer.prefix[:-1] in plan.requantized for role in ("qweight", "wscales", "wzeros")}
+    branches: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    awq: dict[str, dict[str, torch.Tensor]] = {}
+    for t in order:
+        if t.name in lowrank:
+            prefix, role = lowrank[t.name]
+            if prefix not in branches:
+                branches[prefix] = _new_factors(layers.get(prefix) or _Layer(info.layers[prefix]), info, total)
+            up, down = branches[prefix]
+            yield pack.pack_lowrank(down, True) if role == "lora_down" else pack.pack_lowrank(up, False)
+            if role == "lora_up":
+                branches.pop(prefix)
+        elif t.name in awq_parts:
+            prefix, role = awq_parts[t.name]
+            if prefix not in awq:
+                awq[prefix] = _requantized_awq(info.layers[prefix], layers[prefix].dense, decoder)
+            yield awq[prefix][role].to(ST_TO_TORCH[t.dtype]).contiguous()
+        elif t.name in plan.plain:
+            w = read_stored(t)
+            total_w = w.to(torch.float32, copy=True)
+            placement.add_into(plan.plain[t.name], total_w)
+            check_tensor(total_w, f"{t.name} plus the delta of {placement.names(plan.plain[t.name])}", t.file,
+                         into=w.dtype, hint=SUM_HINT)
+            yield total_w.to(w.dtype).contiguous()
+        else:
+            yield Segments(((t.file, t.start, t.nbytes),), t.name)
+
+
 def merge_into_svdq(source: Source, read: list[tuple[Adapter, float]], placement: Placement, delta_of: DeltaOf,
                     merged: list[dict[str, Any]], out: str | Path, force: bool = False, dry_run: bool = False,
                     max_error: float = MAX_ERROR, on_start: Callable[[int], None] | None = None,
@@ -219,86 +318,32 @@ def merge_into_svdq(source: Source, read: list[tuple[Adapter, float]], placement
     info = svdq_info(ckpt)
     assert info is not None
     stored: dict[str, TensorInfo] = ckpt.stored_tensors
-    requantized: list[str] = []
-    layers, report = _plan_layers(info, placement, delta_of, max_error, requantized)
-    base_rank = max((layer.rank for layer in info.layers.values() if layer.kind == "w4a4"), default=0)
-    added = max((e.added_rank for e in layers.values() if e.layer.kind == "w4a4"), default=0)
-    total = padded(base_rank + added)
-    plain = {stored_key: diff_key for stored_key in stored
-             if (diff_key := info.renamed.get(stored_key, stored_key)) in placement and stored_key not in info.consumed}
-    left = [k for k in list(placement.direct) + list(placement.via) if k not in plain.values()]
-    if left:
-        raise UsageError(f"{placement.names(left[0])}: a delta on {left[0]}, which this SVDQuant file has in no "
-                         "form flux-port can add it to.", hint="Merge with --requantize.")
+    merge = _plan_merge(info, stored, placement, delta_of, max_error)
     src_file = next(iter(stored.values())).file
-    name = merged_name(src_file.name, total) if src_file.name.endswith(".safetensors") else "merged.safetensors"
-    extra: dict[str, Any] = {"svdq_merge": {"base_rank": base_rank, "rank": total, "layers_extended": len(
-        [e for e in layers.values() if e.layer.kind == "w4a4"]), "factorised": report, "requantized": requantized,
-        "plain_merged": sorted(plain.values())}, "file": name}
+    name = merged_name(src_file.name, merge.total) if src_file.name.endswith(".safetensors") else "merged.safetensors"
+    extra: dict[str, Any] = {"svdq_merge": {
+        "base_rank": merge.base_rank, "rank": merge.total,
+        "layers_extended": len([e for e in merge.layers.values() if e.layer.kind == "w4a4"]),
+        "factorised": merge.report, "requantized": merge.requantized, "plain_merged": sorted(merge.plain.values())},
+        "file": name}
     if dry_run:
         return ConvertResult(plan, None, [name], None, time.perf_counter() - started, extra=extra)
     out = Path(out)
     inputs = {"base": source.path, "adapter": [a.path for a, _ in read]}
     check_output(out, force=force, verb="merge", inputs=inputs)
-    for layer in info.layers.values():  # copied, not dequantized: a NaN group scale, a zero smoothing factor or a
-        if layer.kind == "w4a4":         # NaN branch would be written on as it is; checked as the decoder does
-            unpacked = UnpackedLayer(layer)
-            for role, factor in (("lora_up", unpacked.up), ("lora_down", unpacked.down)):
-                if factor is not None:
-                    check_tensor(factor, repr(layer.parts[role].name), layer.parts[role].file)
-    meta = dict(ckpt.metadata or {})
-    qc = json.loads(meta.get("quantization_config", "{}"))
-    qc["rank"] = total
-    meta["quantization_config"] = json.dumps(qc)
-    history = json.loads(meta.get("flux_port_merged", "[]"))
-    meta["flux_port_merged"] = json.dumps(history + [{k: v for k, v in a.items() if k != "adapter"}
-                                                     | {"adapter": Path(a["adapter"]).name} for a in merged])
-    decoder = SvdqDecoder(info)
+    _check_copied_branches(info)
+    meta = _merged_metadata(ckpt.metadata, merge.total, merged)
+    lowrank = {layer.parts[role].name for layer in info.layers.values() for role in ("lora_down", "lora_up")
+               if role in layer.parts}
     order = sorted(stored.values(), key=lambda t: (str(t.file), t.start))
-    lowrank = {layer.parts[role].name: (prefix, role) for prefix, layer in info.layers.items()
-               for role in ("lora_down", "lora_up") if role in layer.parts}
-    awq_parts = {layer.parts[role].name: (layer.prefix, role) for layer in info.layers.values()
-                 if layer.prefix[:-1] in requantized for role in ("qweight", "wscales", "wzeros")}
-    entries = []
-    for t in order:
-        shape = t.shape
-        if t.name in lowrank:
-            shape = (shape[0], total)
-        entries.append(Entry(t.name, tuple(shape), t.dtype))
+    entries = [Entry(t.name, (t.shape[0], merge.total) if t.name in lowrank else tuple(t.shape), t.dtype)
+               for t in order]
     if on_start:
         on_start(sum(e.nbytes for e in entries))
-
-    def items() -> Iterator[torch.Tensor | Segments]:
-        branches: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        awq: dict[str, dict[str, torch.Tensor]] = {}
-        for t in order:
-            if t.name in lowrank:
-                prefix, role = lowrank[t.name]
-                if prefix not in branches:
-                    entry = layers.get(prefix) or _Layer(info.layers[prefix])
-                    branches[prefix] = _new_factors(entry, info, total)
-                up, down = branches[prefix]
-                yield pack.pack_lowrank(down, True) if role == "lora_down" else pack.pack_lowrank(up, False)
-                if role == "lora_up":
-                    branches.pop(prefix)
-            elif t.name in awq_parts:
-                prefix, role = awq_parts[t.name]
-                if prefix not in awq:
-                    awq[prefix] = _requantized_awq(info.layers[prefix], layers[prefix].dense, decoder)
-                yield awq[prefix][role].to(ST_TO_TORCH[t.dtype]).contiguous()
-            elif t.name in plain:
-                w = read_stored(t)
-                total_w = w.to(torch.float32, copy=True)
-                placement.add_into(plain[t.name], total_w)
-                check_tensor(total_w, f"{t.name} plus the delta of {placement.names(plain[t.name])}", t.file,
-                             into=w.dtype, hint=SUM_HINT)
-                yield total_w.to(w.dtype).contiguous()
-            else:
-                yield Segments(((t.file, t.start, t.nbytes),), t.name)
-
     with atomic_folder(out, force=force, verb="merge", inputs=inputs) as staging:
-        write_shards(staging, name[: -len(".safetensors")], entries, items(), max_shard_bytes=2**62, metadata=meta,
-                     hasher=WeightsHasher())  # its identity kept: validate reads no tensor
+        # the hasher keeps the file's identity, so validate reads no tensor
+        write_shards(staging, name[: -len(".safetensors")], entries, _merged_tensors(merge, order, placement),
+                     max_shard_bytes=2**62, metadata=meta, hasher=WeightsHasher())
         manifest = {"tool": "flux-port", "version": __version__, "base": str(source.path.resolve()),
                     "table": detection.table.name, "to": "nunchaku", "files": [name], "merged_adapters": merged,
                     **extra}
@@ -361,4 +406,4 @@ def requantize_svdq(source: Source, placement: Placement, merged: list[dict[str,
     return result
 
 
-__all__ = ["MAX_ERROR", "svdq_info", "factorise", "merge_svdq", "merge_into_svdq", "requantize_svdq", "merged_name"]
+__all__ = ["MAX_ERROR", "factorise", "merge_svdq", "merge_into_svdq", "requantize_svdq", "merged_name"]

@@ -91,16 +91,6 @@ class TransformerSource:
         return sum(t.nbytes for t in (ckpt.stored or ckpt.tensors).values())
 
 
-def _svdq(source: Any) -> Any:
-    """The SvdqFile of an opened input, or None when it is not an SVDQuant checkpoint (headers only, no torch)."""
-    from porting.tensors.quant.svdq.reader import NAME
-
-    ckpt = source.view
-    if ckpt.quantization is None or not ckpt.quantization.format.startswith(NAME):
-        return None
-    return getattr(ckpt.decoder, "info", None)
-
-
 def _svdq_config(path: Path, source: Any) -> dict[str, Any]:
     config = source.view.config
     if not config:
@@ -121,9 +111,10 @@ def transformer_source(path: str | Path) -> TransformerSource:
     path = Path(path)
     if path.is_file() or (path.is_dir() and _may_be_svdq_folder(path)):
         from porting.inputs import open_source
+        from porting.tensors.quant.svdq.reader import svdq_info
 
         source = open_source(path, kind="weights")
-        info = _svdq(source)
+        info = svdq_info(source.view)
         if info is not None:
             return TransformerSource(path, True, _svdq_config(path, source), info.label, info.family, source)
         if path.is_file():

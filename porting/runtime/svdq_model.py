@@ -14,19 +14,10 @@ from torch import nn
 
 from porting.errors import InputError
 from porting.skeleton import diffusers_skeleton
-from porting.tensors.checkpoint import Checkpoint
 from porting.tensors.quant.svdq.decode import SvdqDecoder
-from porting.tensors.quant.svdq.reader import NAME, SvdqFile
+from porting.tensors.quant.svdq.reader import svdq_info
 
 from .svdq_linear import COMPUTES, SvdqLinear
-
-
-def svdq_info(ckpt: Checkpoint) -> SvdqFile | None:
-    """The SVDQuant header facts of an opened checkpoint, or None when it is not an SVDQuant file."""
-    quant = ckpt.quantization
-    if quant is None or not quant.format.startswith(NAME) or ckpt.decoder is None:
-        return None
-    return getattr(ckpt.decoder, "info", None)
 
 
 def model_class(family: str, config: dict[str, Any]) -> Any:
@@ -102,4 +93,4 @@ def packed_bytes(model: nn.Module) -> int:
     return sum(m.packed_bytes() for m in model.modules() if isinstance(m, SvdqLinear))
 
 
-__all__ = ["load_svdq_transformer", "svdq_info", "model_class", "set_compute", "packed_bytes"]
+__all__ = ["load_svdq_transformer", "model_class", "set_compute", "packed_bytes"]

@@ -11,14 +11,13 @@ Finding the layers reads headers only; torch (and the kernels) are imported when
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping
 
-from porting.errors import InputError
+from porting.errors import InputError, UnsupportedQuantizationError
 from porting.finite import check_scales
 
 from ..dtypes import nbytes
 from ..reader import Checkpoint, Quantization, TensorInfo, read_stored
-from ..sidecars import SIDECAR_NAMES, is_sidecar  # noqa: F401  (re-exported)
 
 if TYPE_CHECKING:
     import torch
@@ -320,8 +319,72 @@ def rewrite(ckpt: Checkpoint, found: Found) -> Checkpoint:
                       quantization=quant, decoder=QuantDecoder(found.layers), container=ckpt.container)
 
 
-__all__ = ["Scheme", "Scaled", "NVFP4", "MXFP8", "Layer", "Found", "QuantDecoder", "layer_parts", "rewrite",
-           "is_sidecar", "SIDECAR_NAMES"]
+@dataclass(frozen=True, eq=False)
+class Layout:
+    """One quantized safetensors layout: what the registry (`registry.LAYOUTS`) knows of it, one declaration each.
+
+    - `name`: what inspect, the manifest and the errors call it.
+    - Recognised by `markers`, stored-key endings that all present declare it, or `metadata_keys`, header metadata
+      entries that declare it; `recognise` replaces that test when the layout needs more (a dtype, a count). A
+      layout with neither marker is told apart by its sidecars' dtypes and shapes, so `decode` asks it only when
+      no marked layout claims the file.
+    - `sidecars`: stored-key endings that mean nothing without a quantized weight of this layout. A file holding
+      one is opened through the layouts; one that no layout consumed is never dropped silently.
+    - `refuses`: formats inside the layout that flux-port recognises and refuses, each with what it is.
+      `refused`: the whole layout is refused (no exact way to plain weights); it is asked before any other.
+    - Decoded by `find` (its stored layers and sidecars, which `rewrite` turns into computed weights) or by `view`
+      (a layout whose plain tensors are not its stored ones, renamed, split or joined, builds its own view).
+    """
+
+    name: str
+    sidecars: tuple[str, ...]
+    markers: tuple[str, ...] = ()
+    metadata_keys: tuple[str, ...] = ()
+    recognise: Callable[[Checkpoint], bool] | None = None
+    find: Callable[[Checkpoint], Found] | None = None
+    view: Callable[[Checkpoint], Checkpoint] | None = None
+    refuses: Mapping[str, str] = field(default_factory=dict)
+    refused: bool = False
+
+    def __post_init__(self) -> None:
+        decoders = (self.find is not None) + (self.view is not None)
+        if decoders != (0 if self.refused else 1):
+            raise TypeError(f"layout {self.name!r}: give exactly one of find or view (none when refused)")
+        if not (self.markers or self.metadata_keys or self.recognise):
+            raise TypeError(f"layout {self.name!r}: give markers, metadata_keys or recognise")
+        if self.refused and not self.markers:
+            raise TypeError(f"refused layout {self.name!r}: give the markers that name it")
+
+    @property
+    def marked(self) -> bool:
+        """Declared by a marker in the file (not told apart by its sidecars alone)."""
+        return bool(self.markers or self.metadata_keys)
+
+    def claims(self, ckpt: Checkpoint) -> bool:
+        if self.recognise is not None:
+            return self.recognise(ckpt)
+        metadata = ckpt.metadata or {}
+        if any(k in metadata for k in self.metadata_keys):
+            return True
+        endings = {k.rsplit(".", 1)[-1] for k in ckpt.tensors}
+        return bool(self.markers) and set(self.markers) <= endings
+
+    def decode(self, ckpt: Checkpoint) -> Checkpoint:
+        """The file seen as plain (computed) weights; a refused layout raises, naming itself and a stored key."""
+        if self.refused:
+            example = next(k for k in ckpt.tensors if k.rsplit(".", 1)[-1] == self.markers[0])
+            raise UnsupportedQuantizationError(
+                f"{ckpt.path}: quantized as {self.name} (e.g. {example!r}); flux-port refuses it: it cannot turn "
+                "this layout into plain weights exactly. Nothing was written.",
+                hint="Use an fp8, nvfp4, mxfp8, int8, GGUF or bf16 release of the same model.")
+        if self.view is not None:
+            return self.view(ckpt)
+        assert self.find is not None
+        return rewrite(ckpt, self.find(ckpt))
+
+
+__all__ = ["Scheme", "Scaled", "NVFP4", "MXFP8", "Layer", "Found", "QuantDecoder", "Layout", "layer_parts",
+           "rewrite"]
 
 
 def weight_scale_layers(ckpt: Checkpoint, weight_dtypes: tuple[str, ...]) -> list[str]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from porting.errors import InputError
 
 from ..reader import Checkpoint
-from .base import NVFP4, Found, Scaled, layer_parts, weight_scale_layers
+from .base import NVFP4, Found, Layout, Scaled, layer_parts, weight_scale_layers
 
 NAME = "BFL-scheme quantized"
 FP8 = ("F8_E4M3", "F8_E5M2")
@@ -53,3 +53,8 @@ def find(ckpt: Checkpoint) -> Found:
     elif fmt <= {PER_ROW.name, NVFP4_BFL.name}:
         found.format = "diffusers BFL scheme (fp8r / nvfp4)"
     return found
+
+
+# no marker: `weight_scale` next to an fp8 or packed-fp4 weight
+LAYOUT = Layout(NAME, sidecars=("weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale"), recognise=claims,
+                find=find)

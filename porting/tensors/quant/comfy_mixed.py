@@ -18,7 +18,7 @@ from porting._files import parse_json
 from porting.errors import InputError, UnsupportedQuantizationError
 
 from ..reader import Checkpoint, read_bytes
-from .base import MXFP8, NVFP4, Found, Scaled, Scheme, layer_parts
+from .base import MXFP8, NVFP4, Found, Layout, Scaled, Scheme, layer_parts
 
 NAME = "ComfyUI mixed precision"
 MARKER = ".comfy_quant"
@@ -107,3 +107,8 @@ def find(ckpt: Checkpoint) -> Found:
             "which it does not implement. Nothing was written.",
             hint="Use an fp8, nvfp4, mxfp8, int8 or bf16 release of the same model.")
     return found
+
+
+# `recognise`: the metadata, or a `<layer>.comfy_quant` tensor (a layer's, never a bare key)
+LAYOUT = Layout(NAME, sidecars=(MARKER[1:], "weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale"),
+                markers=(MARKER[1:],), metadata_keys=(METADATA_KEY,), recognise=claims, find=find, refuses=REFUSED)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from porting.errors import InputError
 
 from ..reader import Checkpoint
-from .base import Found, Scaled, layer_parts
+from .base import Found, Layout, Scaled, layer_parts
 
 NAME = "ComfyUI scaled fp8"
 MARKER = "scaled_fp8"
@@ -46,3 +46,8 @@ def find(ckpt: Checkpoint) -> Found:
         if key.startswith(prefix) and key.endswith(".scale_weight"):
             layer_parts(ckpt, key[: -len("scale_weight")], scheme, found, dropped=("scale_input",), where=NAME)
     return found
+
+
+# `recognise` also refuses two markers in one file
+LAYOUT = Layout(NAME, sidecars=(MARKER, "scale_weight", "scale_input", "pre_quant_scale"), markers=(MARKER,),
+                recognise=claims, find=find)

@@ -8,7 +8,7 @@ activation scale of the int8 matmul, is dropped and reported.
 from __future__ import annotations
 
 from ..reader import Checkpoint
-from .base import Found, Scaled, layer_parts, weight_scale_layers
+from .base import Found, Layout, Scaled, layer_parts, weight_scale_layers
 
 NAME = "ModelOpt int8 (per-channel weight_scale)"
 SCHEME = Scaled("int8 x weight_scale (per channel)", weight_dtypes=("I8",))
@@ -28,3 +28,7 @@ def find(ckpt: Checkpoint) -> Found:
     for prefix in _layers(ckpt):
         layer_parts(ckpt, prefix, SCHEME, found, where=NAME)
     return found
+
+
+# no marker: `weight_scale` next to an int8 weight
+LAYOUT = Layout(NAME, sidecars=("weight_scale", "input_scale", "pre_quant_scale"), recognise=claims, find=find)

@@ -22,6 +22,7 @@ import tomllib
 
 from porting.errors import InputError, UnsupportedQuantizationError
 from porting.tensors.dtypes import nbytes
+from porting.tensors.quant.base import Layout
 from porting.tensors.quant.svdq.header import GELU_SHIFT, Piece, SvdqFile, SvdqLayer, Target
 from porting.tensors.reader import Checkpoint, Quantization, TensorInfo, read_bytes
 
@@ -391,6 +392,12 @@ def view(ckpt: Checkpoint) -> Checkpoint:
                       quantization=quant, decoder=LazyDecoder(info), container=ckpt.container)
 
 
+def svdq_info(ckpt: Checkpoint) -> SvdqFile | None:
+    """The SVDQuant header facts of an opened checkpoint (None: not an SVDQuant file); headers only, no torch."""
+    decoder = ckpt.decoder
+    return decoder.info if isinstance(decoder, LazyDecoder) else None
+
+
 class LazyDecoder:
     """The SVDQuant decoder, imported (with torch) on the first tensor computed: opening a file stays torch-free."""
 
@@ -433,4 +440,12 @@ def describe(info: SvdqFile) -> dict[str, Any]:
             **({"merged_adapters": info.merged} if info.merged else {})}
 
 
-__all__ = ["NAME", "claims", "read", "view", "describe", "SvdqFile", "SvdqLayer", "Target", "Piece", "GELU_SHIFT"]
+# Sidecars: the packed parts' names as stored; not deepcompressor's `smooth` / `lora_down` / `lora_up` nor `bias`,
+# which plain files and adapters use too (a file in that spelling has `qweight` and `wscales`, its markers, anyway).
+# `quantization_config` metadata alone does not mark it: SVDQuant is packed tensors first.
+LAYOUT = Layout(NAME, sidecars=("qweight", "wscales", "wzeros", "wtscale", "wcscales", "smooth_factor", "smooth_orig",
+                                "smooth_factor_orig", "proj_down", "proj_up"),
+                markers=("qweight", "wscales"), recognise=claims, view=view)
+
+__all__ = ["NAME", "LAYOUT", "claims", "read", "view", "describe", "svdq_info", "SvdqFile", "SvdqLayer", "Target",
+           "Piece", "GELU_SHIFT"]
