@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from porting.tensors.checkpoint import open_checkpoint
-from porting.tensors.quant import registry
+from porting.tensors.quant import awq_w4a16, registry
 from porting.tensors.quant.base import Found, Layout, Scaled, layer_parts
 from porting.tensors.reader import Checkpoint
 from porting.tensors.sidecars import is_sidecar, may_be_quantized
@@ -107,11 +107,12 @@ def test_the_registry_gives_the_lists_once_written_by_hand():
     assert registry.sidecar_names() == {
         "scale_weight", "scale_input", "weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale",
         "comfy_quant", "scaled_fp8", "qweight", "qzeros", "wscales", "wzeros", "smooth_factor", "smooth_orig",
-        "smooth_factor_orig", "proj_down", "proj_up", "wtscale", "wcscales"}
+        "smooth_factor_orig", "proj_down", "proj_up", "wtscale", "wcscales",
+        "scales", "scaled_zeros"}  # the 4-bit text encoders' AWQ W4A16 layout, the first one added through it
     assert registry.metadata_keys() == {"_quantization_metadata"}
     assert [m.name for m in registry.refused()] == ["AWQ / GPTQ (packed int4 with zero points)"]
     assert [m.name for m in registry.declared()] == ["ComfyUI mixed precision", "ComfyUI scaled fp8",
-                                                     "Nunchaku SVDQuant"]
+                                                     "Nunchaku SVDQuant", awq_w4a16.NAME]
     assert [m.name for m in registry.by_sidecars()] == ["BFL-scheme quantized",
                                                         "ModelOpt int8 (per-channel weight_scale)"]
     refused = registry.refused_formats()

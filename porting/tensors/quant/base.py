@@ -303,11 +303,14 @@ def layer_parts(ckpt: Checkpoint, prefix: str, scheme: Scheme, found: Found,
 def rewrite(ckpt: Checkpoint, found: Found) -> Checkpoint:
     """The checkpoint as plain weights: quantized weights computed, sidecars gone; stored layout kept for inspect."""
     tensors: dict[str, TensorInfo] = {}
+    # a layer that stores no `weight` (its codes are a part of another name: AWQ's `qweight`) stands where that is
+    unstored = {layer.parts["weight"].name: layer for key, layer in found.layers.items() if key not in ckpt.tensors}
     for key, info in ckpt.tensors.items():
-        layer = found.layers.get(key)
+        layer = found.layers.get(key) or unstored.get(key)
         if layer is not None:
             shape = layer.scheme.shape(layer.parts)
-            tensors[key] = TensorInfo(key, "F32", shape, info.file, info.start, nbytes(shape, "F32"), computed=True)
+            tensors[layer.key] = TensorInfo(layer.key, "F32", shape, info.file, info.start, nbytes(shape, "F32"),
+                                            computed=True)
         elif key not in found.consumed:
             tensors[key] = info
     counts: dict[str, int] = {}

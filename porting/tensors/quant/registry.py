@@ -9,7 +9,7 @@ metadata keys that make a file worth a look, and the formats refused by name.
 
 from __future__ import annotations
 
-from . import bfl_scheme, comfy_mixed, comfy_scaled_fp8, modelopt_int8
+from . import awq_w4a16, bfl_scheme, comfy_mixed, comfy_scaled_fp8, modelopt_int8
 from .base import Layout
 from .svdq import reader as svdq
 
@@ -22,6 +22,7 @@ LAYOUTS: list[Layout] = [
     comfy_mixed.LAYOUT,
     comfy_scaled_fp8.LAYOUT,
     svdq.LAYOUT,
+    awq_w4a16.LAYOUT,
     bfl_scheme.LAYOUT,
     modelopt_int8.LAYOUT,
 ]
