@@ -110,3 +110,66 @@ def test_a_nan_scale_is_refused(tmp_path, qwen3_file):
     def edit(t, meta):
         t[KEY + ".scales"][0, 2] = float("nan")
     _refused(_damaged(tmp_path, qwen3_file, edit), f"{KEY}.scales", "NaN")
+
+
+@pytest.mark.parametrize("which", ["qwen3", "t5"])
+def test_convert_writes_a_folder_its_class_loads_with_the_loaders_numbers(which, qwen3_file, t5_file, tmp_path):
+    import transformers
+
+    from porting.engine.text_encoder import convert_text_encoder
+
+    path = qwen3_file if which == "qwen3" else t5_file
+    result = convert_text_encoder(path, tmp_path / "te")
+    assert result.ok and result.files == ["model.safetensors"]
+    cls = transformers.Qwen3Model if which == "qwen3" else transformers.T5EncoderModel
+    model, info = cls.from_pretrained(tmp_path / "te", output_loading_info=True)
+    assert not any(info.values()), info  # no missing, unexpected or mismatched key
+    expected = af.oracle_state(load_file(str(path)))
+    state = model.state_dict()
+    for key, want in expected.items():
+        assert torch.equal(state[key], want.to(torch.bfloat16)), key  # float32 arithmetic, rounded once to bf16
+    assert model.dtype == torch.bfloat16
+
+
+def test_an_opened_text_encoder_says_what_it_is_and_refuses_transformer_verbs(qwen3_file):
+    from porting.inputs import open_source
+
+    source = open_source(qwen3_file)
+    assert source.kind == "text_encoder"
+    te = source.text_encoder
+    assert te.architecture.model_class == "Qwen3Model" and te.layers == 2 and te.group == 128
+    assert len(te.quantized) == 14 and "layers.1.mlp.down_proj" in te.quantized
+    with pytest.raises(PortError) as err:
+        source.detection
+    assert "not a diffusion transformer" in str(err.value) and "port convert" in err.value.hint
+
+
+def test_strict_accounts_for_every_tensor_of_the_architecture(tmp_path, qwen3_file):
+    from porting.engine.text_encoder import convert_text_encoder
+    from porting.errors import PlanError
+
+    def edit(t, meta):
+        del t["layers.1.post_attention_layernorm.weight"]
+    damaged = _damaged(tmp_path, qwen3_file, edit)
+    with pytest.raises(PlanError) as err:
+        convert_text_encoder(damaged, tmp_path / "out")
+    assert "1 missing" in str(err.value) and "layers.1.post_attention_layernorm.weight" in str(err.value)
+    assert not (tmp_path / "out").exists()
+    result = convert_text_encoder(damaged, tmp_path / "out", strict=False)
+    assert result.missing == [("layers.1.post_attention_layernorm.weight", (128,))]
+
+
+@pytest.mark.parametrize("field, value, phrase", [
+    ("hidden_size", 256, "hidden_size = 256"),
+    ("num_hidden_layers", 3, "num_hidden_layers = 3, the file holds 2 layer(s) (layer 2 missing)")])
+def test_a_config_that_contradicts_the_tensors_is_refused(tmp_path, qwen3_file, field, value, phrase):
+    from porting.inputs import open_source
+
+    def edit(t, meta):
+        cfg = json.loads(meta["config"])
+        cfg[field] = value
+        meta["config"] = json.dumps(cfg)
+    with pytest.raises(PortError) as err:
+        open_source(_damaged(tmp_path, qwen3_file, edit)).text_encoder
+    text = str(err.value)
+    assert phrase in text and ("contradicts the tensors" in text or "loaders build every layer" in text), text

@@ -22,10 +22,11 @@ from porting.errors import InputError, InternalError
 from porting.families.mapping import MappingTable
 from porting.inputs.adapter_keys import Adapter, looks_like_adapter, read_adapter
 from porting.inputs.detect import Detection, detect
+from porting.inputs.text_encoders import TextEncoder, looks_like_text_encoder, open_text_encoder
 from porting.tensors import checkpoint
 from porting.tensors.checkpoint import Checkpoint, hash_checkpoint
 
-Kind = Literal["weights", "adapter"]
+Kind = Literal["weights", "adapter", "text_encoder"]
 Stamp = tuple[int, int, int]  # (inode, size, mtime_ns): a writer replacing or rewriting a file changes it
 
 
@@ -55,9 +56,18 @@ class Source:
     def detection(self) -> Detection:
         """Transformer weights: table, naming, prefix, variant and config (with `base_config`); `.ckpt` is the
         view spelled as the table spells it."""
+        if self.kind == "text_encoder":
+            raise not_a_transformer(self.path, self.text_encoder)
         if self.kind != "weights":
             raise InternalError(f"{self.path}: detection asked of an adapter source.")
         return detect(self.view, self.base_config, self.tables)
+
+    @cached_property
+    def text_encoder(self) -> TextEncoder:
+        """A text encoder's architecture, config (checked against the tensors) and 4-bit layers."""
+        if self.kind != "text_encoder":
+            raise InternalError(f"{self.path}: text-encoder facts asked of a {self.kind} source.")
+        return open_text_encoder(self.view)
 
     @cached_property
     def adapter(self) -> Adapter:
@@ -104,6 +114,12 @@ class Source:
                              hint="Convert again once nothing is writing to the source.")
 
 
+def not_a_transformer(path: Path, encoder: TextEncoder) -> InputError:
+    return InputError(f"{path}: a {encoder.architecture.label}, not a diffusion transformer; this verb takes a "
+                      "transformer.", hint=f"port convert {path} --out DIR writes it as a bf16 transformers folder "
+                                           f"that {encoder.architecture.pipelines} loads.")
+
+
 SourceLike = Union[Source, str, "os.PathLike[str]"]
 
 
@@ -136,7 +152,8 @@ def open_source(path: str | os.PathLike[str], *, base_config: Mapping[str, Any] 
     view = checkpoint.open_checkpoint(path)  # through the module: one seam that tests can wrap
     stamps = stamp_files(view.files)  # right after the headers were read: the writer checks against these
     if kind is None:
-        kind = "adapter" if looks_like_adapter(view) else "weights"
+        kind = ("adapter" if looks_like_adapter(view) else
+                "text_encoder" if looks_like_text_encoder(view) else "weights")
     return Source(Path(arg if arg is not None else path), Path(path), view, kind, stamps, base_config, tables, prefer)
 
 
