@@ -61,7 +61,7 @@ def expected_shapes(encoder: TextEncoder) -> dict[str, tuple[int, ...]]:
         config = config_class(**{k: v for k, v in encoder.config.items() if k not in ("architectures",
                                                                                        "model_type")})
         with empty_weights():
-            model = getattr(transformers, arch.model_class)(config)
+            model = getattr(transformers, encoder.model_class)(config)
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
@@ -125,12 +125,12 @@ def convert_text_encoder(src: SourceLike, out: str | Path | None, strict: bool =
         digests: dict[str, str] = {}
         result.files = write_shards(staging, STEM, entries, _tensors(source, keys), SHARD, metadata={"format": "pt"},
                                     on_bytes=on_bytes, hasher=hasher, digests=digests)
-        config = {**encoder.config, "architectures": [encoder.architecture.model_class], "torch_dtype": "bfloat16"}
+        config = {**encoder.config, "architectures": [encoder.model_class], "torch_dtype": "bfloat16"}
         (staging / "config.json").write_text(dumps(config, indent=2, sort_keys=True) + "\n")
         quant = source.view.quantization.to_dict() if source.view.quantization else None
         manifest = {"tool": "flux-port", "version": __version__, "format_version": 1,
                     "source": str(source.path.resolve()), "kind": "text_encoder",
-                    "architecture": encoder.architecture.model_class, "tensors": len(entries),
+                    "architecture": encoder.model_class, "tensors": len(entries),
                     "files": result.files, "weights_sha256": hasher.hexdigest(), "files_sha256": digests,
                     "dtype": "bf16", "dequantized_from": quant and quant["label"], "quantization": quant,
                     "quantized_layers": len(encoder.quantized), "group_size": encoder.group}
@@ -146,7 +146,7 @@ def strict_error(source: Source, result: TextEncoderResult) -> PlanError:
              f"unexpected {result.unexpected[0][0]!r}" if result.unexpected else
              f"{result.mismatched[0][0]!r} is {list(result.mismatched[0][1])}, the architecture has "
              f"{list(result.mismatched[0][2])}")
-    return PlanError(f"{source.path}: --strict: the tensors do not make a {result.encoder.architecture.model_class} of "
+    return PlanError(f"{source.path}: --strict: the tensors do not make a {result.encoder.model_class} of "
                      f"its config: {len(result.missing)} missing, {len(result.unexpected)} unexpected, "
                      f"{len(result.mismatched)} of another shape (first: {first}). Nothing was written.",
                      hint="Its loaders refuse such a file too; --no-strict writes what is there.")

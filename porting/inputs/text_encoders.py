@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from porting.errors import InputError
 from porting.tensors.checkpoint import Checkpoint
@@ -29,6 +29,8 @@ class Architecture:
     config_fields: Mapping[str, str]  # config field -> a key whose shape gives it, "key:dim"
     pipelines: str
     runtimes: tuple[str, ...]  # who loads the file as it is stored (4-bit)
+    linears: tuple[str, ...]  # the module names (last part) of the linears a 4-bit file quantizes
+    prefixed: Mapping[str, str] = field(default_factory=dict)  # key prefix -> the class that saves with it
 
 
 ARCHITECTURES: tuple[Architecture, ...] = (
@@ -39,7 +41,9 @@ ARCHITECTURES: tuple[Architecture, ...] = (
          "head_dim": "layers.0.self_attn.q_norm.weight:0", "intermediate_size": "layers.0.mlp.gate_proj.weight:0"},
         "Flux2KleinPipeline (text_encoder)",
         ("tonera's Nunchaku Qwen3 encoder (NunchakuQwenEncoderModel.from_pretrained; CUDA)",
-         "ComfyUI-nunchaku (the Qwen3 encoder node, pending upstream)")),
+         "ComfyUI-nunchaku (the Qwen3 encoder node, pending upstream)"),
+        ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+        {"model.": "Qwen3ForCausalLM"}),
     Architecture(
         "t5", "T5 encoder (FLUX.1's T5-XXL; transformers T5EncoderModel)", "T5EncoderModel", "T5Config",
         ("shared.weight", "encoder.final_layer_norm.weight", "encoder.block.0.layer.0.SelfAttention.q.weight"),
@@ -47,7 +51,8 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         {"d_model": "shared.weight:1", "vocab_size": "shared.weight:0",
          "d_ff": "encoder.block.0.layer.1.DenseReluDense.wo.weight:1"},
         "FluxPipeline (text_encoder_2)",
-        ("nunchaku's NunchakuT5EncoderModel.from_pretrained (FLUX.1; CUDA, group 128)",)),
+        ("nunchaku's NunchakuT5EncoderModel.from_pretrained (FLUX.1; CUDA, group 128)",),
+        ("q", "k", "v", "o", "wi", "wi_0", "wi_1", "wo")),
 )
 LAYER_COUNT = {"qwen3": "num_hidden_layers", "t5": "num_layers"}
 HINT = ("A 4-bit text encoder carries its transformers config in the header metadata ('config'), as Nunchaku's "
@@ -64,15 +69,31 @@ class TextEncoder:
     layers: int
     quantized: tuple[str, ...] = field(default=())  # the 4-bit linears (module names)
     group: int | None = None  # their group size
+    prefix: str = ""  # "model.": saved by Qwen3ForCausalLM (a pipeline's text_encoder folder)
+
+    @property
+    def model_class(self) -> str:
+        return self.architecture.prefixed.get(self.prefix, self.architecture.model_class)
+
+    def linear_weights(self, keys: Iterable[str]) -> list[str]:
+        """The keys of `keys` that are weights of the linears a 4-bit file quantizes."""
+        names = set(self.architecture.linears)
+        return [k for k in keys if k.endswith(".weight") and k.rsplit(".", 2)[-2] in names]
 
 
-def recognise(view: Checkpoint) -> Architecture | None:
-    """The architecture whose marker keys the (decoded) checkpoint holds, or None."""
+def recognise(view: Checkpoint) -> tuple[Architecture, str] | None:
+    """The architecture whose marker keys the (decoded) checkpoint holds, and the prefix they carry; or None."""
     keys = set(view.tensors)
-    return next((a for a in ARCHITECTURES if set(a.markers) <= keys), None)
+    for arch in ARCHITECTURES:
+        for prefix in ("", *arch.prefixed):
+            if {prefix + m for m in arch.markers} <= keys:
+                return arch, prefix
+    return None
 
 
 def _config(view: Checkpoint, arch: Architecture) -> dict[str, Any]:
+    if view.config is not None:  # a transformers folder's config.json
+        return dict(view.config)
     meta = view.metadata or {}
     raw = meta.get("config") or meta.get("base_text_config")
     if raw is None:
@@ -91,20 +112,21 @@ def _config(view: Checkpoint, arch: Architecture) -> dict[str, Any]:
 
 def open_text_encoder(view: Checkpoint) -> TextEncoder:
     """The text encoder `view` holds, its metadata config checked against the tensors' shapes and layer count."""
-    arch = recognise(view)
-    if arch is None:
+    found = recognise(view)
+    if found is None:
         raise InputError(f"{view.path}: not a text encoder flux-port knows (Qwen3Model or T5EncoderModel names).")
+    arch, prefix = found
     config = _config(view, arch)
     for name, where in arch.config_fields.items():
         key, _, dim = where.partition(":")
-        info = view.tensors.get(key)
+        info = view.tensors.get(prefix + key)
         if info is None or name not in config:
             continue
         if config[name] != info.shape[int(dim)]:
             raise InputError(f"{view.path}: metadata config gives {name} = {config[name]!r}, but {key!r} is "
                              f"{list(info.shape)} ({name} {info.shape[int(dim)]}): the metadata contradicts the "
                              "tensors.", hint=HINT)
-    indices = {int(m.group(1)) for k in view.tensors if (m := re.match(arch.layer_key, k))}
+    indices = {int(m.group(1)) for k in view.tensors if (m := re.match(re.escape(prefix) + arch.layer_key, k))}
     count = config.get(LAYER_COUNT[arch.name])
     if isinstance(count, int) and (not indices or max(indices) >= count or len(indices) != count):
         missing = sorted(set(range(count)) - indices)
@@ -114,7 +136,7 @@ def open_text_encoder(view: Checkpoint) -> TextEncoder:
     stored = view.stored_tensors
     quantized = tuple(sorted(k[: -len(".qweight")] for k in stored if k.endswith(".qweight")))
     group = awq_w4a16.group_size(view.metadata, str(view.path))[0] if quantized else None
-    return TextEncoder(arch, config, len(indices), quantized, group)
+    return TextEncoder(arch, config, len(indices), quantized, group, prefix)
 
 
 def looks_like_text_encoder(view: Checkpoint) -> bool:
