@@ -184,7 +184,8 @@ def demo(
                           "kept.")] = None,
     json_: Annotated[bool, typer.Option("--json", help="Print one JSON document.")] = False,
     family: Annotated[str, typer.Option(
-        "--family", help="Which tiny model: klein (FLUX.2 [klein], the default), flux1 (FLUX.1 [dev]), "
+        "--family", help="Which tiny model: klein (FLUX.2 [klein], the default), klein-wide (the same with widths "
+                         "multiples of 128, which the Nunchaku 4-bit writers take), flux1 (FLUX.1 [dev]), "
                          "flux1-schnell, flux2-dev (FLUX.2 [dev]).")] = "klein",
     lora: Annotated[bool, typer.Option(
         "--lora", help="Three more steps: a tiny LoRA made for the tiny base, inspected against it (its effect on "

@@ -29,6 +29,11 @@ def _klein(folder: Path, seed: int) -> Path:
     return build_demo_base(folder, seed)
 
 
+def _klein_wide(folder: Path, seed: int) -> Path:
+    from .tinypipe import build_demo_base
+    return build_demo_base(folder, seed, wide=True)
+
+
 def _flux1(guidance: bool) -> Callable[[Path, int], Path]:
     def build(folder: Path, seed: int) -> Path:
         from .tinypipe_flux1 import build_base
@@ -45,7 +50,8 @@ def _configs() -> dict[str, Mapping[str, Any]]:
     # the same dicts the builders check against their components (imports torch-free family data only)
     from porting.families.flux1 import TINY as FLUX1
     from porting.families.flux2 import TINY as FLUX2
-    return {"klein": FLUX2, "flux1-dev": {**FLUX1, "guidance_embeds": True},
+    wide = {**FLUX2, "attention_head_dim": 64, "joint_attention_dim": 384, "axes_dims_rope": [16, 16, 16, 16]}
+    return {"klein": FLUX2, "klein-wide": wide, "flux1-dev": {**FLUX1, "guidance_embeds": True},
             "flux1-schnell": {**FLUX1, "guidance_embeds": False}, "dev": {**FLUX2, "guidance_embeds": True}}
 
 
@@ -54,6 +60,9 @@ def tiny_bases() -> dict[str, TinyBase]:
     return {
         "klein": TinyBase("klein", "klein", "flux2", "FLUX.2 [klein]", "Qwen3 text encoder, tokenizer, VAE, scheduler",
                           _klein, c["klein"]),
+        "klein-wide": TinyBase("klein", "klein-wide", "flux2", "FLUX.2 [klein], widths multiples of 128 (Nunchaku "
+                               "4-bit ready)", "Qwen3 text encoder, tokenizer, VAE, scheduler", _klein_wide,
+                               c["klein-wide"]),
         "flux1-dev": TinyBase("flux1-dev", "flux1", "flux1", "FLUX.1 [dev]",
                               "CLIP + T5 text encoders and tokenizers, VAE, scheduler", _flux1(True), c["flux1-dev"]),
         "flux1-schnell": TinyBase("flux1-schnell", "flux1-schnell", "flux1", "FLUX.1 [schnell]",

@@ -88,24 +88,39 @@ def tiny_tokenizer() -> Any:
     return tokenizer
 
 
-def tiny_components(seed: int = 0) -> dict[str, Any]:
-    """scheduler, vae, text_encoder, tokenizer and a random base transformer, deterministic in `seed`."""
+# The wide variant (`port demo --family klein-wide`): every width a multiple of 128, so the Nunchaku 4-bit writers
+# (SVDQuant for the transformer, AWQ W4A16 group 128 for the text encoder) take it. Text hidden 128 (27 layers, for
+# the pipeline's default output layers), inner width 2 x 64 = 128, MLP 384, joint_attention_dim 3 x 128.
+WIDE_TEXT_ENCODER: dict[str, Any] = {
+    **TINY_TEXT_ENCODER, "hidden_size": 128, "intermediate_size": 256, "head_dim": 64,
+}
+WIDE_TRANSFORMER: dict[str, Any] = {
+    **TINY_FLUX2, "attention_head_dim": 64, "num_attention_heads": 2, "joint_attention_dim": 384,
+    "axes_dims_rope": [16, 16, 16, 16],
+}
+
+
+def tiny_components(seed: int = 0, wide: bool = False) -> dict[str, Any]:
+    """scheduler, vae, text_encoder, tokenizer and a random base transformer, deterministic in `seed` (`wide`: the
+    variant whose widths are multiples of 128)."""
     from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     tokenizer = tiny_tokenizer()
     torch.manual_seed(seed)
-    text_encoder = Qwen3ForCausalLM(Qwen3Config(vocab_size=len(tokenizer), **TINY_TEXT_ENCODER)).eval()
+    text_config = WIDE_TEXT_ENCODER if wide else TINY_TEXT_ENCODER
+    text_encoder = Qwen3ForCausalLM(Qwen3Config(vocab_size=len(tokenizer), **text_config)).eval()
     torch.manual_seed(seed + 1)
     vae = AutoencoderKLFlux2(**TINY_VAE).eval()
     torch.manual_seed(seed + 2)
-    transformer_cfg = {k: v for k, v in TINY_BASE_TRANSFORMER.items() if not k.startswith("_")}
+    transformer_cfg = {k: v for k, v in (WIDE_TRANSFORMER if wide else TINY_BASE_TRANSFORMER).items()
+                       if not k.startswith("_")}
     transformer = Flux2Transformer2DModel(**transformer_cfg).eval()
     return {"scheduler": FlowMatchEulerDiscreteScheduler(**TINY_SCHEDULER), "vae": vae,
             "text_encoder": text_encoder, "tokenizer": tokenizer, "transformer": transformer}
 
 
-def build_demo_base(folder: str | Path, seed: int = 0) -> Path:
+def build_demo_base(folder: str | Path, seed: int = 0, wide: bool = False) -> Path:
     """Write a tiny FLUX.2 [klein] (distilled) base repository in diffusers layout and return its path.
 
     The folder has what a real base repository has: `model_index.json` (Flux2KleinPipeline, is_distilled true),
@@ -115,7 +130,7 @@ def build_demo_base(folder: str | Path, seed: int = 0) -> Path:
     from diffusers import Flux2KleinPipeline
 
     folder = Path(folder)
-    pipe = Flux2KleinPipeline(**tiny_components(seed), is_distilled=True)
+    pipe = Flux2KleinPipeline(**tiny_components(seed, wide), is_distilled=True)
     pipe.save_pretrained(folder)
     (folder / "README.md").write_text(
         "---\nlicense: apache-2.0\nlibrary_name: diffusers\npipeline_tag: text-to-image\n---\n\n"
