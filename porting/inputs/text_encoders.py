@@ -30,6 +30,7 @@ class Architecture:
     pipelines: str
     runtimes: tuple[str, ...]  # who loads the file as it is stored (4-bit)
     linears: tuple[str, ...]  # the module names (last part) of the linears a 4-bit file quantizes
+    slot: str  # the pipeline component it is (model_index.json's name)
     prefixed: Mapping[str, str] = field(default_factory=dict)  # key prefix -> the class that saves with it
 
 
@@ -42,7 +43,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         "Flux2KleinPipeline (text_encoder)",
         ("tonera's Nunchaku Qwen3 encoder (NunchakuQwenEncoderModel.from_pretrained; CUDA)",
          "ComfyUI-nunchaku (the Qwen3 encoder node, pending upstream)"),
-        ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+        ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), "text_encoder",
         {"model.": "Qwen3ForCausalLM"}),
     Architecture(
         "t5", "T5 encoder (FLUX.1's T5-XXL; transformers T5EncoderModel)", "T5EncoderModel", "T5Config",
@@ -52,7 +53,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
          "d_ff": "encoder.block.0.layer.1.DenseReluDense.wo.weight:1"},
         "FluxPipeline (text_encoder_2)",
         ("nunchaku's NunchakuT5EncoderModel.from_pretrained (FLUX.1; CUDA, group 128)",),
-        ("q", "k", "v", "o", "wi", "wi_0", "wi_1", "wo")),
+        ("q", "k", "v", "o", "wi", "wi_0", "wi_1", "wo"), "text_encoder_2"),
 )
 LAYER_COUNT = {"qwen3": "num_hidden_layers", "t5": "num_layers"}
 HINT = ("A 4-bit text encoder carries its transformers config in the header metadata ('config'), as Nunchaku's "

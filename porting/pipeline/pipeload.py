@@ -76,13 +76,15 @@ def weights_sha256(transformer: Path) -> str:
 
 
 def load(folder: Path, device: torch.device, dtype: torch.dtype, *, transformer: Path | None = None,
-         text_encoder: bool = True, offload: str = "none", svdq_compute: str = "w4a4") -> Any:
+         text_encoder: bool = True, offload: str = "none", svdq_compute: str = "w4a4",
+         text_encoder_file: Any | None = None) -> Any:
     """The folder's pipeline in `dtype`, on `device` or offloaded to it, with its progress bars off.
 
     `transformer` replaces the folder's transformer (its class from its config.json, one a registered family
     converts); `text_encoder=False` leaves every text encoder and tokenizer unloaded (the caller passes prompt
     embeddings). An SVDQuant `transformer` keeps its linears packed and computes them as `svdq_compute` (w4a4: the
-    Nunchaku kernel's arithmetic; w4a16: the dequantized weights).
+    Nunchaku kernel's arithmetic; w4a16: the dequantized weights). `text_encoder_file`: a 4-bit text encoder opened
+    by `text_encoder_swap.open_swap`, run packed in its slot instead of the folder's.
     """
     from diffusers import DiffusionPipeline
 
@@ -95,6 +97,11 @@ def load(folder: Path, device: torch.device, dtype: torch.dtype, *, transformer:
             overrides["transformer"] = transformer_source(transformer).load(dtype, svdq_compute)
         if not text_encoder:
             overrides.update({name: None for name in text_components(folder)})
+        elif text_encoder_file is not None:
+            from .text_encoder_swap import load_swap
+
+            slot, packed = load_swap(text_encoder_file, torch.device("cpu"), dtype)
+            overrides[slot] = packed
         pipe = DiffusionPipeline.from_pretrained(folder, local_files_only=True, torch_dtype=dtype, **overrides)
     if offload == "model":
         pipe.enable_model_cpu_offload(device=device)

@@ -1,0 +1,53 @@
+"""A 4-bit text encoder in a real pipeline: klein-wide's own Qwen3 written 4-bit by flux-port, run packed in
+Flux2KleinPipeline in place of the bf16 one; the prompt embeddings' error against bf16 measured, the image made."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from porting.engine.awq_quantize import quantize_text_encoder
+from porting.errors import InputError
+from porting.pipeline import pipeload
+from porting.pipeline.text_encoder_swap import embedding_error, open_swap
+from porting.runtime.awq_text import AwqLinear
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory) -> tuple[Path, Path]:
+    from porting.demo.bases import write_tiny_base
+
+    root = tmp_path_factory.mktemp("wide")
+    base = write_tiny_base(root / "base", "klein-wide")
+    result = quantize_text_encoder(base / "text_encoder", root / "te4")
+    return base, root / "te4" / result.file
+
+
+def test_the_packed_encoder_runs_in_the_pipeline_with_a_small_embedding_error(wide):
+    base, file = wide
+    source = open_swap(base, file)
+    pipe = pipeload.load(base, torch.device("cpu"), torch.bfloat16, text_encoder_file=source)
+    packed = pipe.text_encoder
+    assert sum(isinstance(m, AwqLinear) for m in packed.modules()) == 27 * 7
+    reference = pipeload.load(base, torch.device("cpu"), torch.bfloat16)
+    error = embedding_error(reference, "text_encoder", packed, ["a red fox in the snow"])
+    assert 0 < error < 0.5  # 4-bit weights move the features; the same weights would give 0
+    assert embedding_error(reference, "text_encoder", reference.text_encoder, ["a red fox"]) == 0.0
+    image = pipe(prompt="a red fox in the snow", num_inference_steps=1, height=32, width=32, max_sequence_length=32,
+                 generator=torch.Generator().manual_seed(0), output_type="pt").images
+    assert image.shape == (1, 3, 32, 32) and bool(torch.isfinite(image).all())
+
+
+def test_a_text_encoder_that_does_not_fit_the_pipeline_is_refused_before_loading(wide, tmp_path):
+    from porting.demo.bases import write_tiny_base
+
+    _, file = wide
+    narrow = write_tiny_base(tmp_path / "klein", "klein")  # hidden 16: the file's 128-wide features do not fit
+    with pytest.raises(InputError) as err:
+        open_swap(narrow, file)
+    assert "hidden_size is 128, the pipeline's text_encoder has 16" in str(err.value)
+    with pytest.raises(InputError) as err:
+        open_swap(narrow, narrow / "text_encoder")
+    assert "a bf16 text encoder" in str(err.value) and "--quantize awq-int4" in err.value.hint
