@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
 # Exit codes shared by all verbs (docs/exit-codes.md).
 EXIT_OK = 0
 EXIT_CHECK_FAILED = 1
@@ -112,3 +115,44 @@ class UnsupportedQuantizationError(PortError):
     """A quantized layout flux-port recognises but cannot turn into plain weights exactly (it refuses, naming it)."""
 
     exit_code = EXIT_CHECK_FAILED
+
+
+# --- options given where they do not apply: the tables are the verbs' (cli/_options.py, validation/options.py) ---
+
+@dataclass(frozen=True)
+class Refusal:
+    """What an option given where it does not apply says: `message` and `hint` are formatted with `flag` (the option
+    as given, e.g. `--lora-style kohya`) and the verb's own fields (`src`, `quantize`, ...). `usage`: UsageError, else
+    PortError (both exit 2)."""
+    message: str
+    hint: str | None = None
+    usage: bool = True
+
+    def error(self, **fields: Any) -> PortError:
+        hint = None if self.hint is None else self.hint.format(**fields)
+        return (UsageError if self.usage else PortError)(self.message.format(**fields), hint=hint)
+
+
+@dataclass(frozen=True)
+class Applies:
+    """The input kinds (or modes) an option applies to. Given with any other kind: `per_kind[kind]`, else `refusal`.
+    `needs[kind]`: another option that must be given with it for that kind, and what its absence says."""
+    kinds: frozenset[str]
+    refusal: Refusal
+    per_kind: Mapping[str, Refusal] = field(default_factory=dict)
+    needs: Mapping[str, tuple[str, Refusal]] = field(default_factory=dict)
+
+
+def refuse_inapplicable(table: Mapping[str, Applies], kind: str, given: Mapping[str, str | None],
+                        **fields: Any) -> None:
+    """Raise the refusal of the first option of `table` (in its order) that `given` names (not None) and that does
+    not apply to `kind`, or that lacks an option it needs there. `fields` fill the messages."""
+    for option, applies in table.items():
+        flag = given.get(option)
+        if flag is None:
+            continue
+        if kind not in applies.kinds:
+            raise applies.per_kind.get(kind, applies.refusal).error(flag=flag, **fields)
+        needed = applies.needs.get(kind)
+        if needed is not None and given.get(needed[0]) is None:
+            raise needed[1].error(flag=flag, **fields)

@@ -15,6 +15,7 @@ from .checks import GoldenWeights, check_dequantized, check_not_one_computation
 from .compare import Runs, lockstep
 from .inputs import Inputs, build_inputs
 from .memory import check_devices, check_host, request_for
+from .options import check_applicable
 from .report import Report
 from .runners.base import Runner
 from .runners.torch_staged import torch_runner
@@ -49,18 +50,9 @@ def validate(model: str | Path, *, device: str = "cpu", dtype: str | None = None
     quantized linears packed and compute them so (validation.packed); the golden stays the float32 run of the
     dequantized weights. Without it an SVDQuant file runs as plain linears of its dequantized weights.
     """
-    if ort_threads is not None and runtime != "onnxruntime":
-        raise PortError(f"--ort-threads {ort_threads}: only with --runtime onnxruntime.",
-                        hint="Leave --ort-threads out, or validate an ONNX export with --runtime onnxruntime.")
-    if svdq_compute is not None and (devices is not None or runtime != "torch"):
-        raise PortError("--svdq-compute runs the packed linears in the torch staged runner on one device; drop "
-                        "--devices / --runtime onnxruntime, or --svdq-compute.")
+    _check_options(runtime, device, devices, ort_threads, svdq_compute,
+                   device_weight_transform is not None or prepare_device_model is not None)
     if devices is not None:
-        if runtime != "torch":
-            raise PortError(f"--devices with --runtime {runtime}: a pipeline over several devices runs the torch "
-                            "staged runner; drop one of them.")
-        if device != "cpu":
-            raise PortError(f"--devices with --device {device}: give the devices once, in --devices.")
         from .distributed import validate_pipeline
 
         return validate_pipeline(model, devices=devices, dtype=dtype, reference=reference, golden_dtype=golden_dtype,
@@ -68,16 +60,11 @@ def validate(model: str | Path, *, device: str = "cpu", dtype: str | None = None
                                  base=base, prompt=prompt, max_ratio=max_ratio, config=config, intrinsic=intrinsic,
                                  device_weight_transform=device_weight_transform,
                                  prepare_device_model=prepare_device_model)
-    reference = reference or "cpu"
-    if runtime not in RUNTIMES:
-        raise PortError(f"--runtime {runtime!r}: choose one of {', '.join(RUNTIMES)}.")
     if intrinsic not in (None, "native", "emulated"):
         raise PortError(f"--intrinsic {intrinsic!r}: use native or emulated.")
     export: dict[str, Any] | None = None
     weights_path: str | Path = model
     if runtime == "onnxruntime":
-        if device_weight_transform is not None or prepare_device_model is not None:
-            raise PortError("weight transforms and model hooks act on a torch model; the onnxruntime runner has none.")
         from porting.export.ort import SessionSettings, check_provider
 
         check_provider(provider)  # before any heavy loading: a missing provider is a usage error
@@ -90,67 +77,22 @@ def validate(model: str | Path, *, device: str = "cpu", dtype: str | None = None
         dtype = export["dtype"]
         if export.get("target") == "ryzenai":  # a static graph: its size and text length are the inputs
             resolution, text_len = ryzenai_size(export, resolution), export["profile"]["text_len"]
-    dtype = dtype or "bf16"
-    golden_dtype = golden_dtype or ("fp64" if runtime == "onnxruntime" and dtype == "fp32" else "fp32")
-    run_dtype, gold_dtype = _dtype(dtype, "--dtype"), _dtype(golden_dtype, "--golden-dtype")
-    if gold_dtype.itemsize <= run_dtype.itemsize and dtype != "fp32":
-        raise PortError(f"--golden-dtype {golden_dtype} must be more precise than --dtype {dtype}.")
+    dtype, golden_dtype = _dtypes(dtype, golden_dtype, runtime)
     read_paths = {"model": model, "source transformer": weights_path, "--base": base, "--config": config}
     if out is not None:
         check_output(Path(out), verb="validate", replace="owned", inputs=read_paths)
-    ref_spec = parse_device(reference)
-    dev_spec = parse_device(device) if runtime == "torch" else None
-    check_not_one_computation(dtype=dtype, golden_dtype=golden_dtype, device=dev_spec, reference=ref_spec,
-                              runtime=runtime)
     source = WeightSource(weights_path, config)
-    # the host's share first, from the options and the headers alone, before any backend is imported or device
-    # probed (docs/validate.md, "Memory": why this order); then each accelerator's free memory, once it is there
-    need = request_for(source, reference=ref_spec.type, device=dev_spec.type if dev_spec else None,
-                       resolution=resolution, text_len=text_len, batch=len(seeds) * len(timesteps),
-                       golden_dtype=golden_dtype, dtype=dtype, base=base, prompt=prompt,
-                       session=_cpu_session_graph(Path(model), export, provider, resolution) if export else None)
-    check_host(need)
-    ref = resolve_device(reference, "--reference")
-    dev = resolve_device(device) if runtime == "torch" else None
-    check_devices(need, ref, dev)
+    ref, dev = _devices(source, reference or "cpu", device, runtime, dtype, golden_dtype, export, Path(model),
+                        provider, resolution, text_len, len(seeds) * len(timesteps), base, prompt)
     intrinsic = intrinsic or default_intrinsic(dev, ref, runtime)
     weights = source.weights_sha256()
     if export is not None and weights != export["weights_sha256"]:
-        raise CheckFailed(f"{weights_path}: the source weights changed since the export (recorded "
-                          f"{export['weights_sha256'][:16]}..., now {weights[:16]}...).",
-                          hint="Export again from the current weights.")
+        raise _changed_since_export(weights_path, export["weights_sha256"], weights)
     check_dequantized(source)
-    packed = None
-    if svdq_compute is not None:
-        from .packed import PackedLinears
-
-        packed = PackedLinears(source, svdq_compute)
     inputs = build_inputs(source.config, resolution, text_len, timesteps, seeds, base, prompt,
                           family=source.detection.family)
-    if export is not None and export.get("target") == "ryzenai":
-        # the export computes in float32 on bf16-rounded weights (Cast nodes): its intrinsic error is that rounding
-        from porting.export.ryzenai import torch_bf16_weights
-
-        intrinsic_run = torch_runner(source, ref, torch.float32, torch_bf16_weights)
-    else:
-        intrinsic_run = (torch_runner(source, ref, run_dtype, packed=packed) if intrinsic == "native" else
-                         torch_runner(source, ref, torch.float32, emulate=run_dtype, packed=packed))
-    if runtime == "onnxruntime":
-        from porting.export.ort import SessionSettings
-
-        from .runners.onnxruntime import OrtRunner
-
-        device_run: Runner = OrtRunner(Path(model), provider, run_dtype, source.stages.forward_kwargs,
-                                       graph=(export or {}).get("graphs", {}).get(str(resolution)),
-                                       settings=SessionSettings(threads=ort_threads))
-    else:
-        device_run = torch_runner(source, dev, run_dtype, device_weight_transform, packed=packed)
-    golden_weights = GoldenWeights()  # refuses a non-finite weight by name, counts all-zero ones
-    if packed is not None:  # the verdict: the device's packed run against the same computation on the reference
-        runs = Runs(torch_runner(source, ref, gold_dtype, golden_weights, packed=packed), intrinsic_run, device_run,
-                    plain=torch_runner(source, ref, gold_dtype))
-    else:
-        runs = Runs(torch_runner(source, ref, gold_dtype, golden_weights), intrinsic_run, device_run)
+    runs, golden_weights = _runs(source, ref, dev, dtype, golden_dtype, intrinsic, export, svdq_compute,
+                                 device_weight_transform, Path(model), provider, resolution, ort_threads)
     if prepare_device_model is not None:
         prepare_device_model(runs.device.model)  # type: ignore[attr-defined]
     report = judge(runs, source, inputs, dtype=dtype, golden_dtype=golden_dtype, model=model, max_ratio=max_ratio,
@@ -159,6 +101,90 @@ def validate(model: str | Path, *, device: str = "cpu", dtype: str | None = None
     if out is not None:
         report.write(Path(out), inputs=read_paths)
     return report
+
+
+def _check_options(runtime: str, device: str, devices: str | Sequence[str] | None, ort_threads: int | None,
+                   svdq_compute: str | None, hooks: bool) -> None:
+    """--runtime is one validate knows, and every option given applies to the run (`options.APPLIES`)."""
+    if runtime not in RUNTIMES and devices is None:
+        raise PortError(f"--runtime {runtime!r}: choose one of {', '.join(RUNTIMES)}.")
+    check_applicable(runtime, {"--device": None if device == "cpu" else device, "--ort-threads": ort_threads,
+                               "--svdq-compute": svdq_compute, "--devices": devices, "hooks": hooks or None},
+                     device=device, devices=devices if devices is None or isinstance(devices, str) else
+                     ",".join(devices), ort_threads=ort_threads)
+
+
+def _changed_since_export(weights_path: str | Path, recorded: str, now: str) -> CheckFailed:
+    return CheckFailed(f"{weights_path}: the source weights changed since the export (recorded {recorded[:16]}..., "
+                       f"now {now[:16]}...).", hint="Export again from the current weights.")
+
+
+def _dtypes(dtype: str | None, golden_dtype: str | None, runtime: str) -> tuple[str, str]:
+    """--dtype and --golden-dtype with their defaults (fp64 golden for an fp32 ONNX export), the golden checked to be
+    the more precise."""
+    dtype = dtype or "bf16"
+    golden_dtype = golden_dtype or ("fp64" if runtime == "onnxruntime" and dtype == "fp32" else "fp32")
+    if _dtype(golden_dtype, "--golden-dtype").itemsize <= _dtype(dtype, "--dtype").itemsize and dtype != "fp32":
+        raise PortError(f"--golden-dtype {golden_dtype} must be more precise than --dtype {dtype}.")
+    return dtype, golden_dtype
+
+
+def _devices(source: WeightSource, reference: str, device: str, runtime: str, dtype: str, golden_dtype: str,
+             export: dict[str, Any] | None, model: Path, provider: str, resolution: int, text_len: int, batch: int,
+             base: Path | None, prompt: str | None) -> tuple[torch.device, torch.device | None]:
+    """The reference device and the device under test (None for onnxruntime), each checked to hold the run.
+
+    The host's share first, from the options and the headers alone, before any backend is imported or device probed
+    (docs/validate.md, "Memory": why this order); then each accelerator's free memory, once it is there."""
+    ref_spec = parse_device(reference)
+    dev_spec = parse_device(device) if runtime == "torch" else None
+    check_not_one_computation(dtype=dtype, golden_dtype=golden_dtype, device=dev_spec, reference=ref_spec,
+                              runtime=runtime)
+    need = request_for(source, reference=ref_spec.type, device=dev_spec.type if dev_spec else None,
+                       resolution=resolution, text_len=text_len, batch=batch,
+                       golden_dtype=golden_dtype, dtype=dtype, base=base, prompt=prompt,
+                       session=_cpu_session_graph(model, export, provider, resolution) if export else None)
+    check_host(need)
+    ref = resolve_device(reference, "--reference")
+    dev = resolve_device(device) if runtime == "torch" else None
+    check_devices(need, ref, dev)
+    return ref, dev
+
+
+def _runs(source: WeightSource, ref: torch.device, dev: torch.device | None, dtype: str, golden_dtype: str,
+          intrinsic: str, export: dict[str, Any] | None, svdq_compute: str | None,
+          device_weight_transform: WeightTransform | None, model: Path, provider: str, resolution: int,
+          ort_threads: int | None) -> tuple[Runs, GoldenWeights]:
+    """The golden, intrinsic and device runners (and, for packed SVDQuant linears, the plain golden too)."""
+    run_dtype, gold_dtype = _dtype(dtype, "--dtype"), _dtype(golden_dtype, "--golden-dtype")
+    packed = None
+    if svdq_compute is not None:
+        from .packed import PackedLinears
+
+        packed = PackedLinears(source, svdq_compute)
+    if export is not None and export.get("target") == "ryzenai":
+        # the export computes in float32 on bf16-rounded weights (Cast nodes): its intrinsic error is that rounding
+        from porting.export.ryzenai import torch_bf16_weights
+
+        intrinsic_run = torch_runner(source, ref, torch.float32, torch_bf16_weights)
+    else:
+        intrinsic_run = (torch_runner(source, ref, run_dtype, packed=packed) if intrinsic == "native" else
+                         torch_runner(source, ref, torch.float32, emulate=run_dtype, packed=packed))
+    if dev is None:
+        from porting.export.ort import SessionSettings
+
+        from .runners.onnxruntime import OrtRunner
+
+        device_run: Runner = OrtRunner(model, provider, run_dtype, source.stages.forward_kwargs,
+                                       graph=(export or {}).get("graphs", {}).get(str(resolution)),
+                                       settings=SessionSettings(threads=ort_threads))
+    else:
+        device_run = torch_runner(source, dev, run_dtype, device_weight_transform, packed=packed)
+    golden_weights = GoldenWeights()  # refuses a non-finite weight by name, counts all-zero ones
+    if packed is not None:  # the verdict: the device's packed run against the same computation on the reference
+        return Runs(torch_runner(source, ref, gold_dtype, golden_weights, packed=packed), intrinsic_run, device_run,
+                    plain=torch_runner(source, ref, gold_dtype)), golden_weights
+    return Runs(torch_runner(source, ref, gold_dtype, golden_weights), intrinsic_run, device_run), golden_weights
 
 
 def _cpu_session_graph(folder: Path, export: dict[str, Any], provider: str, resolution: int) -> Path | None:

@@ -374,6 +374,79 @@ def compare(reference: Side, candidate: Side, *, prompts: Sequence[str] | None =
     say = on_status or (lambda text: None)
     started = time.perf_counter()
     ref, cand = _prepare(reference, "--reference-dtype"), _prepare(candidate, "--dtype")
+    run = _settle(ref, cand, prompts, seeds, steps, size, images, diff_gain, say)
+    out = Path(out) if out is not None else default_out(candidate)
+    read_paths = {"reference": reference.folder, "candidate": candidate.folder,
+                  "reference transformer": reference.transformer, "candidate transformer": candidate.transformer,
+                  "--image": list(images), "--lpips-weights": lpips_weights, **(inputs or {})}
+    check_output(out, force=force, verb="compare", inputs=read_paths)  # before an hour of rendering
+    # settled before anything is rendered: a gate on LPIPS must not fail after an hour of generation
+    scorer, lpips_missing = lpips_scorer(lpips_backbone, lpips_weights, run.width, run.height)
+    if max_lpips is not None and lpips_missing is not None:
+        raise DeviceError(f"--max-lpips needs LPIPS, which is unavailable: {lpips_missing.reason}.",
+                          hint="Pass --lpips-weights FILE, or drop --max-lpips.")
+    im.psnr(torch.zeros(1, 3, 8, 8), torch.zeros(1, 3, 8, 8))  # without torchmetrics: fails now, not after rendering
+
+    say(f"hashing the transformer weights ({ref.transformer}, {cand.transformer})")
+    ref.weights = ref.weights or pipeload.weights_sha256(ref.transformer)
+    cand.weights = cand.weights or (ref.weights if cand.transformer.resolve() == ref.transformer.resolve() else
+                                    pipeload.weights_sha256(cand.transformer))
+    counter = _Counter(2 * len(run.prompts), on_image)
+    timings: dict[str, float] = {}
+    prepare_run_folder(out)
+    with atomic_folder(out, force=force, verb="compare", inputs=read_paths) as staging:
+        t0 = time.perf_counter()
+        embeds, negative, kwargs = _reference_side(ref, reference.svdq_compute, run, guidance_scale, staging,
+                                                   counter.tick, on_step, on_render_start, say)
+        timings["reference_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        _candidate_side(cand, candidate.svdq_compute, ref.pipeline, run, guidance_scale, embeds, negative, staging,
+                        counter.tick, on_step, say)
+        timings["candidate_s"] = time.perf_counter() - t0
+
+        say("scoring PSNR, SSIM" + (", LPIPS" if scorer else ""))
+        t0 = time.perf_counter()
+        names = [f"{i:03d}.png" for i in range(len(run.prompts))]
+        scores = _score(staging, names, run.prompts, run.seeds, scorer, lpips_missing)
+        timings["metrics_s"] = time.perf_counter() - t0
+        pairs = [(_pixels(staging / "reference" / n), _pixels(staging / "candidate" / n)) for n in names]
+        _grid(pairs, diff_gain).save(staging / GRID_PNG, format="PNG")
+        failures = _gate(scores["summary"], min_psnr, max_lpips)
+        timings["total_s"] = time.perf_counter() - started
+        doc = _document(ref, cand, run, kwargs, images, diff_gain, scores, min_psnr, max_lpips, failures, timings)
+        (staging / COMPARE_JSON).write_text(json.dumps(doc, indent=2) + "\n")
+        (staging / COMPARE_MD).write_text(to_markdown(doc))
+    return CompareResult(out, doc, failures)
+
+
+@dataclass
+class _Run:
+    """What both sides render, settled before anything loads."""
+    prompts: list[str]
+    seeds: list[int]
+    width: int
+    height: int
+    steps: int
+    references: Any  # the --image pictures, loaded
+
+
+class _Counter:
+    """Images rendered so far, told to `on_image(done, total, label)`."""
+
+    def __init__(self, total: int, on_image: Callable[[int, int, str], None] | None) -> None:
+        self.done, self.total, self.on_image = 0, total, on_image
+
+    def tick(self, label: str) -> None:
+        self.done += 1
+        if self.on_image:
+            self.on_image(self.done, self.total, label)
+
+
+def _settle(ref: Any, cand: Any, prompts: Sequence[str] | None, seeds: Sequence[int] | None, steps: int | None,
+            size: str | int | None, images: Sequence[str | Path], diff_gain: float,
+            say: Callable[[str], None]) -> _Run:
+    """Prompts, seeds, size and steps with their defaults (smaller on a CPU, said), each side checked to take the
+    images and to fit in memory, and the two transformers to take the same text embeddings."""
     on_cpu = "cpu" in (ref.device.type, cand.device.type)
     cpu_size = default_size("cpu", ref.pipeline_folder)
     if not prompts:
@@ -404,97 +477,74 @@ def compare(reference: Side, candidate: Side, *, prompts: Sequence[str] | None =
                          f"{ref.transformer}, {dims[1]} in {cand.transformer}).",
                          hint="Both sides share the reference's text encoder: compare models of one family and size.")
     check_compare_batch(len(prompts), width, height, int(dims[0] or 0), grid_cell=GRID_TILE)
-    out = Path(out) if out is not None else default_out(candidate)
-    read_paths = {"reference": reference.folder, "candidate": candidate.folder,
-                  "reference transformer": reference.transformer, "candidate transformer": candidate.transformer,
-                  "--image": list(images), "--lpips-weights": lpips_weights, **(inputs or {})}
-    check_output(out, force=force, verb="compare", inputs=read_paths)  # before an hour of rendering
-    # settled before anything is rendered: a gate on LPIPS must not fail after an hour of generation
-    scorer, lpips_missing = lpips_scorer(lpips_backbone, lpips_weights, width, height)
-    if max_lpips is not None and lpips_missing is not None:
-        raise DeviceError(f"--max-lpips needs LPIPS, which is unavailable: {lpips_missing.reason}.",
-                          hint="Pass --lpips-weights FILE, or drop --max-lpips.")
-    im.psnr(torch.zeros(1, 3, 8, 8), torch.zeros(1, 3, 8, 8))  # without torchmetrics: fails now, not after rendering
+    return _Run(prompts, seed_list, width, height, steps, references)
 
-    say(f"hashing the transformer weights ({ref.transformer}, {cand.transformer})")
-    ref.weights = ref.weights or pipeload.weights_sha256(ref.transformer)
-    cand.weights = cand.weights or (ref.weights if cand.transformer.resolve() == ref.transformer.resolve() else
-                                    pipeload.weights_sha256(cand.transformer))
-    done = 0
 
-    def tick(label: str) -> None:
-        nonlocal done
-        done += 1
-        if on_image:
-            on_image(done, 2 * len(prompts), label)
+def _reference_side(ref: Any, svdq_compute: str, run: _Run, guidance_scale: float | None, staging: Path,
+                    tick: Callable[[str], None], on_step: Callable[[float], None] | None,
+                    on_render_start: Callable[[int, int], None] | None,
+                    say: Callable[[str], None]) -> tuple[list[Any], Any, dict[str, Any]]:
+    """Load the reference with its text encoder, encode every prompt once, render its images into
+    `staging/reference` and release it; the embeddings (and the negative one, under CFG) and its call kwargs."""
+    say(f"loading the reference from {ref.folder} on {ref.device} ({ref.dtype_name})")
+    pipe = ref.load(svdq_compute)
+    ref.pipeline = type(pipe).__name__
+    pipeload.check_size(pipe, run.width, run.height)
+    kwargs = _call_kwargs(pipe, guidance_scale, run.references)
+    say(f"encoding {len(run.prompts)} prompt(s) once with the reference's text encoder")
+    embeds = [_encode(pipe, p, ref.device) for p in run.prompts]
+    negative = _encode(pipe, "", ref.device) if _needs_negative(pipe, kwargs) else None
+    _drop_text_encoders(pipe)  # not needed any more; frees their memory before denoising
+    if on_render_start:
+        on_render_start(2 * len(run.prompts), run.steps)
+    (staging / "reference").mkdir()
+    _render_side(pipe, ref, embeds, negative, run.seeds, (run.width, run.height), run.steps, kwargs,
+                 staging / "reference", tick, on_step)
+    del pipe
+    pipeload.release_memory(ref.device)
+    return embeds, negative, kwargs
 
-    timings: dict[str, float] = {}
-    prepare_run_folder(out)
-    with atomic_folder(out, force=force, verb="compare", inputs=read_paths) as staging:
-        say(f"loading the reference from {ref.folder} on {ref.device} ({ref.dtype_name})")
-        t0 = time.perf_counter()
-        pipe = ref.load(reference.svdq_compute)
-        ref.pipeline = type(pipe).__name__
-        pipeload.check_size(pipe, width, height)
-        kwargs = _call_kwargs(pipe, guidance_scale, references)
-        say(f"encoding {len(prompts)} prompt(s) once with the reference's text encoder")
-        embeds = [_encode(pipe, p, ref.device) for p in prompts]
-        negative = _encode(pipe, "", ref.device) if _needs_negative(pipe, kwargs) else None
-        _drop_text_encoders(pipe)  # not needed any more; frees their memory before denoising
-        if on_render_start:
-            on_render_start(2 * len(prompts), steps)
-        (staging / "reference").mkdir()
-        _render_side(pipe, ref, embeds, negative, seed_list, (width, height), steps, kwargs, staging / "reference",
-                     tick, on_step)
-        del pipe
-        pipeload.release_memory(ref.device)
-        timings["reference_s"] = time.perf_counter() - t0
 
-        say(f"loading the candidate from {cand.folder} on {cand.device} ({cand.dtype_name}), no text encoder")
-        t0 = time.perf_counter()
-        pipe = cand.load(candidate.svdq_compute, text_encoder=False)
-        cand.pipeline = type(pipe).__name__
-        if cand.pipeline != ref.pipeline:
-            say(f"note: the pipelines differ ({ref.pipeline} vs {cand.pipeline})")
-        pipeload.check_size(pipe, width, height)
-        ckwargs = _call_kwargs(pipe, guidance_scale, references)
-        if _needs_negative(pipe, ckwargs) != (negative is not None):
-            raise InputError(f"{cand.folder}: one side runs classifier-free guidance and the other does not; "
-                             "compare two folders of the same kind.")
-        (staging / "candidate").mkdir()
-        _render_side(pipe, cand, embeds, negative, seed_list, (width, height), steps, ckwargs,
-                     staging / "candidate", tick, on_step)
-        del pipe
-        pipeload.release_memory(cand.device)
-        timings["candidate_s"] = time.perf_counter() - t0
+def _candidate_side(cand: Any, svdq_compute: str, ref_pipeline: str, run: _Run, guidance_scale: float | None,
+                    embeds: list[Any], negative: Any, staging: Path, tick: Callable[[str], None],
+                    on_step: Callable[[float], None] | None, say: Callable[[str], None]) -> None:
+    """Load the candidate without a text encoder and render the reference's embeddings into `staging/candidate`."""
+    say(f"loading the candidate from {cand.folder} on {cand.device} ({cand.dtype_name}), no text encoder")
+    pipe = cand.load(svdq_compute, text_encoder=False)
+    cand.pipeline = type(pipe).__name__
+    if cand.pipeline != ref_pipeline:
+        say(f"note: the pipelines differ ({ref_pipeline} vs {cand.pipeline})")
+    pipeload.check_size(pipe, run.width, run.height)
+    ckwargs = _call_kwargs(pipe, guidance_scale, run.references)
+    if _needs_negative(pipe, ckwargs) != (negative is not None):
+        raise InputError(f"{cand.folder}: one side runs classifier-free guidance and the other does not; "
+                         "compare two folders of the same kind.")
+    (staging / "candidate").mkdir()
+    _render_side(pipe, cand, embeds, negative, run.seeds, (run.width, run.height), run.steps, ckwargs,
+                 staging / "candidate", tick, on_step)
+    del pipe
+    pipeload.release_memory(cand.device)
 
-        say("scoring PSNR, SSIM" + (", LPIPS" if scorer else ""))
-        t0 = time.perf_counter()
-        names = [f"{i:03d}.png" for i in range(len(prompts))]
-        scores = _score(staging, names, prompts, seed_list, scorer, lpips_missing)
-        timings["metrics_s"] = time.perf_counter() - t0
-        pairs = [(_pixels(staging / "reference" / n), _pixels(staging / "candidate" / n)) for n in names]
-        _grid(pairs, diff_gain).save(staging / GRID_PNG, format="PNG")
-        failures = _gate(scores["summary"], min_psnr, max_lpips)
-        timings["total_s"] = time.perf_counter() - started
-        doc = {
-            "tool": "flux-port", "version": __version__, "kind": "compare", "format_version": 1,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "reference": ref.describe(), "candidate": cand.describe(),
-            "settings": {"steps": steps, "width": width, "height": height,
-                         "guidance_scale": kwargs.get("guidance_scale"),
-                         "noise": "float32 CPU generator per seed, cast by each pipeline",
-                         "text_encoder": "reference's, once per prompt, shared by both sides",
-                         "images": [str(p) for p in images], "diff_gain": diff_gain},
-            **scores,
-            "grid": GRID_PNG,
-            "gates": {"min_psnr": min_psnr, "max_lpips": max_lpips, "on": "mean", "passed": not failures,
-                      "failures": failures},
-            "timings": {k: round(v, 3) for k, v in timings.items()},
-        }
-        (staging / COMPARE_JSON).write_text(json.dumps(doc, indent=2) + "\n")
-        (staging / COMPARE_MD).write_text(to_markdown(doc))
-    return CompareResult(out, doc, failures)
+
+def _document(ref: Any, cand: Any, run: _Run, kwargs: dict[str, Any], images: Sequence[str | Path],
+              diff_gain: float, scores: dict[str, Any], min_psnr: float | None, max_lpips: float | None,
+              failures: list[str], timings: dict[str, float]) -> dict[str, Any]:
+    """compare.json: both sides, the settings, the scores, the gates and the timings."""
+    return {
+        "tool": "flux-port", "version": __version__, "kind": "compare", "format_version": 1,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "reference": ref.describe(), "candidate": cand.describe(),
+        "settings": {"steps": run.steps, "width": run.width, "height": run.height,
+                     "guidance_scale": kwargs.get("guidance_scale"),
+                     "noise": "float32 CPU generator per seed, cast by each pipeline",
+                     "text_encoder": "reference's, once per prompt, shared by both sides",
+                     "images": [str(p) for p in images], "diff_gain": diff_gain},
+        **scores,
+        "grid": GRID_PNG,
+        "gates": {"min_psnr": min_psnr, "max_lpips": max_lpips, "on": "mean", "passed": not failures,
+                  "failures": failures},
+        "timings": {k: round(v, 3) for k, v in timings.items()},
+    }
 
 
 def _pixels(path: Path) -> np.ndarray:

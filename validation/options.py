@@ -4,9 +4,9 @@ fault or passed vacuously (an empty seed list, a zero-size image, a NaN threshol
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
-from porting.errors import UsageError
+from porting.errors import Applies, Refusal, UsageError, refuse_inapplicable
 from porting.seeds import check_seed, parse_seeds  # noqa: F401  (validate's --seeds)
 
 
@@ -45,3 +45,41 @@ def check_options(*, resolution: int, text_len: int, timesteps: Sequence[float],
     if not (math.isfinite(max_ratio) and max_ratio > 0):
         raise UsageError(f"--max-ratio {max_ratio!r}: a finite ratio above 0 (2 accepts twice the dtype's own "
                          "error).")
+
+
+_EVERY = frozenset({"torch", "devices", "onnxruntime"})
+
+# option -> the runs it applies to, checked in this order by `port validate` and `validate()`. Kinds
+# (`validate_kind`): torch (one device), devices (torch pipeline stages over several) and onnxruntime (an export).
+APPLIES: dict[str, Applies] = {
+    "--device": Applies(frozenset({"torch", "onnxruntime"}), Refusal(
+        "--devices {devices} with --device {device}: give the devices once, in --devices (several) or --device "
+        "(one).")),
+    "--ort-threads": Applies(frozenset({"onnxruntime"}), Refusal(
+        "--ort-threads {ort_threads}: only with --runtime onnxruntime.",
+        "Leave --ort-threads out, or validate an ONNX export with --runtime onnxruntime.", usage=False)),
+    "--svdq-compute": Applies(frozenset({"torch"}), Refusal(
+        "--svdq-compute runs the packed linears in the torch staged runner on one device; drop --devices / "
+        "--runtime onnxruntime, or --svdq-compute.")),
+    "--devices": Applies(frozenset({"devices"}), Refusal(
+        "--devices with --runtime {runtime}: a pipeline over several devices runs the torch staged runner; drop "
+        "one of them.", usage=False)),
+    "hooks": Applies(frozenset({"torch", "devices"}), Refusal(
+        "weight transforms and model hooks act on a torch model; the onnxruntime runner has none.", usage=False)),
+    "--prompt": Applies(_EVERY, Refusal(""), needs={kind: ("--base", Refusal(
+        "--prompt needs --base (the base model's text encoder encodes it).", usage=False)) for kind in _EVERY}),
+}
+
+
+def validate_kind(runtime: str, devices: Any) -> str:
+    """The kind `APPLIES` knows: the runtime when it is not torch, else devices (several) or torch (one)."""
+    if runtime != "torch":
+        return runtime
+    return "devices" if devices is not None else "torch"
+
+
+def check_applicable(runtime: str, given: Mapping[str, Any], **fields: Any) -> None:
+    """Refuse (exit 2) the first option of `APPLIES` that `given` names (not None) where it does not apply.
+    `fields`: the option values the messages name (device, devices, runtime, ort_threads)."""
+    shown = {option: None if value is None else option for option, value in given.items()}
+    refuse_inapplicable(APPLIES, validate_kind(runtime, given.get("--devices")), shown, runtime=runtime, **fields)

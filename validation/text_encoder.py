@@ -128,8 +128,6 @@ def validate_text_encoder(folder: Path, *, out: Path | None = None, max_ratio: f
                           provider: str = "CPUExecutionProvider", prompt: str | None = None,
                           settings: Any = None) -> Report:
     from porting.export.ort import open_session
-    from porting.export.ryzenai import int4_dequantize_torch
-    from porting.families.flux2_export import load_text_encoder
 
     root, manifest = _root(folder)
     src = (manifest.get("source") or {}).get("text_encoder")
@@ -141,31 +139,14 @@ def validate_text_encoder(folder: Path, *, out: Path | None = None, max_ratio: f
     if out is not None:
         check_output(Path(out), verb="validate", replace="owned", inputs=read_paths)
     comp = manifest["components"]["text_encoder"]
-    from porting.resources import MEMORY_OVERHEAD, gib, require_memory
-
-    weights_bytes = 4 * int(comp.get("params") or 0)  # float32: the model, and the source copy the block check reads
-    require_memory(f"{folder}: validating a {int(comp.get('params') or 0) / 1e9:.2f} B-parameter text encoder",
-                   2 * weights_bytes + MEMORY_OVERHEAD,
-                   f"{gib(weights_bytes)} of float32 weights x 2 + {gib(MEMORY_OVERHEAD)}",
-                   hint="Run it on a machine with more memory.")
+    _require_memory(folder, int(comp.get("params") or 0))
     text_len, block = manifest["profile"]["text_len"], comp["block_size"]
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tok_dir or (root / "tokenizer"), local_files_only=True)
     prompts = [prompt] if prompt else list(PROMPTS)
     enc = tokenizer(prompts, padding="max_length", max_length=text_len, truncation=True, return_tensors="pt")
-    traced = load_text_encoder(Path(src), torch.float32)
-    module = traced.module
-    source = {k: v.detach().clone() for k, v in module.encoder.state_dict().items()}
-    with torch.no_grad():
-        golden = torch.cat([module(input_ids=enc.input_ids[i:i + 1], attention_mask=enc.attention_mask[i:i + 1])
-                            for i in range(len(prompts))])
-        for mod in module.encoder.modules():  # the intrinsic run: the same int4 blocks, applied in torch
-            if isinstance(mod, torch.nn.Linear):
-                mod.weight.copy_(int4_dequantize_torch(mod.weight, block))
-        intrinsic = torch.cat([module(input_ids=enc.input_ids[i:i + 1],
-                                      attention_mask=enc.attention_mask[i:i + 1]) for i in range(len(prompts))])
-    del module, traced
+    golden, intrinsic, source = _torch_runs(Path(src), enc, len(prompts), block)
     session = open_session(folder, provider, settings=settings)
     names = [i.name for i in session.get_inputs()]
     device = torch.cat([torch.from_numpy(session.run(None, {
@@ -174,29 +155,8 @@ def validate_text_encoder(folder: Path, *, out: Path | None = None, max_ratio: f
     model_file = folder / Path(comp["file"]).name
     weights = check_weights(model_file, source)
 
-    f32 = torch.float32
-    overall_dev, overall_int = compare(device, golden, f32), compare(intrinsic, golden, f32)
-    ratio = error_ratio(overall_dev["rel_l2"], overall_int["rel_l2"], f32)
-    summary = [{"name": "all prompts", "device_error": overall_dev["rel_l2"],
-                "intrinsic_error": overall_int["rel_l2"], "ratio": ratio, "cosine": overall_dev["cosine"]}]
-    for i, p in enumerate(prompts):
-        d, r = compare(device[i], golden[i], f32), compare(intrinsic[i], golden[i], f32)
-        summary.append({"name": p, "device_error": d["rel_l2"], "intrinsic_error": r["rel_l2"],
-                        "ratio": error_ratio(d["rel_l2"], r["rel_l2"], f32), "cosine": d["cosine"]})
-    reasons = []
-    if overall_dev["nonfinite"]:
-        reasons.append(f"NaN/Inf in the prompt embeddings ({overall_dev['nonfinite']} element(s))")
-    if ratio > max_ratio:
-        reasons.append(f"prompt embeddings error {overall_dev['rel_l2']:.3%} is {ratio:.2f}x the intrinsic int4 "
-                       f"error {overall_int['rel_l2']:.3%} (limit {max_ratio}x)")
-    if weights["bad_blocks"]:
-        b = weights["bad_blocks"][0]
-        reasons.append(f"{len(weights['bad_blocks'])} int4 block(s) differ from the int4 quantization of the source "
-                       f"weight; first: {b['weight']} row {b['row']} block {b['block']} (columns "
-                       f"{b['columns']}, {b['steps']:.2f} steps)")
-    if weights["unmatched"]:
-        reasons.append(f"{len(weights['unmatched'])} MatMulNBits weight(s) match no source weight, first "
-                       f"{weights['unmatched'][0]}")
+    overall_dev, overall_int, ratio, summary = _errors(device, golden, intrinsic, prompts)
+    reasons = _reasons(overall_dev, overall_int, ratio, max_ratio, weights)
     ort_facts = {"runtime": "onnxruntime", "provider": provider, "session_providers": session.get_providers()}
     data = {
         "tool": "flux-port", "version": __version__, "format_version": 1, "kind": "text-encoder-validation",
@@ -223,3 +183,70 @@ def validate_text_encoder(folder: Path, *, out: Path | None = None, max_ratio: f
     if out is not None:
         report.write(Path(out), inputs=read_paths)
     return report
+
+
+def _require_memory(folder: Path, params: int) -> None:
+    """Room for the float32 model and the source copy the block check reads."""
+    from porting.resources import MEMORY_OVERHEAD, gib, require_memory
+
+    weights_bytes = 4 * params
+    require_memory(f"{folder}: validating a {params / 1e9:.2f} B-parameter text encoder",
+                   2 * weights_bytes + MEMORY_OVERHEAD,
+                   f"{gib(weights_bytes)} of float32 weights x 2 + {gib(MEMORY_OVERHEAD)}",
+                   hint="Run it on a machine with more memory.")
+
+
+def _torch_runs(src: Path, enc: Any, n: int, block: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """The golden (float32) and intrinsic (the same int4 blocks, applied in torch) prompt embeddings, and the source
+    encoder's float32 weights the block check compares against."""
+    from porting.export.ryzenai import int4_dequantize_torch
+    from porting.families.flux2_export import load_text_encoder
+
+    traced = load_text_encoder(src, torch.float32)
+    module = traced.module
+    source = {k: v.detach().clone() for k, v in module.encoder.state_dict().items()}
+    with torch.no_grad():
+        golden = torch.cat([module(input_ids=enc.input_ids[i:i + 1], attention_mask=enc.attention_mask[i:i + 1])
+                            for i in range(n)])
+        for mod in module.encoder.modules():  # the intrinsic run: the same int4 blocks, applied in torch
+            if isinstance(mod, torch.nn.Linear):
+                mod.weight.copy_(int4_dequantize_torch(mod.weight, block))
+        intrinsic = torch.cat([module(input_ids=enc.input_ids[i:i + 1],
+                                      attention_mask=enc.attention_mask[i:i + 1]) for i in range(n)])
+    return golden, intrinsic, source
+
+
+def _errors(device: torch.Tensor, golden: torch.Tensor, intrinsic: torch.Tensor,
+            prompts: list[str]) -> tuple[dict[str, Any], dict[str, Any], float, list[dict[str, Any]]]:
+    """The device's and the intrinsic run's error against the golden, their ratio, and the summary rows (all
+    prompts, then each)."""
+    f32 = torch.float32
+    overall_dev, overall_int = compare(device, golden, f32), compare(intrinsic, golden, f32)
+    ratio = error_ratio(overall_dev["rel_l2"], overall_int["rel_l2"], f32)
+    summary = [{"name": "all prompts", "device_error": overall_dev["rel_l2"],
+                "intrinsic_error": overall_int["rel_l2"], "ratio": ratio, "cosine": overall_dev["cosine"]}]
+    for i, p in enumerate(prompts):
+        d, r = compare(device[i], golden[i], f32), compare(intrinsic[i], golden[i], f32)
+        summary.append({"name": p, "device_error": d["rel_l2"], "intrinsic_error": r["rel_l2"],
+                        "ratio": error_ratio(d["rel_l2"], r["rel_l2"], f32), "cosine": d["cosine"]})
+    return overall_dev, overall_int, ratio, summary
+
+
+def _reasons(overall_dev: dict[str, Any], overall_int: dict[str, Any], ratio: float, max_ratio: float,
+             weights: dict[str, Any]) -> list[str]:
+    """Why the export fails (empty: it passes): NaN/Inf, the error ratio, int4 blocks unlike the source's."""
+    reasons = []
+    if overall_dev["nonfinite"]:
+        reasons.append(f"NaN/Inf in the prompt embeddings ({overall_dev['nonfinite']} element(s))")
+    if ratio > max_ratio:
+        reasons.append(f"prompt embeddings error {overall_dev['rel_l2']:.3%} is {ratio:.2f}x the intrinsic int4 "
+                       f"error {overall_int['rel_l2']:.3%} (limit {max_ratio}x)")
+    if weights["bad_blocks"]:
+        b = weights["bad_blocks"][0]
+        reasons.append(f"{len(weights['bad_blocks'])} int4 block(s) differ from the int4 quantization of the source "
+                       f"weight; first: {b['weight']} row {b['row']} block {b['block']} (columns "
+                       f"{b['columns']}, {b['steps']:.2f} steps)")
+    if weights["unmatched"]:
+        reasons.append(f"{len(weights['unmatched'])} MatMulNBits weight(s) match no source weight, first "
+                       f"{weights['unmatched'][0]}")
+    return reasons

@@ -80,47 +80,12 @@ def verdict(rows: list[dict[str, Any]], outputs: dict[str, torch.Tensor], where:
     check_measurable(outputs["golden"], overall_dev, overall_int, dtype=dtype, golden_dtype=golden_dtype,
                      weights=golden_weights)
     ratio = error_ratio(overall_dev["rel_l2"], overall_int["rel_l2"], run_dtype)
-    summary = [{"name": "all cases", "device_error": overall_dev["rel_l2"], "intrinsic_error": overall_int["rel_l2"],
-                "ratio": ratio, "cosine": overall_dev["cosine"]}]
-    for i, case in enumerate(inputs.cases):
-        d = compare(outputs["device"][i], outputs["golden"][i], run_dtype)
-        r = compare(outputs["intrinsic"][i], outputs["golden"][i], run_dtype)
-        summary.append({"name": f"seed {case['seed']}, t={case['timestep']}", "device_error": d["rel_l2"],
-                        "intrinsic_error": r["rel_l2"], "ratio": error_ratio(d["rel_l2"], r["rel_l2"], run_dtype),
-                        "cosine": d["cosine"]})
-
-    reasons: list[str] = []
-    nonfinite = [r["stage"] for r in rows if r["accumulated"]["device"]["nonfinite"]
-                 or r["teacher_forced"]["device"]["nonfinite"]]
-    if nonfinite:
-        reasons.append(f"NaN/Inf on the device, first in {nonfinite[0]}")
-    elif overall_dev["nonfinite"]:
-        reasons.append(f"NaN/Inf in the device's output ({overall_dev['nonfinite']} element(s))")
-    if ratio > max_ratio:
-        reasons.append(f"final output error {100 * overall_dev['rel_l2']:.3g} % is {ratio:.2f}x the intrinsic "
-                       f"{dtype} error {100 * overall_int['rel_l2']:.3g} % (limit {max_ratio}x)")
-    blame_row = next((r for r in rows if r["teacher_forced"]["device"]["nonfinite"]
-                      or r["teacher_forced"]["ratio"] > max_ratio), None)
-    blame = None
-    if blame_row is not None:
-        tf = blame_row["teacher_forced"]
-        why = ("produces NaN/Inf from golden inputs" if tf["device"]["nonfinite"] else
-               f"own error {100 * tf['device']['rel_l2']:.3g} % is {tf['ratio']:.2f}x the intrinsic "
-               f"{100 * tf['intrinsic']['rel_l2']:.3g} %")
-        blame = {"stage": blame_row["stage"], "original": blame_row["original"], "ratio": tf["ratio"], "reason": why}
-        reasons.append(f"first bad block: {blame['stage']} (= {blame['original']}): {why}")
+    summary = _summary(outputs, inputs, run_dtype, overall_dev, overall_int, ratio)
+    reasons, blame = _reasons(rows, overall_dev, overall_int, ratio, max_ratio, dtype)
     growth = [r["stage"] for r in rows if r["growth_flag"]]
 
-    known = []
+    known = _known_differences(where)
     facts_dev, facts_ref = where.facts_device, where.facts_reference
-    if facts_dev.get("rope_freqs_dtype", facts_ref["rope_freqs_dtype"]) != facts_ref["rope_freqs_dtype"]:
-        known.append(f"diffusers computes RoPE frequencies in {facts_dev['rope_freqs_dtype']} on {where.device_type} "
-                     f"but in {facts_ref['rope_freqs_dtype']} on {where.reference_type}; both then cast cos/sin to "
-                     "float32.")
-    if where.device_type == "npu":
-        known.append("attention may run through torch_npu.npu_fusion_attention (diffusers _native_npu backend) "
-                     "instead of PyTorch SDPA; ACL_PRECISION_MODE and HF32 settings are recorded in environment.")
-
     by_construction = same_computation(where.device, where.reference, where.runtime, intrinsic, run_dtype)
     notices = [BY_CONSTRUCTION.format(why=f"--intrinsic {intrinsic} on {where.reference}, the device under test",
                                       dtype=dtype)] if by_construction else []
@@ -163,3 +128,57 @@ def verdict(rows: list[dict[str, Any]], outputs: dict[str, torch.Tensor], where:
         known.append("onnxruntime fuses, reorders and re-implements operations (its own GEMM and attention kernels), "
                      "so its error differs from torch's in the same dtype; the ratio rule judges that difference.")
     return Report(data)
+
+
+def _summary(outputs: dict[str, torch.Tensor], inputs: Inputs, run_dtype: torch.dtype, overall_dev: dict[str, Any],
+             overall_int: dict[str, Any], ratio: float) -> list[dict[str, Any]]:
+    """The summary rows: all cases together, then each case (seed and timestep)."""
+    summary = [{"name": "all cases", "device_error": overall_dev["rel_l2"], "intrinsic_error": overall_int["rel_l2"],
+                "ratio": ratio, "cosine": overall_dev["cosine"]}]
+    for i, case in enumerate(inputs.cases):
+        d = compare(outputs["device"][i], outputs["golden"][i], run_dtype)
+        r = compare(outputs["intrinsic"][i], outputs["golden"][i], run_dtype)
+        summary.append({"name": f"seed {case['seed']}, t={case['timestep']}", "device_error": d["rel_l2"],
+                        "intrinsic_error": r["rel_l2"], "ratio": error_ratio(d["rel_l2"], r["rel_l2"], run_dtype),
+                        "cosine": d["cosine"]})
+    return summary
+
+
+def _reasons(rows: list[dict[str, Any]], overall_dev: dict[str, Any], overall_int: dict[str, Any], ratio: float,
+             max_ratio: float, dtype: str) -> tuple[list[str], dict[str, Any] | None]:
+    """Why the device fails (empty: it passes), and the first bad block (teacher-forced), if any."""
+    reasons: list[str] = []
+    nonfinite = [r["stage"] for r in rows if r["accumulated"]["device"]["nonfinite"]
+                 or r["teacher_forced"]["device"]["nonfinite"]]
+    if nonfinite:
+        reasons.append(f"NaN/Inf on the device, first in {nonfinite[0]}")
+    elif overall_dev["nonfinite"]:
+        reasons.append(f"NaN/Inf in the device's output ({overall_dev['nonfinite']} element(s))")
+    if ratio > max_ratio:
+        reasons.append(f"final output error {100 * overall_dev['rel_l2']:.3g} % is {ratio:.2f}x the intrinsic "
+                       f"{dtype} error {100 * overall_int['rel_l2']:.3g} % (limit {max_ratio}x)")
+    blame_row = next((r for r in rows if r["teacher_forced"]["device"]["nonfinite"]
+                      or r["teacher_forced"]["ratio"] > max_ratio), None)
+    blame = None
+    if blame_row is not None:
+        tf = blame_row["teacher_forced"]
+        why = ("produces NaN/Inf from golden inputs" if tf["device"]["nonfinite"] else
+               f"own error {100 * tf['device']['rel_l2']:.3g} % is {tf['ratio']:.2f}x the intrinsic "
+               f"{100 * tf['intrinsic']['rel_l2']:.3g} %")
+        blame = {"stage": blame_row["stage"], "original": blame_row["original"], "ratio": tf["ratio"], "reason": why}
+        reasons.append(f"first bad block: {blame['stage']} (= {blame['original']}): {why}")
+    return reasons, blame
+
+
+def _known_differences(where: RunFacts) -> list[str]:
+    """Differences between the device's and the reference's computation that are known and by design."""
+    known = []
+    facts_dev, facts_ref = where.facts_device, where.facts_reference
+    if facts_dev.get("rope_freqs_dtype", facts_ref["rope_freqs_dtype"]) != facts_ref["rope_freqs_dtype"]:
+        known.append(f"diffusers computes RoPE frequencies in {facts_dev['rope_freqs_dtype']} on {where.device_type} "
+                     f"but in {facts_ref['rope_freqs_dtype']} on {where.reference_type}; both then cast cos/sin to "
+                     "float32.")
+    if where.device_type == "npu":
+        known.append("attention may run through torch_npu.npu_fusion_attention (diffusers _native_npu backend) "
+                     "instead of PyTorch SDPA; ACL_PRECISION_MODE and HF32 settings are recorded in environment.")
+    return known

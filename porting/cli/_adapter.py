@@ -48,14 +48,10 @@ def inspect(output: Output, source: Source, base: Optional[Path] = None, strengt
 
     from porting.adapters.describe import describe_adapter
     from porting.compat import adapter_runtimes
-    from porting.errors import UsageError
 
     from ._compat import compatibility_table
     from ._options import require_finite
 
-    if strength is not None and base is None:
-        raise UsageError("--strength needs --base: the delta is measured against a base's weights.",
-                         hint=f"port inspect {source.path} --base BASE --strength {strength:g}")
     strength = require_finite(1.0 if strength is None else strength, "--strength")
     path = source.path
     info = describe_adapter(source)

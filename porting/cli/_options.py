@@ -13,9 +13,11 @@ import math
 import typing
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Any, Callable, Optional
+from typing import Annotated, Any, Callable, Mapping, Optional
 
 import typer
+
+from porting.errors import Applies, Refusal, refuse_inapplicable
 
 
 def nonempty_path(text: str) -> Path:
@@ -79,6 +81,18 @@ def power_of_two_at_least(minimum: int) -> Callable[..., Any]:
         return value
 
     return check
+
+
+class RunDtype(str, Enum):
+    """The dtype a pipeline runs in (generate, bench, compare)."""
+    bf16 = "bf16"
+    fp16 = "fp16"
+    fp32 = "fp32"
+
+
+DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda[:N] or npu[:N].")]
+RunDtypeOpt = Annotated[Optional[RunDtype], typer.Option("--dtype", help="Default bf16 on accelerators, fp32 on "
+                                                         "cpu (CPUs have no fast bf16 kernels).")]
 
 
 class DtypeChoice(str, Enum):
@@ -154,3 +168,82 @@ def checked(command: Callable[..., Any]) -> Callable[..., Any]:
         return command(*args, **kwargs)
 
     return run
+
+
+# --- which options apply to which input -----------------------------------------------------------------------------
+
+_SVDQ_ONLY = Refusal("{flag} applies to --quantize svdq-int4 / svdq-nvfp4 only.",
+                     "Leave {flag} out, or add --quantize svdq-int4.")
+_ADAPTERS_ONLY = Refusal("{flag}: {src} is transformer weights, not an adapter; {flag} applies to adapters only.",
+                         "Leave {flag} out to convert the weights.")
+_SVDQ_BASES = Refusal("{flag} applies to Nunchaku SVDQuant bases; {src} is not one.", "Leave the option out.")
+
+# verb -> option (as the verb names it in `given`) -> the kinds of input it applies to (`Applies`: what it says
+# elsewhere, and any option it needs), checked in this order. Kinds: `adapter` (LoRA / LyCORIS factors) and
+# `weights`; convert's weights split by --quantize into `svdq` (svdq-*), `quantized` (gguf-* / fp8-scaled) and
+# `weights` (none; `convert_kind`); merge's base is `svdq` (a Nunchaku SVDQuant file) or `weights`. batch checks
+# each job's convert options against the same table (batch/jobs.py: check_applicable_options).
+APPLIES: dict[str, dict[str, Applies]] = {
+    "convert": {
+        "--lora-style": Applies(frozenset({"adapter"}), _ADAPTERS_ONLY),
+        "--materialise": Applies(frozenset({"adapter"}), _ADAPTERS_ONLY),
+        "--rank": Applies(frozenset({"svdq"}), _SVDQ_ONLY),
+        "--calibrate": Applies(frozenset({"svdq"}), _SVDQ_ONLY),
+        "--device": Applies(frozenset({"svdq"}), _SVDQ_ONLY, needs={"svdq": ("--calibrate", Refusal(
+            "--device says where --calibrate runs the model; without --calibrate nothing runs."))}),
+        "--to original": Applies(frozenset({"adapter", "weights", "quantized"}), Refusal(
+            "--quantize {quantize} writes Nunchaku's own layer names; --to does not apply.",
+            "port convert {src} --quantize {quantize} --out DIR")),
+        "--dtype": Applies(frozenset({"weights", "quantized"}), Refusal(
+            "--quantize {quantize} writes 4-bit layers and bf16 for the rest; --dtype does not apply."), per_kind={
+            "adapter": Refusal("--dtype applies to weights; a converted adapter keeps its factors' dtype.",
+                               usage=False)}),
+        "--quantize": Applies(frozenset({"svdq", "quantized"}), Refusal(
+            "--quantize {quantize}: {src} is an adapter (LoRA / LyCORIS factors); --quantize writes quantized "
+            "transformer weights.", "Merge the adapter into a base first (port merge), then quantize the result."),
+            needs={"quantized": ("--to original", Refusal(
+                "--quantize {quantize} writes original (BFL) naming for ComfyUI-style loaders; it needs --to "
+                "original.", "port convert {src} --to original --quantize {quantize} {out}"))}),
+    },
+    "inspect": {
+        "--strength": Applies(frozenset({"adapter"}), Refusal(
+            "--strength is for an adapter measured against a base (port inspect ADAPTER --base BASE)."),
+            needs={"adapter": ("--base", Refusal("--strength needs --base: the delta is measured against a base's "
+                                                 "weights.", "port inspect {src} --base BASE --strength {strength}"))}),
+    },
+    "merge": {
+        "--requantize": Applies(frozenset({"svdq"}), _SVDQ_BASES),
+        "--max-error": Applies(frozenset({"svdq"}), _SVDQ_BASES),
+    },
+}
+
+
+def check_applicable(verb: str, kind: str, given: Mapping[str, Optional[str]], **fields: Any) -> None:
+    """Refuse (exit 2) the first option in `given` that does not apply to `kind` in `APPLIES[verb]`, or that lacks
+    an option it needs. `given`: option -> how it was given (e.g. `--lora-style kohya`), None when it was not."""
+    refuse_inapplicable(APPLIES[verb], kind, given, **fields)
+
+
+def convert_kind(source_kind: str, quantize: Optional[str]) -> str:
+    """The kind `APPLIES["convert"]` knows: adapter, or weights written plain (weights), as Nunchaku SVDQuant (svdq)
+    or as one gguf / fp8 file (quantized)."""
+    if source_kind == "adapter":
+        return "adapter"
+    if quantize is None:
+        return "weights"
+    return "svdq" if quantize.startswith("svdq-") else "quantized"
+
+
+def convert_given(*, lora_style: Optional[str] = None, materialise: bool = False, rank: Optional[int] = None,
+                  calibrate: Any = None, device: str = "cpu", to: str = "diffusers", dtype: str = "keep",
+                  quantize: Optional[str] = None) -> dict[str, Optional[str]]:
+    """`port convert`'s options as `check_applicable` takes them: each shown as given, None when left at its
+    default."""
+    return {"--lora-style": None if lora_style is None else f"--lora-style {lora_style}",
+            "--materialise": "--materialise" if materialise else None,
+            "--rank": None if rank is None else "--rank",
+            "--calibrate": None if calibrate is None else "--calibrate",
+            "--device": "--device" if device != "cpu" else None,
+            "--to original": "--to original" if to == "original" else None,
+            "--dtype": "--dtype" if dtype != "keep" else None,
+            "--quantize": None if quantize is None else f"--quantize {quantize}"}

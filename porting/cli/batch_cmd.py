@@ -7,7 +7,7 @@ import os
 import time
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
@@ -15,6 +15,9 @@ from porting.errors import CheckFailed, UsageError
 
 from . import _output
 from ._options import JsonOpt, OutDirOpt, QuietOpt, at_least
+
+if TYPE_CHECKING:
+    from .batch.jobs import Job
 
 BATCH_EXAMPLES = """\b
 Examples:
@@ -50,18 +53,8 @@ def batch(
 ) -> None:
     """Run fetch / convert / validate / publish / compare / export for many models; a rerun redoes nothing
     finished."""
-    from .batch.driver import (
-        JobRun,
-        Progress,
-        check_ray_address,
-        local_paths,
-        markdown,
-        ray_missing,
-        run_local,
-        run_ray,
-        summary,
-    )
-    from .batch.jobs import load_jobs
+    from .batch.driver import check_ray_address, local_paths, markdown, ray_missing
+    from .batch.jobs import check_applicable_options, load_jobs
     from .batch.steps import allowed_options, check_job_options
 
     output = _output.use(json_mode=json_, quiet=quiet)
@@ -74,6 +67,7 @@ def batch(
         raise UsageError("--address applies to --executor ray.")
     jobs = load_jobs(jobs_file, allowed_options())
     check_job_options(jobs, jobs_file)  # every value as its verb's command line takes it, before anything exists
+    check_applicable_options(jobs, jobs_file)  # and only where it applies
     if executor == Executor.ray:
         check_ray_address(address, connect_timeout)
     elif parallel is not None:  # each worker is an interpreter with torch: they must fit together
@@ -87,6 +81,26 @@ def batch(
     inputs = local_paths(jobs, jobs_file)
     check_writable_parent(out)
     check_disjoint(out, inputs)
+    doc = _run_locked(jobs, jobs_file, out, inputs, executor, address, max_retries, parallel, output)
+    failed = doc["jobs_failed"]
+    if output.json_mode:
+        output.document({**doc, **({"exit_code": CheckFailed.exit_code} if failed else {})})
+    else:
+        output.document_text(markdown(doc))
+    output.status(f"summary: {out / '_batch' / 'batch.json'} and batch.md")
+    if failed:
+        if output.json_mode:
+            raise typer.Exit(CheckFailed.exit_code)
+        raise CheckFailed(f"{failed} of {len(jobs)} job(s) failed; see {out / '_batch' / 'batch.md'}.",
+                          hint="Fix the cause and run the same command again: finished steps are not redone.")
+
+
+def _run_locked(jobs: list[Job], jobs_file: Path, out: Path, inputs: dict[str, Any], executor: Executor,
+                address: Optional[str], max_retries: int, parallel: Optional[int],
+                output: _output.Output) -> dict[str, Any]:
+    """Run the jobs into `out` under its lock (one driver per batch folder) and write DIR/_batch; the summary."""
+    from .batch.driver import JobRun, Progress, markdown, run_local, run_ray, summary
+
     out.mkdir(parents=True, exist_ok=True)
     lock = os.open(out, os.O_RDONLY | os.O_DIRECTORY)  # one driver per batch folder
     try:
@@ -94,7 +108,7 @@ def batch(
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise UsageError(f"{out}: another port batch is running on this folder.",
-                                        hint="Wait for it to finish; rerunning afterwards redoes nothing.") from None
+                             hint="Wait for it to finish; rerunning afterwards redoes nothing.") from None
         runs = [JobRun(job, out) for job in jobs]
         started = time.time()
         with Progress(runs, output) as progress:
@@ -112,14 +126,4 @@ def batch(
             (tmp / "batch.md").write_text(markdown(doc), encoding="utf-8")
     finally:
         os.close(lock)
-    failed = doc["jobs_failed"]
-    if output.json_mode:
-        output.document({**doc, **({"exit_code": CheckFailed.exit_code} if failed else {})})
-    else:
-        output.document_text(markdown(doc))
-    output.status(f"summary: {out / '_batch' / 'batch.json'} and batch.md")
-    if failed:
-        if output.json_mode:
-            raise typer.Exit(CheckFailed.exit_code)
-        raise CheckFailed(f"{failed} of {len(runs)} job(s) failed; see {out / '_batch' / 'batch.md'}.",
-                          hint="Fix the cause and run the same command again: finished steps are not redone.")
+    return doc

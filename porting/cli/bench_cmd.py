@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
-from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
 from . import _output
-from ._options import ForceOpt, JsonOpt, QuietOpt, StepsOpt, SvdqCompute, SvdqComputeOpt, out_option
+from ._options import (
+    DeviceOpt,
+    ForceOpt,
+    JsonOpt,
+    QuietOpt,
+    RunDtypeOpt,
+    StepsOpt,
+    SvdqCompute,
+    SvdqComputeOpt,
+    out_option,
+)
 
 BENCH_EXAMPLES = """\b
 Examples:
@@ -21,11 +30,6 @@ Examples:
 """
 
 
-class RunDtype(str, Enum):
-    bf16 = "bf16"
-    fp16 = "fp16"
-    fp32 = "fp32"
-
 
 def bench(
     folder: Annotated[Path, typer.Argument(help="Pipeline folder (published, or a base with --transformer).")],
@@ -33,9 +37,8 @@ def bench(
         "--transformer", help="Run with this transformer folder (or SVDQuant file, kept packed) instead of the "
                               "folder's own.")] = None,
     svdq_compute: SvdqComputeOpt = SvdqCompute.w4a4,
-    device: Annotated[str, typer.Option("--device", help="cpu, cuda[:N] or npu[:N].")] = "cpu",
-    dtype: Annotated[Optional[RunDtype], typer.Option("--dtype", help="Default bf16 on accelerators, fp32 on "
-                                                      "cpu (CPUs have no fast bf16 kernels).")] = None,
+    device: DeviceOpt = "cpu",
+    dtype: RunDtypeOpt = None,
     offload: Annotated[str, typer.Option("--offload", help="Comma-separated modes: none, model (model CPU "
                                          "offload), sequential (sequential CPU offload), group (group "
                                          "offloading).")] = "none,model,sequential,group",

@@ -2,16 +2,27 @@
 
 from __future__ import annotations
 
-from enum import Enum
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
 from porting.errors import CheckFailed, PortError
 
 from . import _output
-from ._options import ForceOpt, JsonOpt, QuietOpt, StepsOpt, SvdqCompute, SvdqComputeOpt, out_option
+from ._options import (
+    ForceOpt,
+    JsonOpt,
+    QuietOpt,
+    RunDtype,
+    StepsOpt,
+    SvdqCompute,
+    SvdqComputeOpt,
+    out_option,
+)
+
+if TYPE_CHECKING:
+    from porting.progress import StepProgress
 
 COMPARE_EXAMPLES = """\b
 Examples:
@@ -22,11 +33,6 @@ Examples:
   port compare ./base ./ft --prompt "a red fox in the snow" --prompt "a neon street" --seeds 0 --out cmp/ --json
 """
 
-
-class RunDtype(str, Enum):
-    bf16 = "bf16"
-    fp16 = "fp16"
-    fp32 = "fp32"
 
 
 def _seeds(text: str | None) -> list[int] | None:
@@ -84,9 +90,6 @@ def compare(
     quiet: QuietOpt = False,
 ) -> None:
     """Render the same prompts through two pipelines and report PSNR / SSIM / LPIPS (mean, p50, p90), with a grid."""
-    from rich.table import Table
-
-    from porting.pipeline.compare_tables import summary_rows
     from validation.image_compare import Side, read_prompts
     from validation.image_compare import compare as run_compare
 
@@ -94,42 +97,62 @@ def compare(
     if prompt and prompts:
         raise PortError("give --prompt or --prompts, not both.")
     prompt_list = list(prompt) if prompt else (read_prompts(prompts) if prompts else None)
-    from porting.progress import StepProgress
-
-    bar: StepProgress | None = None
-
-    def on_render_start(images: int, steps_per_image: int) -> None:
-        nonlocal bar
-        bar = StepProgress(None if output.quiet else output.err, "rendered", images, unit="denoising step",
-                           estimate_units=images * steps_per_image)
-        bar.start()
-
-    def on_image(done: int, total: int, label: str) -> None:
-        if bar is not None:
-            bar.advance(label)
-
-    def on_step(seconds: float) -> None:
-        if bar is not None:
-            bar.timed(seconds)
-
-    def say(text: str) -> None:  # status lines above the live bar
-        if bar is None:
-            output.status(text)
-        elif not output.quiet:
-            bar.say(text)
-
-    try:
+    with _RenderBar(output) as bar:
         result = run_compare(
             Side(reference, reference_transformer, reference_device,
                  reference_dtype.value if reference_dtype else None, svdq_compute.value),
             Side(candidate, candidate_transformer, device, dtype.value if dtype else None, svdq_compute.value),
             prompts=prompt_list, seeds=_seeds(seeds), steps=steps, size=size, out=out, force=force,
             lpips_weights=lpips_weights, guidance_scale=guidance_scale, min_psnr=min_psnr, max_lpips=max_lpips,
-            diff_gain=diff_gain, images=image or [], on_status=say, on_image=on_image, inputs={"--prompts": prompts},
-            on_step=on_step, on_render_start=on_render_start)
-    finally:
-        if bar is not None:
-            bar.stop()
+            diff_gain=diff_gain, images=image or [], on_status=bar.say, on_image=bar.on_image,
+            inputs={"--prompts": prompts}, on_step=bar.on_step, on_render_start=bar.on_render_start)
+    _report(output, result)
+
+
+class _RenderBar:
+    """The rendering progress bar (one unit a denoising step), started when rendering starts; status lines go above
+    it."""
+
+    def __init__(self, output: _output.Output) -> None:
+        self.output = output
+        self.bar: StepProgress | None = None
+
+    def on_render_start(self, images: int, steps_per_image: int) -> None:
+        from porting.progress import StepProgress
+
+        self.bar = StepProgress(None if self.output.quiet else self.output.err, "rendered", images,
+                                unit="denoising step", estimate_units=images * steps_per_image)
+        self.bar.start()
+
+    def on_image(self, done: int, total: int, label: str) -> None:
+        if self.bar is not None:
+            self.bar.advance(label)
+
+    def on_step(self, seconds: float) -> None:
+        if self.bar is not None:
+            self.bar.timed(seconds)
+
+    def say(self, text: str) -> None:  # status lines above the live bar
+        if self.bar is None:
+            self.output.status(text)
+        elif not self.output.quiet:
+            self.bar.say(text)
+
+    def __enter__(self) -> _RenderBar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def _report(output: _output.Output, result: Any) -> None:
+    """The summary table, the notes on PSNR and LPIPS, and the gate: exit 1 (with the document under --json) when
+    it was missed."""
+    from rich.table import Table
+
+    from porting.pipeline.compare_tables import summary_rows
+
     doc = result.doc
     if not output.json_mode:
         table = Table(title=f"{len(doc['images'])} image(s): candidate against reference")

@@ -5,13 +5,14 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Callable, Optional
 
 import typer
 
-from porting.errors import PortError, UsageError
+from porting.errors import PortError
 
 from . import _adapter, _output
 from ._options import (
@@ -22,6 +23,9 @@ from ._options import (
     OptionalOutDirOpt,
     QuietOpt,
     WorkspaceOpt,
+    check_applicable,
+    convert_given,
+    convert_kind,
 )
 from ._source import resolve
 
@@ -29,6 +33,7 @@ if TYPE_CHECKING:
     from rich.table import Table
 
     from porting.engine.convert import ConvertResult
+    from porting.inputs import Source
 
 CONVERT_EXAMPLES = """\b
 Examples:
@@ -171,92 +176,117 @@ def convert(
 ) -> None:
     """Convert FLUX.2 / FLUX.1 transformer weights (or a LoRA / LyCORIS adapter) between original (BFL) and
     diffusers naming."""
-    from ._recipe import as_recipe, base_config, finetune_file, raise_unfetched_recipe
-
     output = _output.use(json_mode=json_, quiet=quiet)
-    recipe = as_recipe(src, workspace)
-    if recipe is not None:
-        source = resolve(src, output.status, path=finetune_file(recipe))
-        out = out or recipe.transformer
-        config = config or base_config(recipe)
-    else:
-        if not src.exists():
-            raise_unfetched_recipe(src)
-        source = resolve(src, output.status)
+    recipe, source, out, config = _open(src, workspace, out, config, output)
     src = source.path
-    if source.kind == "adapter":
-        if dtype != DtypeChoice.keep:
-            raise PortError("--dtype applies to weights; a converted adapter keeps its factors' dtype.")
-        if quantize is not None:
-            raise UsageError(f"--quantize {quantize.value}: {src} is an adapter (LoRA / LyCORIS factors); "
-                             "--quantize writes quantized transformer weights.",
-                             hint="Merge the adapter into a base first (port merge), then quantize the result.")
+    quantized = quantize.value if quantize is not None else None
+    kind = convert_kind(source.kind, quantized)
+    check_applicable("convert", kind, convert_given(
+        lora_style=lora_style.value if lora_style else None, materialise=materialise, rank=rank, calibrate=calibrate,
+        device=device, to=to.value, dtype=dtype.value, quantize=quantized),
+        src=src, quantize=quantized, out="--dry-run" if dry_run else "--out DIR")
+    if kind == "adapter":
         style = lora_style.value if lora_style else None
         return _adapter.convert(output, source, out, to.value, style, materialise, config, dry_run, force)
-    if lora_style is not None or materialise:
-        flag = f"--lora-style {lora_style.value}" if lora_style is not None else "--materialise"
-        raise UsageError(f"{flag}: {src} is transformer weights, not an adapter; {flag} applies to adapters only.",
-                         hint=f"Leave {flag} out to convert the weights.")
     if out is None and not dry_run:
         raise PortError("port convert needs --out DIR (or --dry-run to only print the plan).")
-    svdq = quantize is not None and quantize.value.startswith("svdq-")
-    for flag, given in (("--rank", rank is not None), ("--calibrate", calibrate is not None),
-                        ("--device", device != "cpu")):
-        if given and not svdq:
-            raise UsageError(f"{flag} applies to --quantize svdq-int4 / svdq-nvfp4 only.",
-                             hint=f"Leave {flag} out, or add --quantize svdq-int4.")
-    if device != "cpu" and calibrate is None:
-        raise UsageError("--device says where --calibrate runs the model; without --calibrate nothing runs.")
-    if svdq:
-        if to != Direction.diffusers:
-            raise UsageError(f"--quantize {quantize.value} writes Nunchaku's own layer names; --to does not apply.",
-                             hint=f"port convert {src} --quantize {quantize.value} --out DIR")
-        if dtype != DtypeChoice.keep:
-            raise UsageError(f"--quantize {quantize.value} writes 4-bit layers and bf16 for the rest; --dtype does "
-                             "not apply.")
+    if kind == "svdq":
         from porting.engine.svdq_convert import check_rank
 
         check_rank(32 if rank is None else rank)
-    elif quantize is not None and to != Direction.original:
-        raise UsageError(f"--quantize {quantize.value} writes original (BFL) naming for ComfyUI-style loaders; it "
-                         "needs --to original.",
-                         hint=f"port convert {src} --to original --quantize {quantize.value} "
-                              + ("--dry-run" if dry_run else "--out DIR"))
+    with output.bytes_progress("converting") as (on_start, on_bytes):
+        job = _Job(source, out, to, dtype, config, max_shard_size, strict, dry_run, force, on_start, on_bytes,
+                   output.warning)
+        if kind == "svdq":
+            result = _convert_svdq(job, quantize.value, 32 if rank is None else rank, calibrate, device)
+        elif kind == "quantized":
+            result = _convert_quantized(job, quantize.value)
+        else:
+            result = _convert_plain(job)
+    _report(output, result, recipe, to)
+
+
+def _open(src: Path, workspace: Optional[Path], out: Optional[Path], config: Optional[Path],
+          output: _output.Output) -> tuple[Any, Source, Optional[Path], Optional[Path]]:
+    """SRC opened, with a recipe's own --out and --config defaults when SRC names a recipe in the workspace."""
+    from ._recipe import as_recipe, base_config, finetune_file, raise_unfetched_recipe
+
+    recipe = as_recipe(src, workspace)
+    if recipe is not None:
+        return recipe, resolve(src, output.status, path=finetune_file(recipe)), out or recipe.transformer, \
+            config or base_config(recipe)
+    if not src.exists():
+        raise_unfetched_recipe(src)
+    return None, resolve(src, output.status), out, config
+
+
+@dataclass
+class _Job:
+    """What every conversion of weights is given."""
+    source: Source
+    out: Optional[Path]
+    to: Direction
+    dtype: DtypeChoice
+    config: Optional[Path]
+    max_shard_size: Optional[str]
+    strict: bool
+    dry_run: bool
+    force: bool
+    on_start: Callable[[int], None]
+    on_bytes: Callable[[int], None]
+    on_notice: Callable[[str], None]
+
+
+def _convert_plain(job: _Job) -> ConvertResult:
+    """The weights renamed (and cast) into `job.to`'s naming, or (a dry run) the plan."""
     from porting.engine.convert import convert as run_convert
 
-    with output.bytes_progress("converting") as (on_start, on_bytes):
-        if svdq and not dry_run:
-            from porting.engine.svdq_convert import convert_svdquant
-            from porting.pipeline.calibrate import Calibration
+    return run_convert(job.source, job.out, to=job.to.value, dtype=job.dtype.value, config=job.config,
+                       max_shard_size=job.max_shard_size, strict=job.strict, dry_run=job.dry_run, force=job.force,
+                       on_start=job.on_start, on_bytes=job.on_bytes, on_notice=job.on_notice)
 
-            result = convert_svdquant(source, out, quantize.value, rank=32 if rank is None else rank, config=config,
-                                      strict=strict, force=force, on_start=on_start, on_bytes=on_bytes,
-                                      calibrate=None if calibrate is None else Calibration(calibrate, device))
-        elif svdq:
-            result = run_convert(source, None, to="diffusers", config=config, strict=strict, dry_run=True,
-                                 on_notice=output.warning)
-            from porting.engine.svdq_convert import PRECISIONS
-            from porting.tensors.quant.svdq.layout import file_name
 
-            r = 32 if rank is None else rank
-            result.extra.update(quantize_to=f"Nunchaku SVDQuant ({quantize.value}, rank {r})",
-                                planned_files=[file_name(PRECISIONS[quantize.value], r, source.path)])
-        elif quantize is not None and dry_run:  # the plan of the original-naming weights, and the file it would be
-            from porting.engine.quantize import TARGETS
+def _convert_svdq(job: _Job, quantize: str, rank: int, calibrate: Optional[Path], device: str) -> ConvertResult:
+    """One Nunchaku SVDQuant file, or (a dry run) the plan of the diffusers weights and the file it would be."""
+    if not job.dry_run:
+        from porting.engine.svdq_convert import convert_svdquant
+        from porting.pipeline.calibrate import Calibration
 
-            result = run_convert(source, None, to="original", dtype=dtype.value, config=config, strict=strict,
-                                 dry_run=True, on_notice=output.warning)
-            layout, name = TARGETS[quantize.value]
-            result.extra.update(quantize_to=layout, planned_files=[name])
-        elif quantize is not None:
-            from porting.engine.quantize import convert_quantized
+        return convert_svdquant(job.source, job.out, quantize, rank=rank, config=job.config, strict=job.strict,
+                                force=job.force, on_start=job.on_start, on_bytes=job.on_bytes,
+                                calibrate=None if calibrate is None else Calibration(calibrate, device))
+    from porting.engine.convert import convert as run_convert
 
-            result = convert_quantized(source, out, quantize.value, dtype=dtype.value, config=config, strict=strict,
-                                       force=force, on_start=on_start, on_bytes=on_bytes)
-        else:
-            result = run_convert(source, out, to=to.value, dtype=dtype.value, config=config,
-                                 max_shard_size=max_shard_size, strict=strict, dry_run=dry_run, force=force,
-                                 on_start=on_start, on_bytes=on_bytes, on_notice=output.warning)
+    result = run_convert(job.source, None, to="diffusers", config=job.config, strict=job.strict, dry_run=True,
+                         on_notice=job.on_notice)
+    from porting.engine.svdq_convert import PRECISIONS
+    from porting.tensors.quant.svdq.layout import file_name
+
+    result.extra.update(quantize_to=f"Nunchaku SVDQuant ({quantize}, rank {rank})",
+                        planned_files=[file_name(PRECISIONS[quantize], rank, job.source.path)])
+    return result
+
+
+def _convert_quantized(job: _Job, quantize: str) -> ConvertResult:
+    """One gguf / fp8 file in original naming, or (a dry run) the plan of the original-naming weights and the file
+    it would be."""
+    if not job.dry_run:
+        from porting.engine.quantize import convert_quantized
+
+        return convert_quantized(job.source, job.out, quantize, dtype=job.dtype.value, config=job.config,
+                                 strict=job.strict, force=job.force, on_start=job.on_start, on_bytes=job.on_bytes)
+    from porting.engine.convert import convert as run_convert
+    from porting.engine.quantize import TARGETS
+
+    result = run_convert(job.source, None, to="original", dtype=job.dtype.value, config=job.config,
+                         strict=job.strict, dry_run=True, on_notice=job.on_notice)
+    layout, name = TARGETS[quantize]
+    result.extra.update(quantize_to=layout, planned_files=[name])
+    return result
+
+
+def _report(output: _output.Output, result: ConvertResult, recipe: Any, to: Direction) -> None:
+    """Record the step in a recipe's workspace, print the document or the tables, the plan's problems and a hint."""
     if recipe is not None and result.out:
         from porting.hub.workspace import record_step
         record_step(recipe, "convert", result.to_dict())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, List, Optional
+from typing import Annotated, Any, List, Optional
 
 import typer
 
@@ -72,8 +72,6 @@ def export(
     quiet: QuietOpt = False,
 ) -> None:
     """Export a diffusers folder to ONNX (weights as external data), ready for onnxruntime; or lint one (--check)."""
-    from rich.table import Table
-
     from porting.export.onnx import export_onnx
 
     output = _output.use(json_mode=json_, quiet=quiet, heavy=True)
@@ -83,24 +81,7 @@ def export(
         return _check(check, target.value, output)
     if folder is None or out is None:
         raise UsageError("port export needs FOLDER and --out (or --check DIR to lint a folder).")
-    profile = None
-    ryzenai_options = {"--size": size or None, "--text-len": text_len, "--block-size": block_size,
-                       "--accuracy-level": accuracy_level}
-    if target is ExportTarget.ryzenai:
-        from porting.export import ryzenai
-
-        if dtype is not ExportDtype.fp32:
-            raise UsageError(f"--dtype {dtype.value}: --target ryzenai sets the dtypes itself (bf16-cast transformer "
-                             "and VAE decoder, int4 text encoder); leave --dtype out.")
-        profile = ryzenai.check_profile(size or [ryzenai.DEFAULT_SIZE],
-                                        ryzenai.DEFAULT_TEXT_LEN if text_len is None else text_len,
-                                        ryzenai.DEFAULT_BLOCK_SIZE if block_size is None else block_size,
-                                        accuracy_level)
-    else:
-        given = [k for k, v in ryzenai_options.items() if v is not None]
-        if given:
-            raise UsageError(f"{', '.join(given)}: only with --target ryzenai (the generic export has dynamic axes "
-                             "and float weights).")
+    profile = _profile(target, dtype, size, text_len, block_size, accuracy_level)
     wanted = [c.strip() for c in components.split(",") if c.strip()] if components else None
     if components is not None and not wanted:
         raise PortError("--components is empty; name at least one of transformer, vae_decoder, text_encoder, "
@@ -113,6 +94,36 @@ def export(
                              on_status=steps, target=target.value, profile=profile)
     finally:
         steps.end()
+    _report(output, result, target)
+
+
+def _profile(target: ExportTarget, dtype: ExportDtype, size: Optional[List[int]], text_len: Optional[int],
+             block_size: Optional[int], accuracy_level: Optional[int]) -> Any:
+    """The ryzenai profile (sizes, text length, int4 block size), checked; None for the generic export, which takes
+    none of its options."""
+    if target is ExportTarget.ryzenai:
+        from porting.export import ryzenai
+
+        if dtype is not ExportDtype.fp32:
+            raise UsageError(f"--dtype {dtype.value}: --target ryzenai sets the dtypes itself (bf16-cast transformer "
+                             "and VAE decoder, int4 text encoder); leave --dtype out.")
+        return ryzenai.check_profile(size or [ryzenai.DEFAULT_SIZE],
+                                     ryzenai.DEFAULT_TEXT_LEN if text_len is None else text_len,
+                                     ryzenai.DEFAULT_BLOCK_SIZE if block_size is None else block_size,
+                                     accuracy_level)
+    ryzenai_options = {"--size": size or None, "--text-len": text_len, "--block-size": block_size,
+                       "--accuracy-level": accuracy_level}
+    given = [k for k, v in ryzenai_options.items() if v is not None]
+    if given:
+        raise UsageError(f"{', '.join(given)}: only with --target ryzenai (the generic export has dynamic axes "
+                         "and float weights).")
+    return None
+
+
+def _report(output: _output.Output, result: Any, target: ExportTarget) -> None:
+    """The document, a table of the components written, the notices and the next step."""
+    from rich.table import Table
+
     output.document(result.to_dict())
     table = Table(title=f"exported to {result.out} (ONNX opset {result.opset_produced}, {result.dtype})")
     for col in ("component", "inputs", "parameters", "graph", "external data", "time"):

@@ -9,7 +9,17 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 
 from . import _output
-from ._options import JsonOpt, OrtThreadsOpt, QuietOpt, StepsOpt, SvdqCompute, SvdqComputeOpt, out_option
+from ._options import (
+    DeviceOpt,
+    JsonOpt,
+    OrtThreadsOpt,
+    QuietOpt,
+    RunDtypeOpt,
+    StepsOpt,
+    SvdqCompute,
+    SvdqComputeOpt,
+    out_option,
+)
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -30,11 +40,6 @@ class OffloadChoice(str, Enum):
     model = "model"
     sequential = "sequential"
 
-
-class GenDtype(str, Enum):
-    bf16 = "bf16"
-    fp16 = "fp16"
-    fp32 = "fp32"
 
 
 def _gb(n: int) -> str:
@@ -60,7 +65,7 @@ def summary_table(r: GenerateResult) -> Table:
 def generate(
     folder: Annotated[Path, typer.Argument(help="Published pipeline folder (port publish --out).")],
     prompt: Annotated[str, typer.Option("--prompt", "-p", help="Text prompt.")],
-    device: Annotated[str, typer.Option("--device", help="cpu, cuda[:N] or npu[:N].")] = "cpu",
+    device: DeviceOpt = "cpu",
     steps: StepsOpt = None,
     seed: Annotated[int, typer.Option("--seed", help="Noise seed (CPU generator: same image on every "
                                                      "device).")] = 0,
@@ -73,8 +78,7 @@ def generate(
                                                                  "layer.")] = None,
     image: Annotated[Optional[list[Path]], typer.Option("--image", help="Reference image for editing "
                                                         "(repeatable).")] = None,
-    dtype: Annotated[Optional[GenDtype], typer.Option("--dtype", help="Default bf16 on accelerators, fp32 on "
-                                                      "cpu (CPUs have no fast bf16 kernels).")] = None,
+    dtype: RunDtypeOpt = None,
     guidance_scale: Annotated[Optional[float], typer.Option("--guidance-scale", help="CFG scale (base and dev "
                                                             "models; distilled models ignore it).")] = None,
     transformer: Annotated[Optional[Path], typer.Option(

@@ -9,7 +9,7 @@ import typer
 
 from . import _adapter, _output
 from ._compat import companions_table, compatibility_table
-from ._options import JsonOpt, transformer_of
+from ._options import JsonOpt, check_applicable, transformer_of
 from ._source import resolve
 
 if TYPE_CHECKING:
@@ -67,12 +67,11 @@ def inspect(path: Annotated[Path, typer.Argument(
     out = _output.use(json_mode=json_)
     source = resolve(path, out.status)
     path = source.path
+    check_applicable("inspect", source.kind, {"--strength": None if strength is None else "--strength",
+                                              "--base": None if base is None else "--base"},
+                     src=path, strength=f"{strength:g}" if strength is not None else None)
     if source.kind == "adapter":
         return _adapter.inspect(out, source, transformer_of(base, out.status) if base else None, strength)
-    if strength is not None:
-        from porting.errors import UsageError
-
-        raise UsageError("--strength is for an adapter measured against a base (port inspect ADAPTER --base BASE).")
     info = describe(source, base)
     out.document(info)
     table = Table(title=f"{path}", show_header=False)

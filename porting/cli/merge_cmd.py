@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from . import _output
-from ._options import ForceOpt, JsonOpt, OutDirOpt, QuietOpt, require_finite
+from ._options import ForceOpt, JsonOpt, OutDirOpt, QuietOpt, check_applicable, require_finite
 from ._source import resolve
 
 MERGE_EXAMPLES = """\b
@@ -68,6 +68,11 @@ def merge(
         require_finite(strength, f"ADAPTER:STRENGTH {text!r}: strength")
     source = resolve(base, output.status, kind="weights")  # the one reading placement and writing share
     base = source.path
+    from porting.adapters.svdq_merge import svdq_info
+
+    check_applicable("merge", "svdq" if svdq_info(source.detection.ckpt) is not None else "weights",
+                     {"--requantize": "--requantize" if requantize else None,
+                      "--max-error": None if max_error is None else "--max-error"}, src=base)
     with output.bytes_progress("merging") as (on_start, on_bytes):
         result = run_merge(source, specs, out, to=None if to == MergeTarget.keep else to.value,
                            max_shard_size=max_shard_size, force=force, dry_run=dry_run,

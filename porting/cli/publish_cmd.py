@@ -138,17 +138,13 @@ def publish(
 ) -> None:
     """Assemble a diffusers pipeline folder from a base repository and a converted, validated transformer."""
     output = _output.use(json_mode=json_, quiet=quiet, heavy=True)
+    paths = None
     if recipe is not None:
         if base is not None or transformer is not None:
             raise PortError("give either a RECIPE or --base/--transformer, not both.")
         paths = _recipe_paths(recipe, workspace)
-        base, transformer = paths.base, paths.transformer
-        out = out or paths.published
-        report = report or paths.reports
-        known = _known_recipe(recipe)
-        if known is not None:
-            variant = variant or VariantChoice(known.variant)
-            base_model = base_model or known.base.repo
+        base, transformer, out, report = paths.base, paths.transformer, out or paths.published, report or paths.reports
+        variant, base_model = _recipe_defaults(recipe, variant, base_model)
     missing = [flag for flag, value in (("--base", base), ("--transformer", transformer), ("--out", out))
                if value is None]
     if missing:
@@ -164,20 +160,8 @@ def publish(
                              on_status=output.status, on_start=on_start, on_bytes=on_bytes)
     doc = result.to_dict()
     if pusher is not None:
-        from porting.hub.push import push_folder
-
-        try:
-            doc["push"] = push_folder(pusher, result.out, say=output.status).to_dict()
-        except PortError as err:
-            err.hint = f"{err.hint + ' ' if err.hint else ''}{_resume_hint(result.out)}"
-            raise
-        except KeyboardInterrupt:
-            from porting.errors import Interrupted
-
-            raise Interrupted(f"Interrupted during the upload to {pusher.target.source.label}: the folder "
-                              f"{result.out} is published, the upload is incomplete.",
-                              hint=_resume_hint(result.out)) from None
-    if recipe is not None:
+        doc["push"] = _push(pusher, result.out, output)
+    if paths is not None:
         from porting.hub.workspace import record_step
         record_step(paths, "publish", doc)
     output.document(doc)
@@ -189,6 +173,31 @@ def publish(
         output.warning(notice)
     output.hint(f'try it: port generate {result.out} --prompt "a red fox in the snow" --device cpu --size 256 '
                 "--steps 4 --output fox.png")
+
+
+def _recipe_defaults(recipe: str, variant: Optional[VariantChoice],
+                     base_model: Optional[str]) -> tuple[Optional[VariantChoice], Optional[str]]:
+    """--variant and --base-model as given, else a known recipe's."""
+    known = _known_recipe(recipe)
+    if known is None:
+        return variant, base_model
+    return variant or VariantChoice(known.variant), base_model or known.base.repo
+
+
+def _push(pusher: Any, out: Path, output: _output.Output) -> dict[str, Any]:
+    """Upload the published folder; a failure or an interrupt says how to resume."""
+    from porting.hub.push import push_folder
+
+    try:
+        return push_folder(pusher, out, say=output.status).to_dict()
+    except PortError as err:
+        err.hint = f"{err.hint + ' ' if err.hint else ''}{_resume_hint(out)}"
+        raise
+    except KeyboardInterrupt:
+        from porting.errors import Interrupted
+
+        raise Interrupted(f"Interrupted during the upload to {pusher.target.source.label}: the folder "
+                          f"{out} is published, the upload is incomplete.", hint=_resume_hint(out)) from None
 
 
 def _resume_hint(out: Path) -> str:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
-from porting.errors import CheckFailed, PortError, UsageError
+from porting.errors import CheckFailed
 
 from . import _output
 from ._options import (
@@ -33,6 +33,7 @@ Examples:
 """
 
 
+# long: the signature is validate's table of 24 options (each with its help); the body is 32 lines
 def validate(
     model: Annotated[Path, typer.Argument(help="Converted diffusers transformer folder, an original-naming file, or a "
                                           "recipe name in the workspace.")],
@@ -89,22 +90,43 @@ def validate(
     """Run the full transformer on the device against a float32 golden and judge it against bf16's own error."""
     from validation.api import validate as run_validate
     from validation.distributed import launched_by_torchrun, parse_devices
-    from validation.options import check_options, parse_seeds, parse_timesteps
-    from validation.report import terminal_table
+    from validation.options import check_applicable, check_options, parse_seeds, parse_timesteps
 
+    given = {"--device": device, "--ort-threads": ort_threads, "--svdq-compute": svdq_compute, "--devices": devices}
+    check_applicable(runtime, given, device=device, devices=devices, ort_threads=ort_threads)  # before any rank
     if devices is not None:
-        if device is not None:
-            raise UsageError(f"--devices {devices} with --device {device}: give the devices once, in --devices "
-                             "(several) or --device (one).")
         parse_devices(devices)  # a malformed list is refused (exit 2, naming --devices) before any work
     device = device or "cpu"
-    if svdq_compute is not None and (devices is not None or runtime != "torch"):  # before any rank is spawned
-        raise UsageError("--svdq-compute runs the packed linears in the torch staged runner on one device; drop "
-                         "--devices / --runtime onnxruntime, or --svdq-compute.")
     follower = devices is not None and launched_by_torchrun() and os.environ.get("RANK", "0") != "0"
     output = _output.use(json_mode=json_, quiet=quiet or follower, heavy=True)
+    recipe, model, base = _model_of(model, base, workspace, output)
+    check_applicable(runtime, {**given, "--prompt": prompt or None, "--base": base}, device=device, devices=devices,
+                     ort_threads=ort_threads)
     from porting.reports import REPORTS, run_folder
 
+    out = out or run_folder(recipe.reports if recipe is not None else model.resolve().parent / REPORTS, "validate")
+    seed_list, timestep_list = parse_seeds(seeds), parse_timesteps(timesteps)
+    resolution, text_len = _sizes(resolution, text_len, device, devices, runtime, output)
+    check_options(resolution=resolution, text_len=text_len, timesteps=timestep_list, seeds=seed_list,
+                  max_ratio=max_ratio)
+    if devices is not None and not follower:  # ranks run in other processes: no per-stage progress here
+        output.status(f"validating as pipeline stages over {devices} (one process per device; the report comes "
+                      "when the last rank is done)")
+    with _StageBar(output) as bar:
+        report = run_validate(model, device=device, dtype=dtype, reference=reference, golden_dtype=golden_dtype,
+                              out=out, resolution=resolution, text_len=text_len,
+                              timesteps=timestep_list, seeds=seed_list, base=base, prompt=prompt,
+                              max_ratio=max_ratio, config=config, intrinsic=intrinsic,
+                              on_stage=bar.on_stage, runtime=runtime, provider=provider, devices=devices,
+                              ort_threads=ort_threads, svdq_compute=svdq_compute.value if svdq_compute else None)
+    if report is not None:  # None: a torchrun rank other than 0; rank 0 writes the one report
+        _report(output, report, model, out, recipe, runtime)
+
+
+def _model_of(model: Path, base: Optional[Path], workspace: Optional[Path],
+              output: _output.Output) -> tuple[Any, Path, Optional[Path]]:
+    """(recipe or None, the transformer to validate, --base): a recipe's transformer and base pipeline when MODEL
+    names one, a pipeline folder's transformer/."""
     from ._recipe import as_recipe
 
     recipe = as_recipe(model, workspace)
@@ -112,43 +134,37 @@ def validate(
         model = recipe.transformer
         if base is None and (recipe.base / "text_encoder").is_dir():
             base = recipe.base
-    model = transformer_of(model, output.status)
-    if prompt and base is None:
-        raise PortError("--prompt needs --base (the base model's text encoder encodes it).")
-    out = out or run_folder(recipe.reports if recipe is not None else model.resolve().parent / REPORTS, "validate")
-    seed_list, timestep_list = parse_seeds(seeds), parse_timesteps(timesteps)
-    resolution, text_len = _sizes(resolution, text_len, device, devices, runtime, output)
-    check_options(resolution=resolution, text_len=text_len, timesteps=timestep_list, seeds=seed_list,
-                  max_ratio=max_ratio)
-    from porting.progress import StepProgress, clock
+    return recipe, transformer_of(model, output.status), base
 
-    bar: StepProgress | None = None
-    started = clock()
 
-    def on_stage(stage: str, total: int) -> None:
-        nonlocal bar
-        if bar is None:
-            bar = StepProgress(None if output.quiet else output.err, "validated stage", total, unit="stage",
-                               since=started)
-            bar.start()
-            bar.timed(clock() - started)  # the first stage includes loading; the estimate errs on the long side
-        bar.advance(stage)
+class _StageBar:
+    """The per-stage progress bar, started at the first stage (the first includes loading)."""
 
-    if devices is not None and not follower:  # ranks run in other processes: no per-stage progress here
-        output.status(f"validating as pipeline stages over {devices} (one process per device; the report comes "
-                      "when the last rank is done)")
-    try:
-        report = run_validate(model, device=device, dtype=dtype, reference=reference, golden_dtype=golden_dtype,
-                              out=out, resolution=resolution, text_len=text_len,
-                              timesteps=timestep_list, seeds=seed_list, base=base, prompt=prompt,
-                              max_ratio=max_ratio, config=config, intrinsic=intrinsic,
-                              on_stage=on_stage, runtime=runtime, provider=provider, devices=devices,
-                              ort_threads=ort_threads, svdq_compute=svdq_compute.value if svdq_compute else None)
-    finally:
-        if bar is not None:
-            bar.stop()
-    if report is None:  # a torchrun rank other than 0: rank 0 writes the one report
-        return
+    def __init__(self, output: _output.Output) -> None:
+        from porting.progress import clock
+
+        self.output, self.bar, self.started = output, None, clock()
+
+    def on_stage(self, stage: str, total: int) -> None:
+        from porting.progress import StepProgress, clock
+
+        if self.bar is None:
+            self.bar = StepProgress(None if self.output.quiet else self.output.err, "validated stage", total,
+                                    unit="stage", since=self.started)
+            self.bar.start()
+            self.bar.timed(clock() - self.started)  # the first stage includes loading; the estimate errs long
+        self.bar.advance(stage)
+
+    def __enter__(self) -> _StageBar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def _report(output: _output.Output, report: Any, model: Path, out: Path, recipe: Any, runtime: str) -> None:
+    """Record the step in a recipe's workspace, print the report, and fail (exit 1) or hint the next step."""
     data = report.to_dict()
     if recipe is not None:
         from porting.hub.workspace import record_step
@@ -157,6 +173,8 @@ def validate(
     output.document(data)
     for notice in data.get("notices") or []:
         output.warning(notice)
+    from validation.report import terminal_table
+
     output.table(terminal_table(data))
     output.status(f"report: {out / 'report.json'} and {out / 'report.md'}")
     _say_chart(output, out, bool(data["blocks"]))

@@ -335,6 +335,24 @@ def read_adapter(ckpt: Checkpoint, table: MappingTable | None = None, prefer: st
         raise InputError(f"{path}: adapter mixes original and diffusers module names.",
                          hint="Split it into one file per naming.")
     naming: Naming = namings.pop() if namings else "original"
+    _apply_alphas(ckpt, modules, alphas, unknown)
+    modules = _complete(modules, unknown)
+    for m in modules.values():
+        _check_numbers(ckpt, m, path)
+        _check_rank(ckpt, m, path)
+    if not keys:
+        raise InputError(f"{path}: the adapter holds no tensors; there is nothing to merge or convert.",
+                         hint="Check that the download or export finished.")
+    style, prefix = max(seen, key=seen.get) if seen else ("dotted", "")
+    return Adapter(path, ckpt, index.table, naming, style, prefix,
+                   {m.param: m for m in modules.values()}, unknown, _peft_scale(ckpt.metadata, path))
+
+
+def _apply_alphas(ckpt: Checkpoint, modules: dict[str, ModuleAdapter], alphas: dict[str, str],
+                  unknown: list[tuple[str, str]]) -> None:
+    """Each scalar alpha (`naming:module` -> its key) onto its module's factors; an alpha without factors is
+    unknown, one that is not a single number is refused."""
+    path = ckpt.path
     for tag, key in alphas.items():
         _, module = tag.split(":", 1)
         targets = [m for m in modules.values() if m.module == module and m.kind != "diff"]
@@ -350,6 +368,10 @@ def read_adapter(ckpt: Checkpoint, table: MappingTable | None = None, prefer: st
         for m in targets:
             m.alpha = value
             m.keys["alpha"] = key
+
+
+def _complete(modules: dict[str, ModuleAdapter], unknown: list[tuple[str, str]]) -> dict[str, ModuleAdapter]:
+    """The modules with every factor their kind needs; the others' keys are listed as unknown, saying what lacks."""
     for m in modules.values():
         missing = [group for group in REQUIRED[m.kind] if not any(r in m.keys for r in group)]
         if m.kind == "lokr":
@@ -359,13 +381,5 @@ def read_adapter(ckpt: Checkpoint, table: MappingTable | None = None, prefer: st
                                                         f"{' and '.join('/'.join(g) for g in missing)}"))
             m.kind = "incomplete"
     modules = {tag: m for tag, m in modules.items() if m.kind != "incomplete"}
-    for m in modules.values():
-        _check_numbers(ckpt, m, path)
-        _check_rank(ckpt, m, path)
-    if not keys:
-        raise InputError(f"{path}: the adapter holds no tensors; there is nothing to merge or convert.",
-                         hint="Check that the download or export finished.")
-    style, prefix = max(seen, key=seen.get) if seen else ("dotted", "")
-    return Adapter(path, ckpt, index.table, naming, style, prefix,
-                   {m.param: m for m in modules.values()}, unknown, _peft_scale(ckpt.metadata, path))
+    return modules
 

@@ -97,6 +97,38 @@ def _resolve(text: str, here: Path) -> Path:
 
 def load_jobs(path: Path, allowed: dict[str, set[str]]) -> list[Job]:
     """Parse and check a jobs file; `allowed[step]` are the option names batch may pass to that step's verb."""
+    defaults, raw_jobs = _read(path)
+    here = path.resolve().parent
+    jobs: list[Job] = []
+    for i, raw in enumerate(raw_jobs):
+        name = raw.get("name") if isinstance(raw, dict) else None
+        where = f"{path} {_where(i, name if isinstance(name, str) else None)}"
+        if not isinstance(raw, dict):
+            raise UsageError(f"{where}: a job is a table.")
+        bad = set(raw) - JOB_KEYS
+        if bad:
+            raise UsageError(f"{where}: unknown key(s) {', '.join(sorted(bad))}.",
+                             hint=f"A job may set: {', '.join(sorted(JOB_KEYS))}.")
+        _check_name(path, i, where, name, jobs)
+        merged = {**defaults, **raw}
+        kind, source, files = _source(where, merged, here)
+        base, base_kind = _base(where, merged.get("base"), here)
+        if base is None and kind == "recipe":
+            base_kind, base = "recipe", source
+        steps = _check_steps(where, merged.get("steps", ["convert", "validate", "publish"]))
+        options = {s: {**_check_options(f"{path} [defaults]", s, defaults.get(s, {}), allowed),
+                       **_check_options(where, s, raw.get(s, {}), allowed)} for s in steps}
+        revision = merged.get("revision")
+        if revision is not None and not isinstance(revision, str):
+            raise UsageError(f"{where}: revision must be a string.")
+        jobs.append(Job(name=name, source=source, source_kind=kind, base=base, base_kind=base_kind, steps=steps,
+                        options=options, files=tuple(files), revision=revision))
+    _check_pushes(path, jobs)
+    return jobs
+
+
+def _read(path: Path) -> tuple[dict[str, Any], list[Any]]:
+    """The jobs file's [defaults] and its [[job]] tables, each table's keys checked against what it may set."""
     try:
         doc = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -115,73 +147,86 @@ def load_jobs(path: Path, allowed: dict[str, set[str]]) -> list[Job]:
     if bad:
         raise UsageError(f"{path} [defaults]: unknown key(s) {', '.join(sorted(bad))}.",
                          hint=f"[defaults] may set: base, steps, revision, {', '.join(STEP_ORDER)}.")
-    here = path.resolve().parent
-    jobs: list[Job] = []
-    for i, raw in enumerate(raw_jobs):
-        name = raw.get("name") if isinstance(raw, dict) else None
-        where = f"{path} {_where(i, name if isinstance(name, str) else None)}"
-        if not isinstance(raw, dict):
-            raise UsageError(f"{where}: a job is a table.")
-        bad = set(raw) - JOB_KEYS
-        if bad:
-            raise UsageError(f"{where}: unknown key(s) {', '.join(sorted(bad))}.",
-                             hint=f"A job may set: {', '.join(sorted(JOB_KEYS))}.")
-        if isinstance(name, str) and name.startswith("_") and _NAME.fullmatch(name[1:]):
-            raise UsageError(f"{where}: name {name!r} is reserved: names starting with '_' are batch's own folders "
-                             "(DIR/_batch holds its summary).", hint="Rename the job; any name without a leading "
-                                                                      "'_' is fine.")
-        if not isinstance(name, str) or not _NAME.fullmatch(name) or ".." in name:
-            raise UsageError(f"{where}: name must be a plain folder name (letters, digits, '.', '_', '-'); "
-                             f"got {name!r}.")
-        if len(name) > NAME_MAX:
-            raise UsageError(f"{path} {_where(i)} ({name[:40]}...): name is {len(name)} characters long; at most "
-                             f"{NAME_MAX} (it becomes the "
-                             "folder DIR/NAME/, and a file name holds at most 255 bytes).",
-                             hint="Give the job a shorter name.")
-        if name in {j.name for j in jobs}:
-            raise UsageError(f"{where}: two jobs are named {name}; each job writes DIR/NAME/.")
-        merged = {**defaults, **raw}
-        source = merged.get("source")
-        if not isinstance(source, str) or not source.strip():
-            raise UsageError(f"{where}: source must name a recipe, hf:ORG/NAME, modelscope:ORG/NAME or a file.")
-        files = merged.get("files", [])
-        if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
-            raise UsageError(f"{where}: files must be a list of file paths in the repository.")
-        if _is_hub(source):
-            kind = "hub"
-            if not files:
-                raise UsageError(f"{where}: source {source} needs files = [\"...safetensors\"] (the checkpoint).")
-        elif _known_recipe(source) and not _resolve(source, here).exists():
-            kind = "recipe"
-        else:
-            kind, source = "local", str(_resolve(source, here))
-        if kind != "hub" and files:
-            raise UsageError(f"{where}: files applies to a hf: or modelscope: source only.")
-        base = merged.get("base")
-        base_kind = None
-        if base is not None:
-            if not isinstance(base, str) or not base.strip():
-                raise UsageError(f"{where}: base must name a folder, a recipe or a hub id.")
-            if _is_hub(base):
-                base_kind = "hub"
-            elif _resolve(base, here).exists():
-                base_kind, base = "local", str(_resolve(base, here))
-            elif _known_recipe(base):
-                base_kind = "recipe"
-            else:
-                raise UsageError(f"{where}: base {base!r} is neither a folder, a known recipe nor a hub id.")
-        elif kind == "recipe":
-            base_kind, base = "recipe", source
-        steps = _check_steps(where, merged.get("steps", ["convert", "validate", "publish"]))
-        options = {s: {**_check_options(f"{path} [defaults]", s, defaults.get(s, {}), allowed),
-                       **_check_options(where, s, raw.get(s, {}), allowed)} for s in steps}
-        revision = merged.get("revision")
-        if revision is not None and not isinstance(revision, str):
-            raise UsageError(f"{where}: revision must be a string.")
-        jobs.append(Job(name=name, source=source, source_kind=kind, base=base, base_kind=base_kind, steps=steps,
-                        options=options, files=tuple(files), revision=revision))
-    _check_pushes(path, jobs)
-    return jobs
+    return defaults, raw_jobs
+
+
+def _check_name(path: Path, i: int, where: str, name: Any, jobs: list[Job]) -> None:
+    """A job's name: a plain folder name, not reserved, not too long, not another job's."""
+    if isinstance(name, str) and name.startswith("_") and _NAME.fullmatch(name[1:]):
+        raise UsageError(f"{where}: name {name!r} is reserved: names starting with '_' are batch's own folders "
+                         "(DIR/_batch holds its summary).", hint="Rename the job; any name without a leading "
+                                                                  "'_' is fine.")
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or ".." in name:
+        raise UsageError(f"{where}: name must be a plain folder name (letters, digits, '.', '_', '-'); "
+                         f"got {name!r}.")
+    if len(name) > NAME_MAX:
+        raise UsageError(f"{path} {_where(i)} ({name[:40]}...): name is {len(name)} characters long; at most "
+                         f"{NAME_MAX} (it becomes the "
+                         "folder DIR/NAME/, and a file name holds at most 255 bytes).",
+                         hint="Give the job a shorter name.")
+    if name in {j.name for j in jobs}:
+        raise UsageError(f"{where}: two jobs are named {name}; each job writes DIR/NAME/.")
+
+
+def _source(where: str, merged: dict[str, Any], here: Path) -> tuple[str, str, list[str]]:
+    """(kind, source, files) of a job: a hub id with its files, a known recipe, or a local path made absolute."""
+    source = merged.get("source")
+    if not isinstance(source, str) or not source.strip():
+        raise UsageError(f"{where}: source must name a recipe, hf:ORG/NAME, modelscope:ORG/NAME or a file.")
+    files = merged.get("files", [])
+    if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+        raise UsageError(f"{where}: files must be a list of file paths in the repository.")
+    if _is_hub(source):
+        kind = "hub"
+        if not files:
+            raise UsageError(f"{where}: source {source} needs files = [\"...safetensors\"] (the checkpoint).")
+    elif _known_recipe(source) and not _resolve(source, here).exists():
+        kind = "recipe"
+    else:
+        kind, source = "local", str(_resolve(source, here))
+    if kind != "hub" and files:
+        raise UsageError(f"{where}: files applies to a hf: or modelscope: source only.")
+    return kind, source, files
+
+
+def _base(where: str, base: Any, here: Path) -> tuple[str | None, str | None]:
+    """(base, kind) of a job's base: a hub id, a local folder made absolute, or a known recipe; (None, None)."""
+    if base is None:
+        return None, None
+    if not isinstance(base, str) or not base.strip():
+        raise UsageError(f"{where}: base must name a folder, a recipe or a hub id.")
+    if _is_hub(base):
+        return base, "hub"
+    if _resolve(base, here).exists():
+        return str(_resolve(base, here)), "local"
+    if _known_recipe(base):
+        return base, "recipe"
+    raise UsageError(f"{where}: base {base!r} is neither a folder, a known recipe nor a hub id.")
+
+
+def check_applicable_options(jobs: list[Job], jobs_file: Path) -> None:
+    """Each job's convert options against `APPLIES["convert"]`, as `port convert` checks them once it has read the
+    source: an adapter when an adapter-only option is given, else weights (a refusal here is one the step would
+    meet). Run after `check_job_options`, so the values are the verb's own."""
+    from porting.errors import PortError
+
+    from .._options import APPLIES, check_applicable, convert_given, convert_kind
+
+    for i, job in enumerate(jobs):
+        opts = {k.replace("_", "-"): v for k, v in job.options.get("convert", {}).items()}
+        if "convert" not in job.steps or not opts:
+            continue
+        given = convert_given(
+            lora_style=opts.get("lora-style"), materialise=bool(opts.get("materialise")), rank=opts.get("rank"),
+            calibrate=opts.get("calibrate"), device=str(opts.get("device", "cpu")), to=str(opts.get("to", "diffusers")),
+            dtype=str(opts.get("dtype", "keep")), quantize=opts.get("quantize"))
+        adapter = any(given[o] is not None and APPLIES["convert"][o].kinds == {"adapter"} for o in given)
+        quantize = opts.get("quantize")
+        try:
+            check_applicable("convert", convert_kind("adapter" if adapter else "weights", quantize), given,
+                             src=job.source, quantize=quantize, out="--out DIR")
+        except PortError as e:
+            raise UsageError(f"{jobs_file} {_where(i, job.name)}: convert: {e.message}", hint=e.hint) from None
 
 
 def push_repo(job: Job) -> str | None:
