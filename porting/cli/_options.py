@@ -176,6 +176,7 @@ _SVDQ_ONLY = Refusal("{flag} applies to --quantize svdq-int4 / svdq-nvfp4 only."
                      "Leave {flag} out, or add --quantize svdq-int4.")
 _ADAPTERS_ONLY = Refusal("{flag}: {src} is transformer weights, not an adapter; {flag} applies to adapters only.",
                          "Leave {flag} out to convert the weights.")
+_TEXT_ENCODER_NAMES = Refusal("--to applies to transformer weights; a text encoder keeps transformers' names.")
 _SVDQ_BASES = Refusal("{flag} applies to Nunchaku SVDQuant bases; {src} is not one.", "Leave the option out.")
 
 # verb -> option (as the verb names it in `given`) -> the kinds of input it applies to (`Applies`: what it says
@@ -193,14 +194,23 @@ APPLIES: dict[str, dict[str, Applies]] = {
             "--device says where --calibrate runs the model; without --calibrate nothing runs."))}),
         "--to original": Applies(frozenset({"adapter", "weights", "quantized"}), Refusal(
             "--quantize {quantize} writes Nunchaku's own layer names; --to does not apply.",
-            "port convert {src} --quantize {quantize} --out DIR")),
+            "port convert {src} --quantize {quantize} --out DIR"), per_kind={
+            "text_encoder": _TEXT_ENCODER_NAMES, "awq": _TEXT_ENCODER_NAMES}),
         "--dtype": Applies(frozenset({"weights", "quantized"}), Refusal(
             "--quantize {quantize} writes 4-bit layers and bf16 for the rest; --dtype does not apply."), per_kind={
             "adapter": Refusal("--dtype applies to weights; a converted adapter keeps its factors' dtype.",
-                               usage=False)}),
-        "--quantize": Applies(frozenset({"svdq", "quantized"}), Refusal(
+                               usage=False),
+            "text_encoder": Refusal("--dtype: a text encoder is written in bf16 (its 4-bit layers dequantized); "
+                                    "--dtype does not apply.")}),
+        "--quantize": Applies(frozenset({"svdq", "quantized", "awq"}), Refusal(
             "--quantize {quantize}: {src} is an adapter (LoRA / LyCORIS factors); --quantize writes quantized "
             "transformer weights.", "Merge the adapter into a base first (port merge), then quantize the result."),
+            per_kind={
+                "awq_weights": Refusal("--quantize awq-int4 writes a 4-bit text encoder (Qwen3, T5); {src} is "
+                                       "transformer weights.", "For a transformer: --quantize svdq-int4."),
+                "text_encoder_other": Refusal("--quantize {quantize}: {src} is a text encoder; the transformer "
+                                              "formats do not apply to it.",
+                                              "port convert {src} --quantize awq-int4 --out DIR")},
             needs={"quantized": ("--to original", Refusal(
                 "--quantize {quantize} writes original (BFL) naming for ComfyUI-style loaders; it needs --to "
                 "original.", "port convert {src} --to original --quantize {quantize} {out}"))}),
@@ -226,11 +236,15 @@ def check_applicable(verb: str, kind: str, given: Mapping[str, Optional[str]], *
 
 def convert_kind(source_kind: str, quantize: Optional[str]) -> str:
     """The kind `APPLIES["convert"]` knows: adapter, or weights written plain (weights), as Nunchaku SVDQuant (svdq)
-    or as one gguf / fp8 file (quantized)."""
+    or as one gguf / fp8 file (quantized); a text encoder written bf16 (text_encoder) or 4-bit (awq)."""
     if source_kind == "adapter":
         return "adapter"
+    if source_kind == "text_encoder":
+        return "awq" if quantize == "awq-int4" else "text_encoder" if quantize is None else "text_encoder_other"
     if quantize is None:
         return "weights"
+    if quantize == "awq-int4":
+        return "awq_weights"
     return "svdq" if quantize.startswith("svdq-") else "quantized"
 
 

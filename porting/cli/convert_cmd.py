@@ -56,6 +56,7 @@ class QuantizeChoice(str, Enum):
     gguf_q4_0 = "gguf-q4_0"
     svdq_int4 = "svdq-int4"
     svdq_nvfp4 = "svdq-nvfp4"
+    awq_int4 = "awq-int4"
 
 
 class LoraStyle(str, Enum):
@@ -157,7 +158,8 @@ def convert(
                            "ComfyUI-GGUF / llama.cpp-style runtimes (gguf-q8_0, gguf-q4_0), reread and "
                            "report its error. svdq-int4 / svdq-nvfp4: one Nunchaku SVDQuant file (its own "
                            "naming, no --to), data-free, with the error per layer kind against plain 4-bit "
-                           "rounding.")] = None,
+                           "rounding. awq-int4: a text encoder (Qwen3, T5) as Nunchaku's 4-bit file (AWQ W4A16, "
+                           "group 128).")] = None,
     rank: Annotated[Optional[int], typer.Option("--rank", help="--quantize svdq-*: rank of the low-rank branch "
                                                 "(default 32, as Nunchaku's files).")] = None,
     calibrate: Annotated[Optional[Path], typer.Option(
@@ -188,8 +190,13 @@ def convert(
     if kind == "adapter":
         style = lora_style.value if lora_style else None
         return _adapter.convert(output, source, out, to.value, style, materialise, config, dry_run, force)
-    if out is None and not dry_run:
-        raise PortError("port convert needs --out DIR (or --dry-run to only print the plan).")
+    if out is None and not (dry_run and kind != "awq"):
+        raise PortError("port convert needs --out DIR" + ("." if kind == "awq" else
+                                                           " (or --dry-run to only print the plan)."))
+    if kind in ("text_encoder", "awq"):
+        from . import _text_encoder
+
+        return _text_encoder.convert(output, source, out, quantized, strict, force, dry_run)
     if kind == "svdq":
         from porting.engine.svdq_convert import check_rank
 

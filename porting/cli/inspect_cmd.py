@@ -72,6 +72,10 @@ def inspect(path: Annotated[Path, typer.Argument(
                      src=path, strength=f"{strength:g}" if strength is not None else None)
     if source.kind == "adapter":
         return _adapter.inspect(out, source, transformer_of(base, out.status) if base else None, strength)
+    if source.kind == "text_encoder":
+        from . import _text_encoder
+
+        return _text_encoder.inspect(out, source)
     info = describe(source, base)
     out.document(info)
     table = Table(title=f"{path}", show_header=False)

@@ -119,7 +119,8 @@ def plan(encoder: TextEncoder, source: Source, group: int) -> _Plan:
                         Entry(base + "scaled_zeros", (rows, n), "BF16")]
             sources.append((key, "qweight"))
         else:
-            entries.append(Entry(name, tuple(info.shape), "BF16" if info.computed else info.dtype))
+            floating = info.computed or info.dtype in ("F32", "F16", "F64", "BF16")
+            entries.append(Entry(name, tuple(info.shape), "BF16" if floating else info.dtype))
             sources.append((key, "copy"))
     return _Plan(entries, sources, dropped)
 
@@ -133,8 +134,8 @@ def _tensors(source: Source, p: _Plan, group: int, result: AwqResult) -> Iterato
     for key, role in p.sources:
         w = view.read(key)
         check_tensor(w, repr(key), source.path)
-        if role == "copy":
-            yield (w.to(torch.bfloat16) if view.tensors[key].computed else w).contiguous()
+        if role == "copy":  # the rest in bf16, as the loaders run it
+            yield (w.to(torch.bfloat16) if w.is_floating_point() else w).contiguous()
             continue
         codes, scales, zeros = quantize(w, group)
         back = codes.float().reshape(w.shape[0], -1, group) * scales[: w.shape[1] // group].t().float().unsqueeze(2)

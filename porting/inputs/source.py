@@ -22,7 +22,13 @@ from porting.errors import InputError, InternalError
 from porting.families.mapping import MappingTable
 from porting.inputs.adapter_keys import Adapter, looks_like_adapter, read_adapter
 from porting.inputs.detect import Detection, detect
-from porting.inputs.text_encoders import TextEncoder, looks_like_text_encoder, open_text_encoder
+from porting.inputs.text_encoders import (
+    Architecture,
+    TextEncoder,
+    looks_like_text_encoder,
+    open_text_encoder,
+)
+from porting.inputs.text_encoders import recognise as recognise_text_encoder
 from porting.tensors import checkpoint
 from porting.tensors.checkpoint import Checkpoint, hash_checkpoint
 
@@ -56,8 +62,9 @@ class Source:
     def detection(self) -> Detection:
         """Transformer weights: table, naming, prefix, variant and config (with `base_config`); `.ckpt` is the
         view spelled as the table spells it."""
-        if self.kind == "text_encoder":
-            raise not_a_transformer(self.path, self.text_encoder)
+        found = recognise_text_encoder(self.view) if self.kind != "adapter" else None
+        if found is not None:  # a transformer verb given a text encoder (whatever kind it was opened as)
+            raise not_a_transformer(self.path, found[0])
         if self.kind != "weights":
             raise InternalError(f"{self.path}: detection asked of an adapter source.")
         return detect(self.view, self.base_config, self.tables)
@@ -114,10 +121,10 @@ class Source:
                              hint="Convert again once nothing is writing to the source.")
 
 
-def not_a_transformer(path: Path, encoder: TextEncoder) -> InputError:
-    return InputError(f"{path}: a {encoder.architecture.label}, not a diffusion transformer; this verb takes a "
-                      "transformer.", hint=f"port convert {path} --out DIR writes it as a bf16 transformers folder "
-                                           f"that {encoder.architecture.pipelines} loads.")
+def not_a_transformer(path: Path, arch: Architecture) -> InputError:
+    return InputError(f"{path}: a {arch.label}, not a diffusion transformer; this verb takes a transformer.",
+                      hint=f"port convert {path} --out DIR writes it as a bf16 transformers folder that "
+                           f"{arch.pipelines} loads; generate, compare and bench run a 4-bit one with --text-encoder.")
 
 
 SourceLike = Union[Source, str, "os.PathLike[str]"]
