@@ -325,7 +325,7 @@ def test_generic_streamed_export_equals_the_in_memory_one(tmp_path, variant, dty
     import torch
 
     from porting.demo.bases import write_tiny_base
-    from porting.export.onnx import _layout, export_component
+    from porting.export.onnx import export_component, layout_of
     from porting.export.ort import open_session
 
     base = write_tiny_base(tmp_path / "base", variant)
@@ -333,7 +333,7 @@ def test_generic_streamed_export_equals_the_in_memory_one(tmp_path, variant, dty
     assert all(c.facts.get("streamed") for c in result.components), [(c.name, c.facts) for c in result.components]
     manifest = json.loads((tmp_path / "s" / MANIFEST).read_text())
     assert all(c["streamed"] for c in manifest["components"].values())
-    layout = _layout(base)
+    layout = layout_of(base)
     for c in result.components:
         traced = layout.spec.components[c.name].load(layout.sources[c.name], {"fp16": torch.float16,
                                                                             "fp32": torch.float32}[dtype])

@@ -2,8 +2,8 @@
 which axes are dynamic, and a small example input to trace with.
 
 The components themselves (graph wrappers, example inputs) are the family's: each family names a module
-(`Family.export_module`) whose `export_spec` returns an `ExportSpec`; `porting/export/onnx.py` asks the registry
-for it by the transformer config's `_class_name`.
+(`Family.export_module`) whose `export_spec` returns an `ExportSpec`; `porting/export/onnx_layout.py` asks the
+registry for it by the transformer config's `_class_name`.
 
 Example sizes are never 1 and never equal to one another: torch.export specialises a dynamic dimension whose example
 is 0 or 1, and may merge two dynamic dimensions whose examples coincide.

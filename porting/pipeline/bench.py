@@ -286,6 +286,126 @@ def _device_name(device: torch.device) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 # the verb
 
+@dataclass
+class _Settings:
+    """What every timed run of one bench shares."""
+
+    folder: Path
+    swap: Path | None
+    dev: torch.device
+    dtype_name: str
+    width: int
+    height: int
+    steps: int
+    runs: int
+    warmup: int
+    prompt: str
+    edit_prompt: str
+    reference: Any
+    guidance_scale: float | None
+    svdq_compute: str
+
+
+def _check_choices(modes: Sequence[str], tasks: Sequence[str], runs: int, warmup: int) -> tuple[list[str], list[str]]:
+    """The offload modes and tasks, each once in the order given; refuses unknown ones and empty lists."""
+    modes, tasks = list(dict.fromkeys(modes)), list(dict.fromkeys(tasks))
+    for m in modes:
+        if m not in pipeload.OFFLOADS:
+            raise PortError(f"--offload {m!r}: choose from {', '.join(pipeload.OFFLOADS)}.")
+    for t in tasks:
+        if t not in TASKS:
+            raise PortError(f"--task {t!r}: choose from {', '.join(TASKS)}.")
+    if not modes or not tasks:
+        raise PortError("--offload and --task need at least one value each.")
+    if runs < 1 or warmup < 0:
+        raise PortError(f"--runs {runs} / --warmup {warmup}: at least one timed run, no negative warm-up.")
+    return modes, tasks
+
+
+def _call_kwargs(pipe: Any, accepted: Any, guidance_scale: float | None) -> dict[str, Any]:
+    """guidance_scale as given, else 1.0 for a distilled pipeline that takes one."""
+    kwargs: dict[str, Any] = {}
+    if guidance_scale is not None:
+        kwargs["guidance_scale"] = guidance_scale
+    elif "guidance_scale" in accepted and getattr(pipe.config, "is_distilled", False):
+        kwargs["guidance_scale"] = 1.0
+    return kwargs
+
+
+def _bench_mode(mode: str, tasks: list[str], s: _Settings, memory: _Memory, pipeline_name: str,
+                say: Callable[[str], None], emit: Callable[[Row], None], on_step: Callable[[float], None]) -> str:
+    """Load the pipeline under one offload mode and time each task; returns the pipeline's class name."""
+    dev = s.dev
+    if mode != "none" and dev.type == "cpu":
+        for task in tasks:
+            emit(Row(mode, task, "skipped", CPU_OFFLOAD_REASON))
+        return pipeline_name
+    say(f"loading {pipeline_name} on {dev} ({s.dtype_name}, offload {mode})")
+    started = time.perf_counter()
+    try:
+        pipe = pipeload.load(s.folder, dev, DTYPES[s.dtype_name], transformer=s.swap, offload=mode,
+                             svdq_compute=s.svdq_compute)
+    except Exception as e:
+        if not _is_oom(e):
+            raise
+        pipeload.release_memory(dev)
+        for task in tasks:
+            emit(Row(mode, task, "oom", f"out of memory while loading: {str(e).splitlines()[0]}"))
+        return pipeline_name
+    memory.sync()
+    load_s = time.perf_counter() - started
+    pipeline_name = type(pipe).__name__
+    pipeload.check_size(pipe, s.width, s.height)
+    accepted = inspect.signature(pipe.__call__).parameters
+    kwargs = _call_kwargs(pipe, accepted, s.guidance_scale)
+    for task in tasks:
+        if task == "edit" and "image" not in accepted:
+            emit(Row(mode, task, "skipped", f"{pipeline_name} takes no reference image", round(load_s, 3)))
+            continue
+        say(f"{task}, offload {mode}: {s.warmup} warm-up + {s.runs} timed run(s)")
+        try:
+            totals, denoise, mem = _run_task(
+                pipe, task, memory, prompt=s.edit_prompt if task == "edit" else s.prompt, image=s.reference,
+                width=s.width, height=s.height, steps=s.steps, runs=s.runs, warmup=s.warmup, kwargs=kwargs,
+                on_run=lambda what: say(f"  {task}/{mode} {what} done"), on_step=on_step)
+        except Exception as e:
+            if not _is_oom(e):
+                raise
+            pipeload.release_memory(dev)
+            emit(Row(mode, task, "oom", f"out of memory: {str(e).splitlines()[0]}", round(load_s, 3),
+                     memory=memory.read()))
+            continue
+        d = statistics.median(denoise)
+        emit(Row(mode, task, "ok", None, round(load_s, 3), round(statistics.median(totals), 4), round(d, 4),
+                 round(s.steps / d, 4) if d > 0 else None, [round(t, 4) for t in totals], mem))
+    if hasattr(pipe, "remove_all_hooks"):
+        pipe.remove_all_hooks()
+    del pipe
+    pipeload.release_memory(dev)
+    return pipeline_name
+
+
+def _document(s: _Settings, rows: list[Row], *, transformer_dir: Path, weights: str, pipeline_name: str,
+              memory: _Memory, image: str | Path | None, source: Any) -> dict[str, Any]:
+    """bench.json's document."""
+    return {
+        "tool": "flux-port", "version": __version__, "kind": "bench", "format_version": 1,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "folder": str(s.folder.resolve()), "transformer": str(transformer_dir.resolve()), "transformer_swapped": bool(
+            s.swap), "weights_sha256": weights, "pipeline": pipeline_name, "device": str(s.dev),
+        "device_name": _device_name(s.dev), "dtype": s.dtype_name, "memory_counter": memory.counter,
+        "settings": {"width": s.width, "height": s.height, "steps": s.steps, "runs": s.runs, "warmup": s.warmup,
+                     "prompt": s.prompt, "edit_prompt": s.edit_prompt,
+                     "edit_image": str(image) if image is not None else "synthetic (porting.pipeline.bench.edit_image)",
+                     "seed": 0, "statistic": "median"},
+        **({"svdq": {"compute": s.svdq_compute, "format": source.label, "packed_bytes": source.stored_bytes()}}
+           if source.svdq else {}),
+        "baseline": _relative(rows),
+        "rows": [r.to_dict() for r in rows],
+        "torch": torch.__version__,
+    }
+
+
 def bench(folder: str | Path, *, transformer: str | Path | None = None, device: str = "cpu", dtype: str | None = None,
           modes: Sequence[str] = pipeload.OFFLOADS, tasks: Sequence[str] = TASKS, size: str | int | None = None,
           steps: int | None = None, runs: int = 3, warmup: int = 1, prompt: str = DEFAULT_PROMPT,
@@ -308,17 +428,7 @@ def bench(folder: str | Path, *, transformer: str | Path | None = None, device: 
     dtype_name = dtype or ("fp32" if dev.type == "cpu" else "bf16")
     if dtype_name not in DTYPES:
         raise PortError(f"--dtype {dtype_name!r}: choose one of {', '.join(DTYPES)}.")
-    modes, tasks = list(dict.fromkeys(modes)), list(dict.fromkeys(tasks))
-    for m in modes:
-        if m not in pipeload.OFFLOADS:
-            raise PortError(f"--offload {m!r}: choose from {', '.join(pipeload.OFFLOADS)}.")
-    for t in tasks:
-        if t not in TASKS:
-            raise PortError(f"--task {t!r}: choose from {', '.join(TASKS)}.")
-    if not modes or not tasks:
-        raise PortError("--offload and --task need at least one value each.")
-    if runs < 1 or warmup < 0:
-        raise PortError(f"--runs {runs} / --warmup {warmup}: at least one timed run, no negative warm-up.")
+    modes, tasks = _check_choices(modes, tasks, runs, warmup)
     width, height = parse_size(default_size(dev, folder) if size is None else size)
     steps = default_steps(index, folder) if steps is None else steps
     if steps < 1:
@@ -335,6 +445,8 @@ def bench(folder: str | Path, *, transformer: str | Path | None = None, device: 
     weights = pipeload.weights_sha256(transformer_dir)
     source = pipeload.transformer_source(transformer_dir)
     memory = _Memory(dev)
+    settings = _Settings(folder, swap, dev, dtype_name, width, height, steps, runs, warmup, prompt, edit_prompt,
+                         reference, guidance_scale, svdq_compute)
 
     rows: list[Row] = []
     runnable = [m for m in modes if m == "none" or dev.type != "cpu"]
@@ -354,74 +466,9 @@ def bench(folder: str | Path, *, transformer: str | Path | None = None, device: 
 
     pipeline_name = str(index.get("_class_name"))
     for mode in modes:
-        if mode != "none" and dev.type == "cpu":
-            for task in tasks:
-                emit(Row(mode, task, "skipped", CPU_OFFLOAD_REASON))
-            continue
-        say(f"loading {pipeline_name} on {dev} ({dtype_name}, offload {mode})")
-        started = time.perf_counter()
-        try:
-            pipe = pipeload.load(folder, dev, DTYPES[dtype_name], transformer=swap, offload=mode,
-                                 svdq_compute=svdq_compute)
-        except Exception as e:
-            if not _is_oom(e):
-                raise
-            pipeload.release_memory(dev)
-            for task in tasks:
-                emit(Row(mode, task, "oom", f"out of memory while loading: {str(e).splitlines()[0]}"))
-            continue
-        memory.sync()
-        load_s = time.perf_counter() - started
-        pipeline_name = type(pipe).__name__
-        pipeload.check_size(pipe, width, height)
-        accepted = inspect.signature(pipe.__call__).parameters
-        kwargs: dict[str, Any] = {}
-        if guidance_scale is not None:
-            kwargs["guidance_scale"] = guidance_scale
-        elif "guidance_scale" in accepted and getattr(pipe.config, "is_distilled", False):
-            kwargs["guidance_scale"] = 1.0
-        for task in tasks:
-            if task == "edit" and "image" not in accepted:
-                emit(Row(mode, task, "skipped", f"{pipeline_name} takes no reference image", round(load_s, 3)))
-                continue
-            say(f"{task}, offload {mode}: {warmup} warm-up + {runs} timed run(s)")
-            try:
-                totals, denoise, mem = _run_task(
-                    pipe, task, memory, prompt=edit_prompt if task == "edit" else prompt, image=reference,
-                    width=width, height=height, steps=steps, runs=runs, warmup=warmup, kwargs=kwargs,
-                    on_run=lambda what: say(f"  {task}/{mode} {what} done"), on_step=on_step)
-            except Exception as e:
-                if not _is_oom(e):
-                    raise
-                pipeload.release_memory(dev)
-                emit(Row(mode, task, "oom", f"out of memory: {str(e).splitlines()[0]}", round(load_s, 3),
-                         memory=memory.read()))
-                continue
-            d = statistics.median(denoise)
-            emit(Row(mode, task, "ok", None, round(load_s, 3), round(statistics.median(totals), 4), round(d, 4),
-                     round(steps / d, 4) if d > 0 else None, [round(t, 4) for t in totals], mem))
-        if hasattr(pipe, "remove_all_hooks"):
-            pipe.remove_all_hooks()
-        del pipe
-        pipeload.release_memory(dev)
-
-    baselines = _relative(rows)
-    doc = {
-        "tool": "flux-port", "version": __version__, "kind": "bench", "format_version": 1,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "folder": str(folder.resolve()), "transformer": str(transformer_dir.resolve()), "transformer_swapped": bool(
-            swap), "weights_sha256": weights, "pipeline": pipeline_name, "device": str(dev),
-        "device_name": _device_name(dev), "dtype": dtype_name, "memory_counter": memory.counter,
-        "settings": {"width": width, "height": height, "steps": steps, "runs": runs, "warmup": warmup,
-                     "prompt": prompt, "edit_prompt": edit_prompt,
-                     "edit_image": str(image) if image is not None else "synthetic (porting.pipeline.bench.edit_image)",
-                     "seed": 0, "statistic": "median"},
-        **({"svdq": {"compute": svdq_compute, "format": source.label, "packed_bytes": source.stored_bytes()}}
-           if source.svdq else {}),
-        "baseline": baselines,
-        "rows": [r.to_dict() for r in rows],
-        "torch": torch.__version__,
-    }
+        pipeline_name = _bench_mode(mode, tasks, settings, memory, pipeline_name, say, emit, on_step)
+    doc = _document(settings, rows, transformer_dir=transformer_dir, weights=weights, pipeline_name=pipeline_name,
+                    memory=memory, image=image, source=source)
     prepare_run_folder(out)
     with atomic_folder(out, force=force, verb="bench", inputs=read_paths) as staging:
         (staging / BENCH_JSON).write_text(dumps(doc, indent=2) + "\n")

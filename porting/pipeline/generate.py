@@ -282,50 +282,23 @@ def save_png(image: Any, output: Path) -> None:
         raise
 
 
-def generate(folder: str | Path, prompt: str, *, device: str = "cpu", steps: int | None = None, seed: int = 0,
-             size: str | int | None = None, output: str | Path = "image.png", cpu_offload: str | None = None,
-             images: Sequence[str | Path] = (), dtype: str | None = None, guidance_scale: float | None = None,
-             progress: bool = True, on_status: Callable[[str], None] | None = None,
-             provider: str = "CPUExecutionProvider", force: bool = False, ort_threads: int | None = None,
-             on_step: Callable[[int, int, float], None] | None = None, transformer: str | Path | None = None,
-             svdq_compute: str = "w4a4") -> GenerateResult:
-    """Generate one image from a published folder and write it as PNG to `output`.
+def _check_offload(cpu_offload: str | None, dev: torch.device, onnx: bool) -> None:
+    """--cpu-offload: a known mode, on an accelerator, for a torch transformer."""
+    if cpu_offload is None:
+        return
+    if cpu_offload not in OFFLOAD_MODES:
+        raise PortError(f"--cpu-offload {cpu_offload!r}: choose model or sequential.")
+    if dev.type == "cpu":
+        raise PortError("--cpu-offload moves weights between CPU and an accelerator; it needs --device cuda or "
+                        "npu:N.")
+    if onnx:
+        raise PortError("--cpu-offload moves torch weights; the ONNX transformer runs in onnxruntime.")
 
-    `size` defaults to 1024 on an accelerator and CPU_DEFAULT_SIZE on a CPU; compute is float32 on a CPU unless
-    `dtype` says otherwise. `on_step(done, total, seconds)` is called after each denoising step (`seconds`: that
-    step's time). diffusers' own progress bar shows only with `progress` and FLUX_PORT_DEBUG=1.
 
-    An ONNX export folder (`port export`) runs its transformer in onnxruntime with `provider`; the other components
-    come from the source pipeline folder its manifest names and run in torch.
-
-    `transformer` replaces the folder's own: a transformer folder, or a Nunchaku SVDQuant file kept packed and
-    computed as `svdq_compute` (w4a4: the kernel's 4-bit activations; w4a16: the dequantized weights).
-    """
-    from porting.pipeline.ort_pipeline import export_source
-
-    folder, output = Path(folder), Path(output)
-    say = on_status or (lambda text: None)
-    onnx_source = export_source(folder)
-    index = read_model_index(onnx_source or folder)
-    dev = resolve_device(device)
-    if cpu_offload is not None:
-        if cpu_offload not in OFFLOAD_MODES:
-            raise PortError(f"--cpu-offload {cpu_offload!r}: choose model or sequential.")
-        if dev.type == "cpu":
-            raise PortError("--cpu-offload moves weights between CPU and an accelerator; it needs --device cuda or "
-                            "npu:N.")
-        if onnx_source is not None:
-            raise PortError("--cpu-offload moves torch weights; the ONNX transformer runs in onnxruntime.")
-    dtype_name = dtype or ("fp32" if dev.type == "cpu" else "bf16")
-    if dtype_name not in DTYPES:
-        raise PortError(f"--dtype {dtype_name!r}: choose one of {', '.join(DTYPES)}.")
-    width, height = parse_size(default_size(dev, onnx_source or folder) if size is None else size)
-    check_takes_images(index, images)
-    sizes = [reference_size(Path(p)) for p in images]
-    steps = default_steps(index, onnx_source or folder) if steps is None else steps
-    if steps < 1:
-        raise PortError(f"--steps {steps}: needs at least 1.")
-    swap = Path(transformer) if transformer is not None else None
+def _check_transformer(folder: Path, onnx_source: Path | None, swap: Path | None, ort_threads: int | None,
+                       dev: torch.device, dtype_name: str, size: tuple[int, int],
+                       references: list[tuple[int, int]]) -> None:
+    """--transformer and --ort-threads fit the folder's runtime; a torch pipeline fits in memory."""
     if swap is not None and onnx_source is not None:
         raise PortError("--transformer swaps a torch transformer; this folder's transformer is an ONNX export.")
     if ort_threads is not None and onnx_source is None:
@@ -336,34 +309,29 @@ def generate(folder: str | Path, prompt: str, *, device: str = "cpu", steps: int
 
         if swap is not None:
             check_swap_fits(folder, swap)
-        check_memory("generating", folder, dev, dtype_name, width, height, transformer=swap,
-                     extra_tokens=reference_tokens(sizes))
-    references = load_references([Path(p) for p in images])
-    if output.suffix.lower() != ".png":
-        raise PortError(f"--output {output}: flux-port writes PNG; name the file *.png.")
-    check_disjoint(output, {"pipeline folder": folder, "source pipeline": onnx_source, "--image": list(images),
-                            "--transformer": swap})
-    check_image_replaceable(output, force)
+        check_memory("generating", folder, dev, dtype_name, size[0], size[1], transformer=swap,
+                     extra_tokens=reference_tokens(references))
 
-    acc = _accelerator(dev)
-    if acc is not None:
-        acc.reset_peak_memory_stats(dev)
-    say(f"loading {index.get('_class_name')} from {folder} on {dev} ({dtype_name}"
-        + (f", {cpu_offload} offload" if cpu_offload else "") + ")")
-    started = time.perf_counter()
+
+def _load(folder: Path, onnx_source: Path | None, dev: torch.device, dtype: torch.dtype, *, provider: str,
+          ort_threads: int | None, size: tuple[int, int], cpu_offload: str | None, swap: Path | None,
+          svdq_compute: str, say: Callable[[str], None]) -> Any:
+    """The pipeline: an ONNX export's transformer in onnxruntime with the rest in torch, or all of it in torch."""
     if onnx_source is not None:
         from porting.pipeline.ort_pipeline import load_onnx_pipeline
 
         say(f"transformer: onnxruntime {provider} on {folder / 'transformer'}; the rest: torch from {onnx_source}")
         from porting.export.ort import SessionSettings
 
-        pipe = load_onnx_pipeline(folder, DTYPES[dtype_name], provider, SessionSettings(threads=ort_threads),
-                                  size=(width, height)).to(dev)
-    else:
-        pipe = load_pipeline(folder, dev, DTYPES[dtype_name], cpu_offload, swap, svdq_compute)
-    pipe.set_progress_bar_config(disable=not (progress and debug()))
-    load_s = time.perf_counter() - started
+        return load_onnx_pipeline(folder, dtype, provider, SessionSettings(threads=ort_threads), size=size).to(dev)
+    return load_pipeline(folder, dev, dtype, cpu_offload, swap, svdq_compute)
 
+
+def _call(pipe: Any, *, prompt: str, width: int, height: int, steps: int, seed: int, references: list[Any],
+          guidance_scale: float | None, on_step: Callable[[int, int, float], None] | None,
+          say: Callable[[str], None]) -> tuple[Any, float, float]:
+    """Run the pipeline once; returns (the image, seconds of the whole call, seconds of the denoising loop: first
+    transformer call to last step)."""
     multiple = getattr(pipe, "vae_scale_factor", 8) * 2
     if width % multiple or height % multiple:
         raise PortError(f"--size {width}x{height}: both sides must be multiples of {multiple} for this pipeline.",
@@ -403,7 +371,67 @@ def generate(folder: str | Path, prompt: str, *, device: str = "cpu", steps: int
     finally:
         handle.remove()
     total_s = time.perf_counter() - call_start
-    denoise_s = marks.get("denoise_end", call_start) - marks.get("denoise_start", call_start)
+    return image, total_s, marks.get("denoise_end", call_start) - marks.get("denoise_start", call_start)
+
+
+def generate(folder: str | Path, prompt: str, *, device: str = "cpu", steps: int | None = None, seed: int = 0,
+             size: str | int | None = None, output: str | Path = "image.png", cpu_offload: str | None = None,
+             images: Sequence[str | Path] = (), dtype: str | None = None, guidance_scale: float | None = None,
+             progress: bool = True, on_status: Callable[[str], None] | None = None,
+             provider: str = "CPUExecutionProvider", force: bool = False, ort_threads: int | None = None,
+             on_step: Callable[[int, int, float], None] | None = None, transformer: str | Path | None = None,
+             svdq_compute: str = "w4a4") -> GenerateResult:
+    """Generate one image from a published folder and write it as PNG to `output`.
+
+    `size` defaults to 1024 on an accelerator and CPU_DEFAULT_SIZE on a CPU; compute is float32 on a CPU unless
+    `dtype` says otherwise. `on_step(done, total, seconds)` is called after each denoising step (`seconds`: that
+    step's time). diffusers' own progress bar shows only with `progress` and FLUX_PORT_DEBUG=1.
+
+    An ONNX export folder (`port export`) runs its transformer in onnxruntime with `provider`; the other components
+    come from the source pipeline folder its manifest names and run in torch.
+
+    `transformer` replaces the folder's own: a transformer folder, or a Nunchaku SVDQuant file kept packed and
+    computed as `svdq_compute` (w4a4: the kernel's 4-bit activations; w4a16: the dequantized weights).
+    """
+    from porting.pipeline.ort_pipeline import export_source
+
+    folder, output = Path(folder), Path(output)
+    say = on_status or (lambda text: None)
+    onnx_source = export_source(folder)
+    index = read_model_index(onnx_source or folder)
+    dev = resolve_device(device)
+    _check_offload(cpu_offload, dev, onnx_source is not None)
+    dtype_name = dtype or ("fp32" if dev.type == "cpu" else "bf16")
+    if dtype_name not in DTYPES:
+        raise PortError(f"--dtype {dtype_name!r}: choose one of {', '.join(DTYPES)}.")
+    width, height = parse_size(default_size(dev, onnx_source or folder) if size is None else size)
+    check_takes_images(index, images)
+    sizes = [reference_size(Path(p)) for p in images]
+    steps = default_steps(index, onnx_source or folder) if steps is None else steps
+    if steps < 1:
+        raise PortError(f"--steps {steps}: needs at least 1.")
+    swap = Path(transformer) if transformer is not None else None
+    _check_transformer(folder, onnx_source, swap, ort_threads, dev, dtype_name, (width, height), sizes)
+    references = load_references([Path(p) for p in images])
+    if output.suffix.lower() != ".png":
+        raise PortError(f"--output {output}: flux-port writes PNG; name the file *.png.")
+    check_disjoint(output, {"pipeline folder": folder, "source pipeline": onnx_source, "--image": list(images),
+                            "--transformer": swap})
+    check_image_replaceable(output, force)
+
+    acc = _accelerator(dev)
+    if acc is not None:
+        acc.reset_peak_memory_stats(dev)
+    say(f"loading {index.get('_class_name')} from {folder} on {dev} ({dtype_name}"
+        + (f", {cpu_offload} offload" if cpu_offload else "") + ")")
+    started = time.perf_counter()
+    pipe = _load(folder, onnx_source, dev, DTYPES[dtype_name], provider=provider, ort_threads=ort_threads,
+                 size=(width, height), cpu_offload=cpu_offload, swap=swap, svdq_compute=svdq_compute, say=say)
+    pipe.set_progress_bar_config(disable=not (progress and debug()))
+    load_s = time.perf_counter() - started
+
+    image, total_s, denoise_s = _call(pipe, prompt=prompt, width=width, height=height, steps=steps, seed=seed,
+                                      references=references, guidance_scale=guidance_scale, on_step=on_step, say=say)
 
     save_png(image, output)
 
