@@ -206,5 +206,6 @@ def test_demo_runs_offline_for_the_family(family, pipeline, capsys, tmp_path) ->
 
 def test_demo_refuses_an_unknown_family(capsys, tmp_path) -> None:
     run = run_port(capsys, "demo", "--workdir", tmp_path / "demo", "--family", "flux3")
-    assert run.code == 2 and "--family 'flux3': choose one of klein, klein-wide, flux1, flux1-schnell, flux2-dev" in run.msg
+    families = "klein, klein-wide, flux1, flux1-schnell, flux2-dev"
+    assert run.code == 2 and f"--family 'flux3': choose one of {families}" in run.msg
     assert not (tmp_path / "demo").exists()

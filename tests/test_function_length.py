@@ -13,16 +13,9 @@ MARK = "# long:"
 
 # Being shortened in parallel branches; the lead empties it at merge. `path:qualified name`.
 PENDING = {
-    "porting/adapters/svdq_merge.py:merge_into_svdq",
-    "porting/export/onnx.py:export_onnx",
-    "porting/export/onnx.py:_export_ryzenai",
     "porting/export/ryzenai.py:stream_bf16_component",
     "porting/export/streamed_text.py:stream_int4_text_encoder",
-    "porting/pipeline/bench.py:bench",
-    "porting/pipeline/generate.py:generate",
-    "porting/pipeline/publish.py:publish",
     "porting/tensors/writer.py:write_shards",
-    "validation/distributed.py:run_rank",
 }
 
 
