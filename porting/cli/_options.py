@@ -91,6 +91,10 @@ class RunDtype(str, Enum):
 
 
 DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda[:N] or npu[:N].")]
+TextEncoderOpt = Annotated[Optional[Path], typer.Option(
+    "--text-encoder", help="A 4-bit text encoder file (Nunchaku's AWQ W4A16 Qwen3 or T5), run packed in place of "
+                           "the folder's own; its prompt embeddings' error against the folder's encoder is "
+                           "reported.")]
 RunDtypeOpt = Annotated[Optional[RunDtype], typer.Option("--dtype", help="Default bf16 on accelerators, fp32 on "
                                                          "cpu (CPUs have no fast bf16 kernels).")]
 

@@ -18,6 +18,7 @@ from ._options import (
     StepsOpt,
     SvdqCompute,
     SvdqComputeOpt,
+    TextEncoderOpt,
     out_option,
 )
 
@@ -33,6 +34,7 @@ Examples:
   port generate ./my-klein-ft --prompt "make it winter" --image ref.png --device cuda --output edit.png
   port generate ./my-klein-ft-onnx --prompt "a red fox" --provider CPUExecutionProvider   (port export's folder)
   port generate ./FLUX.2-klein-9B --transformer svdq-int4_r32-flux.2-klein-9b.safetensors --prompt "a red fox"
+  port generate ./FLUX.2-klein-9B --text-encoder svdq-int4-Qwen3-text-Nunchaku.safetensors --prompt "a red fox"
 """
 
 
@@ -59,6 +61,10 @@ def summary_table(r: GenerateResult) -> Table:
     table.add_row("denoising", f"{r.denoise_s:.2f} s for {r.steps} step(s), {r.s_per_it:.3f} s/it")
     table.add_row("total call", f"{r.total_s:.2f} s (text encoding, denoising, decoding)")
     table.add_row("peak memory", f"{_gb(r.peak_memory_bytes)} ({r.peak_memory_kind})")
+    if r.text_encoder:
+        te = r.text_encoder
+        table.add_row("text encoder", f"4-bit, packed ({te['file']}): prompt embeddings "
+                                      f"{100 * te['embedding_rel_l2']:.2f} % from the folder's own (relative L2)")
     return table
 
 
@@ -85,6 +91,7 @@ def generate(
         "--transformer", help="Run with this transformer folder (or SVDQuant file, kept packed) instead of the "
                               "folder's own.")] = None,
     svdq_compute: SvdqComputeOpt = SvdqCompute.w4a4,
+    text_encoder: TextEncoderOpt = None,
     provider: Annotated[str, typer.Option("--provider", help="onnxruntime execution provider, for an ONNX export "
                                           "folder (port export).")] = "CPUExecutionProvider",
     ort_threads: OrtThreadsOpt = None,
@@ -119,7 +126,7 @@ def generate(
                               dtype=dtype.value if dtype else None, guidance_scale=guidance_scale,
                               progress=not out.quiet, on_status=out.status, provider=provider, force=force,
                               ort_threads=ort_threads, on_step=on_step, transformer=transformer,
-                              svdq_compute=svdq_compute.value)
+                              svdq_compute=svdq_compute.value, text_encoder=text_encoder)
     finally:
         if bar is not None:
             bar.stop()

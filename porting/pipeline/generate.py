@@ -91,6 +91,7 @@ class GenerateResult:
     peak_memory_bytes: int
     peak_memory_kind: str  # "device allocator" or "process RSS"
     transformer_runtime: str = "torch"  # or "onnxruntime:<provider>" for an ONNX export folder
+    text_encoder: dict[str, Any] | None = None  # --text-encoder: the file and its prompt embeddings' error
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -211,29 +212,6 @@ def _accelerator(device: torch.device) -> Any | None:
             "xpu": getattr(torch, "xpu", None)}.get(device.type)
 
 
-def load_pipeline(folder: Path, device: torch.device, dtype: torch.dtype, cpu_offload: str | None = None,
-                  transformer: Path | None = None, svdq_compute: str = "w4a4") -> Any:
-    """The folder's pipeline, on `device` (or offloaded to it), quiet about its own progress bars; `transformer`
-    (a transformer folder or an SVDQuant file, kept packed and computed as `svdq_compute`) replaces its own."""
-    from diffusers import DiffusionPipeline
-
-    overrides: dict[str, Any] = {}
-    if transformer is not None:
-        from .transformer_source import transformer_source
-
-        overrides["transformer"] = transformer_source(transformer).load(dtype, svdq_compute)
-    with warnings.catch_warnings():  # diffusers 0.42 renamed torch_dtype to dtype; older ones know torch_dtype only
-        warnings.filterwarnings("ignore", message=".*torch_dtype.*", category=FutureWarning)
-        pipe = DiffusionPipeline.from_pretrained(folder, local_files_only=True, torch_dtype=dtype, **overrides)
-    if cpu_offload == "model":
-        pipe.enable_model_cpu_offload(device=device)
-    elif cpu_offload == "sequential":
-        pipe.enable_sequential_cpu_offload(device=device)
-    else:
-        pipe.to(device)
-    return pipe
-
-
 PNG_SOFTWARE = "flux-port"  # a courtesy text chunk naming the tool; it proves nothing (anyone can write one)
 
 
@@ -315,7 +293,7 @@ def _check_transformer(folder: Path, onnx_source: Path | None, swap: Path | None
 
 def _load(folder: Path, onnx_source: Path | None, dev: torch.device, dtype: torch.dtype, *, provider: str,
           ort_threads: int | None, size: tuple[int, int], cpu_offload: str | None, swap: Path | None,
-          svdq_compute: str, say: Callable[[str], None]) -> Any:
+          svdq_compute: str, say: Callable[[str], None], text_encoder: Any | None = None) -> Any:
     """The pipeline: an ONNX export's transformer in onnxruntime with the rest in torch, or all of it in torch."""
     if onnx_source is not None:
         from porting.pipeline.ort_pipeline import load_onnx_pipeline
@@ -324,7 +302,31 @@ def _load(folder: Path, onnx_source: Path | None, dev: torch.device, dtype: torc
         from porting.export.ort import SessionSettings
 
         return load_onnx_pipeline(folder, dtype, provider, SessionSettings(threads=ort_threads), size=size).to(dev)
-    return load_pipeline(folder, dev, dtype, cpu_offload, swap, svdq_compute)
+    from .pipeload import load
+
+    return load(folder, dev, dtype, transformer=swap, offload=cpu_offload or "none", svdq_compute=svdq_compute,
+                text_encoder_file=text_encoder)
+
+
+def _check_text_encoder(folder: Path, onnx_source: Path | None, text_encoder: str | Path | None) -> Any | None:
+    """--text-encoder opened and checked against the folder (before anything loads), or None."""
+    if text_encoder is None:
+        return None
+    if onnx_source is not None:
+        raise PortError("--text-encoder swaps a torch text encoder; give it with the torch pipeline folder.")
+    from .text_encoder_swap import open_swap
+
+    return open_swap(folder, Path(text_encoder))
+
+
+def text_encoder_report(pipe: Any, folder: Path, source: Any, prompts: Sequence[str],
+                        dtype: torch.dtype) -> dict[str, Any]:
+    """The 4-bit text encoder a pipeline runs and its prompt embeddings' error against the folder's own encoder."""
+    from .text_encoder_swap import embedding_error, own_encoder
+
+    slot = source.text_encoder.architecture.slot
+    error = embedding_error(pipe, slot, own_encoder(folder, slot, dtype), prompts)
+    return {"file": str(source.path), "slot": slot, "prompts": len(prompts), "embedding_rel_l2": error}
 
 
 def _call(pipe: Any, *, prompt: str, width: int, height: int, steps: int, seed: int, references: list[Any],
@@ -380,7 +382,7 @@ def generate(folder: str | Path, prompt: str, *, device: str = "cpu", steps: int
              progress: bool = True, on_status: Callable[[str], None] | None = None,
              provider: str = "CPUExecutionProvider", force: bool = False, ort_threads: int | None = None,
              on_step: Callable[[int, int, float], None] | None = None, transformer: str | Path | None = None,
-             svdq_compute: str = "w4a4") -> GenerateResult:
+             svdq_compute: str = "w4a4", text_encoder: str | Path | None = None) -> GenerateResult:
     """Generate one image from a published folder and write it as PNG to `output`.
 
     `size` defaults to 1024 on an accelerator and CPU_DEFAULT_SIZE on a CPU; compute is float32 on a CPU unless
@@ -392,6 +394,8 @@ def generate(folder: str | Path, prompt: str, *, device: str = "cpu", steps: int
 
     `transformer` replaces the folder's own: a transformer folder, or a Nunchaku SVDQuant file kept packed and
     computed as `svdq_compute` (w4a4: the kernel's 4-bit activations; w4a16: the dequantized weights).
+    `text_encoder`, a 4-bit text encoder file, runs packed in its slot; its prompt embeddings' error against the
+    folder's own encoder is in the result.
     """
     from porting.pipeline.ort_pipeline import export_source
 
@@ -412,11 +416,12 @@ def generate(folder: str | Path, prompt: str, *, device: str = "cpu", steps: int
         raise PortError(f"--steps {steps}: needs at least 1.")
     swap = Path(transformer) if transformer is not None else None
     _check_transformer(folder, onnx_source, swap, ort_threads, dev, dtype_name, (width, height), sizes)
+    te_source = _check_text_encoder(folder, onnx_source, text_encoder)
     references = load_references([Path(p) for p in images])
     if output.suffix.lower() != ".png":
         raise PortError(f"--output {output}: flux-port writes PNG; name the file *.png.")
     check_disjoint(output, {"pipeline folder": folder, "source pipeline": onnx_source, "--image": list(images),
-                            "--transformer": swap})
+                            "--transformer": swap, "--text-encoder": text_encoder and Path(text_encoder)})
     check_image_replaceable(output, force)
 
     acc = _accelerator(dev)
@@ -426,7 +431,8 @@ def generate(folder: str | Path, prompt: str, *, device: str = "cpu", steps: int
         + (f", {cpu_offload} offload" if cpu_offload else "") + ")")
     started = time.perf_counter()
     pipe = _load(folder, onnx_source, dev, DTYPES[dtype_name], provider=provider, ort_threads=ort_threads,
-                 size=(width, height), cpu_offload=cpu_offload, swap=swap, svdq_compute=svdq_compute, say=say)
+                 size=(width, height), cpu_offload=cpu_offload, swap=swap, svdq_compute=svdq_compute, say=say,
+                 text_encoder=te_source)
     pipe.set_progress_bar_config(disable=not (progress and debug()))
     load_s = time.perf_counter() - started
 
@@ -439,10 +445,14 @@ def generate(folder: str | Path, prompt: str, *, device: str = "cpu", steps: int
         peak, kind = int(acc.max_memory_allocated(dev)), "device allocator"
     else:
         peak, kind = _peak_rss_bytes(), "process RSS"
+    te_report = None  # measured after the peak: it loads the folder's own encoder beside the packed one
+    if te_source is not None:
+        te_report = text_encoder_report(pipe, folder, te_source, [prompt], DTYPES[dtype_name])
     return GenerateResult(
         output=str(output), pipeline=type(pipe).__name__, prompt=prompt, width=width, height=height, steps=steps,
         seed=seed, device=str(dev), dtype=dtype_name, cpu_offload=cpu_offload,
         reference_images=[str(p) for p in images], load_s=round(load_s, 3), denoise_s=round(denoise_s, 3),
         s_per_it=round(denoise_s / steps, 4), total_s=round(total_s, 3), peak_memory_bytes=peak,
         peak_memory_kind=kind,
-        transformer_runtime=f"onnxruntime:{provider}" if onnx_source is not None else "torch")
+        transformer_runtime=f"onnxruntime:{provider}" if onnx_source is not None else "torch",
+        text_encoder=te_report)

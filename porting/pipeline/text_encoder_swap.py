@@ -44,17 +44,33 @@ def load_swap(source: Any, device: Any, dtype: Any) -> tuple[str, Any]:
     return source.text_encoder.architecture.slot, load_packed_text_encoder(source, device, dtype)
 
 
-def embedding_error(pipe: Any, slot: str, packed: Any, prompts: Sequence[str]) -> float:
-    """Relative L2 distance of the prompt embeddings the packed encoder (for the pipeline's `slot`) gives from those
-    the pipeline's own encoder gives, over `prompts` (the pipeline keeps its own encoder)."""
+def own_encoder(folder: Path, slot: str, dtype: Any) -> Any:
+    """The pipeline folder's own encoder for `slot`, loaded alone (its class from model_index.json)."""
+    import warnings
+
+    import transformers
+
+    from porting._files import read_json_object
+
+    index = read_json_object(Path(folder) / "model_index.json", "a diffusers pipeline folder has one at its root")
+    cls = getattr(transformers, index[slot][1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return cls.from_pretrained(Path(folder) / slot, dtype=dtype).eval()
+
+
+def embedding_error(pipe: Any, slot: str, reference: Any, prompts: Sequence[str]) -> float:
+    """Relative L2 distance of the prompt embeddings the pipeline's encoder in `slot` gives from those `reference`
+    (another encoder for the slot, e.g. the folder's own bf16 one) gives, over `prompts`; the pipeline keeps its
+    encoder."""
     import torch
 
     own = getattr(pipe, slot)
     with torch.no_grad():
-        want = [_embeds(pipe, p) for p in prompts]
-        setattr(pipe, slot, packed)
+        got = [_embeds(pipe, p) for p in prompts]
+        setattr(pipe, slot, reference.to(pipe._execution_device))
         try:
-            got = [_embeds(pipe, p) for p in prompts]
+            want = [_embeds(pipe, p) for p in prompts]
         finally:
             setattr(pipe, slot, own)
     num = sum(float((g.float() - w.float()).norm() ** 2) for g, w in zip(got, want))
@@ -67,4 +83,4 @@ def _embeds(pipe: Any, prompt: str) -> Any:
     return out[0]
 
 
-__all__ = ["open_swap", "load_swap", "embedding_error"]
+__all__ = ["open_swap", "load_swap", "own_encoder", "embedding_error"]
