@@ -53,3 +53,26 @@ def test_a_text_encoder_that_does_not_fit_the_pipeline_is_refused_before_loading
     with pytest.raises(InputError) as err:
         open_swap(narrow, narrow / "text_encoder")
     assert "a bf16 text encoder" in str(err.value) and "--quantize awq-int4" in err.value.hint
+
+
+def test_generate_and_compare_take_the_4_bit_text_encoder(wide, tmp_path, capsys):
+    import json
+
+    from .helpers import run_port
+
+    base, file = wide
+    run = run_port(capsys, "generate", base, "--prompt", "a red fox", "--text-encoder", file, "--steps", "1",
+                   "--size", "32", "--output", tmp_path / "fox.png", "--json")
+    assert run.code == 0, run.err
+    doc = json.loads(run.out)
+    assert doc["text_encoder"]["slot"] == "text_encoder" and 0 < doc["text_encoder"]["embedding_rel_l2"] < 0.5
+    assert (tmp_path / "fox.png").is_file()
+    run = run_port(capsys, "compare", base, base, "--candidate-text-encoder", file, "--steps", "1", "--size", "32",
+                   "--prompt", "a red fox", "--out", tmp_path / "cmp", "--json")
+    assert run.code == 0, run.err
+    doc = json.loads(run.out)
+    assert doc["candidate"]["text_encoder"] == str(file.resolve())
+    assert doc["candidate"]["embedding_rel_l2"] == pytest.approx(
+        json.loads((tmp_path / "cmp" / "compare.json").read_text())["candidate"]["embedding_rel_l2"])
+    assert 0 < doc["candidate"]["embedding_rel_l2"] < 0.5 and doc["settings"]["text_encoder"].startswith("each side")
+    assert doc["summary"]["psnr"]["mean"] < 99  # its own embeddings: the images differ from the reference's

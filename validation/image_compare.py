@@ -63,6 +63,7 @@ class Side:
     device: str = "cpu"
     dtype: str | None = None  # default: fp32 on CPU, bf16 on accelerators
     svdq_compute: str = "w4a4"  # an SVDQuant transformer: the kernel's arithmetic (w4a4) or dequantized (w4a16)
+    text_encoder: Path | None = None  # the candidate: a 4-bit text encoder file run packed, encoding its own prompts
 
 
 @dataclass
@@ -129,6 +130,8 @@ class _Prepared:
     pipeline: str = ""
     svdq_compute: str | None = None  # set when the transformer is an SVDQuant file run packed
     export_source: Path | None = None  # an ONNX export: its transformer runs in onnxruntime, the rest from here
+    text_encoder: Any = None  # an opened 4-bit text encoder (text_encoder_swap.open_swap) run packed
+    embedding_error: float | None = None  # its prompt embeddings against the reference's (relative L2)
 
     @property
     def pipeline_folder(self) -> Path:
@@ -141,6 +144,8 @@ class _Prepared:
                "device": str(self.device), "dtype": self.dtype_name}
         if self.export_source is not None:
             doc.update(runtime="onnxruntime:CPUExecutionProvider", export_source=str(self.export_source.resolve()))
+        if self.text_encoder is not None:
+            doc.update(text_encoder=str(self.text_encoder.path.resolve()), embedding_rel_l2=self.embedding_error)
         return {**doc, "svdq_compute": self.svdq_compute} if self.svdq_compute else doc
 
     def load(self, svdq_compute: str, text_encoder: bool = True) -> Any:
@@ -152,7 +157,7 @@ class _Prepared:
             return pipe
         return pipeload.load(self.folder, self.device, DTYPES[self.dtype_name],
                              transformer=self.transformer if self.swapped else None, text_encoder=text_encoder,
-                             svdq_compute=svdq_compute)
+                             svdq_compute=svdq_compute, text_encoder_file=self.text_encoder)
 
 
 def _prepare(side: Side, what: str) -> _Prepared:
@@ -163,6 +168,8 @@ def _prepare(side: Side, what: str) -> _Prepared:
     if source is not None and side.transformer is not None:
         raise PortError(f"{folder} is an ONNX export: its transformer is the exported graph; a transformer swap "
                         "applies to a pipeline folder.", hint="Drop the --*-transformer option for this side.")
+    if source is not None and side.text_encoder is not None:
+        raise PortError(f"{folder} is an ONNX export; --candidate-text-encoder applies to a pipeline folder.")
     read_model_index(source or folder)
     transformer = (source / "transformer" if source is not None else
                    pipeload.transformer_folder(folder, Path(side.transformer) if side.transformer else None))
@@ -174,8 +181,13 @@ def _prepare(side: Side, what: str) -> _Prepared:
         return _Prepared(folder, transformer, False, dev, dtype_name, weights=exported_weights(folder),
                          export_source=source)
     packed = pipeload.transformer_source(transformer).svdq
+    encoder = None
+    if side.text_encoder is not None:
+        from porting.pipeline.text_encoder_swap import open_swap
+
+        encoder = open_swap(folder, Path(side.text_encoder))
     return _Prepared(folder, transformer, side.transformer is not None, dev, dtype_name,
-                     svdq_compute=side.svdq_compute if packed else None)
+                     svdq_compute=side.svdq_compute if packed else None, text_encoder=encoder)
 
 
 def _call_kwargs(pipe: Any, guidance_scale: float | None, images: Sequence[Any] = ()) -> dict[str, Any]:
@@ -378,6 +390,7 @@ def compare(reference: Side, candidate: Side, *, prompts: Sequence[str] | None =
     out = Path(out) if out is not None else default_out(candidate)
     read_paths = {"reference": reference.folder, "candidate": candidate.folder,
                   "reference transformer": reference.transformer, "candidate transformer": candidate.transformer,
+                  "candidate text encoder": candidate.text_encoder,
                   "--image": list(images), "--lpips-weights": lpips_weights, **(inputs or {})}
     check_output(out, force=force, verb="compare", inputs=read_paths)  # before an hour of rendering
     # settled before anything is rendered: a gate on LPIPS must not fail after an hour of generation
@@ -508,9 +521,15 @@ def _reference_side(ref: Any, svdq_compute: str, run: _Run, guidance_scale: floa
 def _candidate_side(cand: Any, svdq_compute: str, ref_pipeline: str, run: _Run, guidance_scale: float | None,
                     embeds: list[Any], negative: Any, staging: Path, tick: Callable[[str], None],
                     on_step: Callable[[float], None] | None, say: Callable[[str], None]) -> None:
-    """Load the candidate without a text encoder and render the reference's embeddings into `staging/candidate`."""
-    say(f"loading the candidate from {cand.folder} on {cand.device} ({cand.dtype_name}), no text encoder")
-    pipe = cand.load(svdq_compute, text_encoder=False)
+    """Load the candidate without a text encoder and render the reference's embeddings into `staging/candidate`
+    (with a 4-bit text encoder of its own: its own embeddings, their error against the reference's measured)."""
+    own = cand.text_encoder is not None
+    say(f"loading the candidate from {cand.folder} on {cand.device} ({cand.dtype_name}), "
+        + ("its 4-bit text encoder packed" if own else "no text encoder"))
+    pipe = cand.load(svdq_compute, text_encoder=own)
+    if own:
+        embeds, negative, cand.embedding_error = _own_embeddings(pipe, cand, run, embeds, negative)
+        say(f"the 4-bit text encoder's prompt embeddings: {100 * cand.embedding_error:.2f} % from the reference's")
     cand.pipeline = type(pipe).__name__
     if cand.pipeline != ref_pipeline:
         say(f"note: the pipelines differ ({ref_pipeline} vs {cand.pipeline})")
@@ -526,6 +545,19 @@ def _candidate_side(cand: Any, svdq_compute: str, ref_pipeline: str, run: _Run, 
     pipeload.release_memory(cand.device)
 
 
+def _own_embeddings(pipe: Any, cand: Any, run: _Run, embeds: list[Embeds], negative: Embeds | None
+                    ) -> tuple[list[Embeds], Embeds | None, float]:
+    """The candidate's prompts encoded by its own (4-bit) text encoder, which is then dropped; the relative L2 of
+    its prompt embeddings from the reference's, over every prompt."""
+    mine = [_encode(pipe, p, cand.device) for p in run.prompts]
+    mine_negative = _encode(pipe, "", cand.device) if negative is not None else None
+    _drop_text_encoders(pipe)
+    num = sum(float((m["prompt_embeds"].float() - e["prompt_embeds"].float()).norm() ** 2)
+              for m, e in zip(mine, embeds))
+    den = sum(float(e["prompt_embeds"].float().norm() ** 2) for e in embeds)
+    return mine, mine_negative, (num / max(den, 1e-30)) ** 0.5
+
+
 def _document(ref: Any, cand: Any, run: _Run, kwargs: dict[str, Any], images: Sequence[str | Path],
               diff_gain: float, scores: dict[str, Any], min_psnr: float | None, max_lpips: float | None,
               failures: list[str], timings: dict[str, float]) -> dict[str, Any]:
@@ -537,7 +569,8 @@ def _document(ref: Any, cand: Any, run: _Run, kwargs: dict[str, Any], images: Se
         "settings": {"steps": run.steps, "width": run.width, "height": run.height,
                      "guidance_scale": kwargs.get("guidance_scale"),
                      "noise": "float32 CPU generator per seed, cast by each pipeline",
-                     "text_encoder": "reference's, once per prompt, shared by both sides",
+                     "text_encoder": ("each side its own (the candidate's 4-bit, run packed)" if cand.text_encoder
+                                      is not None else "reference's, once per prompt, shared by both sides"),
                      "images": [str(p) for p in images], "diff_gain": diff_gain},
         **scores,
         "grid": GRID_PNG,

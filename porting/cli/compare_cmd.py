@@ -52,6 +52,10 @@ def compare(
     candidate_transformer: Annotated[Optional[Path], typer.Option(
         "--candidate-transformer", help="Run the candidate with this transformer folder (or SVDQuant file) instead "
                                         "of its own.")] = None,
+    candidate_text_encoder: Annotated[Optional[Path], typer.Option(
+        "--candidate-text-encoder", help="Run the candidate with this 4-bit text encoder file (Nunchaku's AWQ "
+                                         "W4A16 Qwen3 or T5), packed, encoding its own prompts; their embeddings' "
+                                         "error against the reference's is reported.")] = None,
     svdq_compute: SvdqComputeOpt = SvdqCompute.w4a4,
     reference_device: Annotated[str, typer.Option("--reference-device", help="Where the reference runs.")] = "cpu",
     device: Annotated[str, typer.Option("--device", help="Where the candidate runs: cpu, cuda[:N], npu[:N].")] = "cpu",
@@ -101,7 +105,8 @@ def compare(
         result = run_compare(
             Side(reference, reference_transformer, reference_device,
                  reference_dtype.value if reference_dtype else None, svdq_compute.value),
-            Side(candidate, candidate_transformer, device, dtype.value if dtype else None, svdq_compute.value),
+            Side(candidate, candidate_transformer, device, dtype.value if dtype else None, svdq_compute.value,
+                 candidate_text_encoder),
             prompts=prompt_list, seeds=_seeds(seeds), steps=steps, size=size, out=out, force=force,
             lpips_weights=lpips_weights, guidance_scale=guidance_scale, min_psnr=min_psnr, max_lpips=max_lpips,
             diff_gain=diff_gain, images=image or [], on_status=bar.say, on_image=bar.on_image,
@@ -163,6 +168,10 @@ def _report(output: _output.Output, result: Any) -> None:
                                   else ["unavailable", "", ""]))
         output.table(table)
     metrics = doc["metrics"]
+    if doc["candidate"].get("embedding_rel_l2") is not None:
+        error = 100 * doc["candidate"]["embedding_rel_l2"]
+        output.note(f"the candidate's 4-bit text encoder: prompt embeddings {error:.2f} % from the reference's "
+                    "(relative L2); each side rendered its own")
     if metrics["psnr"]["capped"]:
         output.status(f"PSNR capped at {metrics['psnr']['cap_db']:g} dB for {metrics['psnr']['capped']} identical "
                       "image pair(s).")
