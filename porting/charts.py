@@ -92,7 +92,7 @@ def write_bench_chart(doc: dict[str, Any], path: Path) -> bool:
     if not rows or missing():
         return False
     plt = _pyplot()
-    labels = [f"{r['mode']}\n{r['task']}" for r in rows]
+    labels = ["\n".join(x for x in (r.get("model"), r["mode"], r["task"]) if x) for r in rows]
     fig, (mem, speed) = plt.subplots(1, 2, figsize=(max(6.0, 1.2 * len(rows) + 3), 3.6), dpi=100)
     mem.bar(labels, [r["memory"]["peak_bytes"] / 2**30 for r in rows], color="#2e86c1")
     mem.set_ylabel(f"peak memory, GiB ({doc['memory_counter']})", fontsize=7)
@@ -111,8 +111,9 @@ def write_bench_chart(doc: dict[str, Any], path: Path) -> bool:
 
 def bench_text_chart(doc: dict[str, Any]) -> list[str]:
     rows = [r for r in doc["rows"] if r["status"] == "ok"]
-    mem = text_bars([(f"{r['mode']} {r['task']}", r["memory"]["peak_bytes"] / 2**30) for r in rows], 0, " GiB")
-    speed = text_bars([(f"{r['mode']} {r['task']}", r["s_per_image"]) for r in rows], 0, " s/image")
+    names = [" ".join(x for x in (r.get("model"), r["mode"], r["task"]) if x) for r in rows]
+    mem = text_bars([(n, r["memory"]["peak_bytes"] / 2**30) for n, r in zip(names, rows)], 0, " GiB")
+    speed = text_bars([(n, r["s_per_image"]) for n, r in zip(names, rows)], 0, " s/image")
     return ["peak memory", *mem, "", "seconds per image", *speed]
 
 

@@ -76,3 +76,35 @@ def test_generate_and_compare_take_the_4_bit_text_encoder(wide, tmp_path, capsys
         json.loads((tmp_path / "cmp" / "compare.json").read_text())["candidate"]["embedding_rel_l2"])
     assert 0 < doc["candidate"]["embedding_rel_l2"] < 0.5 and doc["settings"]["text_encoder"].startswith("each side")
     assert doc["summary"]["psnr"]["mean"] < 99  # its own embeddings: the images differ from the reference's
+
+
+@pytest.mark.slow  # four pipelines loaded and run in turn
+def test_bench_card_rows_the_base_against_its_4_bit_files(wide, tmp_path, capsys):
+    import json
+
+    from porting.engine.svdq_convert import convert_svdquant
+
+    from .helpers import run_port
+
+    base, file = wide
+    svdq = convert_svdquant(base / "transformer", tmp_path / "svdq", "svdq-int4", rank=16)
+    run = run_port(capsys, "bench", base, "--transformer", svdq.out / svdq.files[0], "--text-encoder", file,
+                   "--card", "--offload", "none", "--task", "t2i", "--runs", "1", "--warmup", "0", "--size", "32",
+                   "--steps", "1", "--out", tmp_path / "b", "--json")
+    assert run.code == 0, run.err
+    doc = json.loads(run.out)
+    assert [r["model"] for r in doc["rows"]] == ["base", "4-bit text encoder", "4-bit transformer",
+                                                 "4-bit transformer + text encoder"]
+    assert all(r["status"] == "ok" and r["s_per_image"] > 0 for r in doc["rows"])
+    assert doc["text_encoder"]["file"] == str(file.resolve()) and doc["svdq"]["format"].startswith("SVDQuant")
+    md = (tmp_path / "b" / "bench.md").read_text()
+    assert "| model | task | offload |" in md and "| 4-bit transformer + text encoder | t2i | none |" in md
+
+
+def test_bench_card_needs_a_4_bit_file_and_refuses_before_loading(wide, tmp_path, capsys):
+    from .helpers import run_port
+
+    base, _ = wide
+    run = run_port(capsys, "bench", base, "--card", "--out", tmp_path / "c")
+    assert run.code == 2 and "--card compares the base with its 4-bit files" in run.msg
+    assert not (tmp_path / "c").exists()

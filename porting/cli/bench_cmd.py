@@ -17,6 +17,7 @@ from ._options import (
     StepsOpt,
     SvdqCompute,
     SvdqComputeOpt,
+    TextEncoderOpt,
     out_option,
 )
 
@@ -26,6 +27,8 @@ Examples:
   port bench ./my-klein-ft --device npu:0 --offload none,model --task t2i --runs 5
   port bench ./FLUX.2-klein-9B --transformer ./transformer --device cuda --json
   port bench ./FLUX.2-klein-9B --transformer svdq-int4_r32-flux.2-klein-9b.safetensors --offload none,model
+  port bench ./FLUX.2-klein-9B --transformer svdq-int4_r32-flux.2-klein-9b.safetensors
+             --text-encoder svdq-int4-Qwen3-text-Nunchaku.safetensors --card --device cuda
   port bench ./my-klein-ft      (CPU: the no-offload row with peak RSS; offload rows need an accelerator)
 """
 
@@ -37,6 +40,10 @@ def bench(
         "--transformer", help="Run with this transformer folder (or SVDQuant file, kept packed) instead of the "
                               "folder's own.")] = None,
     svdq_compute: SvdqComputeOpt = SvdqCompute.w4a4,
+    text_encoder: TextEncoderOpt = None,
+    card: Annotated[bool, typer.Option("--card", help="The model card's rows: the base, each 4-bit file given "
+                                       "(--transformer, --text-encoder) alone, and both, by every offload "
+                                       "mode.")] = False,
     device: DeviceOpt = "cpu",
     dtype: RunDtypeOpt = None,
     offload: Annotated[str, typer.Option("--offload", help="Comma-separated modes: none, model (model CPU "
@@ -71,16 +78,17 @@ def bench(
     output = _output.use(json_mode=json_, quiet=quiet, heavy=True)
 
     def on_row(row: Row) -> None:
+        name = f"{row.model}: " if row.model else ""
         if row.status == "ok":
-            output.status(f"{row.task}/{row.mode}: {row.it_per_s} it/s, {row.s_per_image} s/image")
+            output.status(f"{name}{row.task}/{row.mode}: {row.it_per_s} it/s, {row.s_per_image} s/image")
         else:
-            output.status(f"{row.task}/{row.mode}: {row.status} ({row.reason})")
+            output.status(f"{name}{row.task}/{row.mode}: {row.status} ({row.reason})")
 
     result = run_bench(folder, transformer=transformer, device=device, dtype=dtype.value if dtype else None,
                        modes=parse_list(offload, "--offload"), tasks=parse_list(task, "--task"), size=size,
                        steps=steps, runs=runs, warmup=warmup, prompt=prompt or DEFAULT_PROMPT,
                        image=image, guidance_scale=guidance_scale, out=out, force=force, on_status=output.status,
-                       on_row=on_row, svdq_compute=svdq_compute.value)
+                       on_row=on_row, svdq_compute=svdq_compute.value, text_encoder=text_encoder, card=card)
     doc = result.doc
     if not output.json_mode:
         header, rows, notes = table_cells(doc)

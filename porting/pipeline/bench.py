@@ -17,7 +17,7 @@ import resource
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -66,6 +66,7 @@ class Row:
     runs_s: list[float] = field(default_factory=list)
     memory: dict[str, Any] = field(default_factory=dict)
     vs_first: dict[str, float | None] = field(default_factory=dict)
+    model: str = ""  # with --card: which of the model card's rows (base, 4-bit text encoder, ...)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -196,7 +197,7 @@ def _relative(rows: list[Row]) -> dict[str, str | None]:
     """Fill `vs_first` of every row against the first measured row of its task; returns the baseline modes."""
     baselines: dict[str, str | None] = {}
     for task in dict.fromkeys(r.task for r in rows):
-        same = [r for r in rows if r.task == task]
+        same = [r for r in rows if r.task == task]  # with --card: the base's first row is the baseline
         base = next((r for r in same if r.status == "ok"), None)
         baselines[task] = base.mode if base else None
         for r in same:
@@ -224,17 +225,19 @@ def _pct(x: float | None) -> str:
 def table_cells(doc: dict[str, Any]) -> tuple[list[str], list[list[str]], list[str]]:
     """(header, one row of cells per task and offload mode, notes): the speed/memory table."""
     accelerator = doc["device"] != "cpu"
-    header = ["task", "offload", "peak reserved (allocated)" if accelerator else "peak RSS", "vs first", "it/s",
-              "vs first", "s/image", "load s"]
+    models = any(r.get("model") for r in doc["rows"])
+    header = ["model"] * models + ["task", "offload", "peak reserved (allocated)" if accelerator else "peak RSS",
+                                   "vs first", "it/s", "vs first", "s/image", "load s"]
     rows = []
     for r in doc["rows"]:
         load = "" if r["load_s"] is None else f"{r['load_s']:.1f}"
+        lead = [r.get("model", "")] * models
         if r["status"] != "ok":
-            rows.append([r["task"], r["mode"], r["status"].upper(), "", "", "", "", load])
+            rows.append([*lead, r["task"], r["mode"], r["status"].upper(), "", "", "", "", load])
             continue
         m, vs = r["memory"], r["vs_first"]
         peak = _gib(m["peak_bytes"]) + (f" ({_gib(m['allocated_bytes'])})" if m.get("allocated_bytes") else "")
-        rows.append([r["task"], r["mode"], peak, _pct(vs.get("peak_memory")), f"{r['it_per_s']:.3g}",
+        rows.append([*lead, r["task"], r["mode"], peak, _pct(vs.get("peak_memory")), f"{r['it_per_s']:.3g}",
                      _pct(vs.get("it_per_s")), f"{r['s_per_image']:.3g}", load])
     by_reason: dict[str, list[str]] = {}
     for r in doc["rows"]:
@@ -304,6 +307,24 @@ class _Settings:
     reference: Any
     guidance_scale: float | None
     svdq_compute: str
+    text_encoder: Any = None  # an opened 4-bit text encoder (text_encoder_swap.open_swap), run packed
+    label: str = ""  # the model card row these settings stand for (--card)
+
+
+# Nunchaku's model cards tabulate the base against its 4-bit parts: (row, 4-bit transformer?, 4-bit text encoder?)
+CARD_ROWS = (("base", False, False), ("4-bit text encoder", False, True), ("4-bit transformer", True, False),
+             ("4-bit transformer + text encoder", True, True))
+
+
+def card_settings(s: _Settings, card: bool) -> list[_Settings]:
+    """The settings of each row to run: one (as given), or with `card` the model card's rows that the given
+    4-bit files make (the base without them, each alone, both)."""
+    if not card:
+        return [s]
+    rows = [(label, tr, te) for label, tr, te in CARD_ROWS
+            if (not tr or s.swap is not None) and (not te or s.text_encoder is not None)]
+    return [replace(s, swap=s.swap if tr else None, text_encoder=s.text_encoder if te else None, label=label)
+            for label, tr, te in rows]
 
 
 def _check_choices(modes: Sequence[str], tasks: Sequence[str], runs: int, warmup: int) -> tuple[list[str], list[str]]:
@@ -344,7 +365,7 @@ def _bench_mode(mode: str, tasks: list[str], s: _Settings, memory: _Memory, pipe
     started = time.perf_counter()
     try:
         pipe = pipeload.load(s.folder, dev, DTYPES[s.dtype_name], transformer=s.swap, offload=mode,
-                             svdq_compute=s.svdq_compute)
+                             svdq_compute=s.svdq_compute, text_encoder_file=s.text_encoder)
     except Exception as e:
         if not _is_oom(e):
             raise
@@ -400,6 +421,8 @@ def _document(s: _Settings, rows: list[Row], *, transformer_dir: Path, weights: 
                      "seed": 0, "statistic": "median"},
         **({"svdq": {"compute": s.svdq_compute, "format": source.label, "packed_bytes": source.stored_bytes()}}
            if source.svdq else {}),
+        **({"text_encoder": {"file": str(s.text_encoder.path.resolve()), "slot": s.text_encoder.text_encoder
+                             .architecture.slot, "format": "AWQ W4A16 (run packed)"}} if s.text_encoder else {}),
         "baseline": _relative(rows),
         "rows": [r.to_dict() for r in rows],
         "torch": torch.__version__,
@@ -411,8 +434,11 @@ def bench(folder: str | Path, *, transformer: str | Path | None = None, device: 
           steps: int | None = None, runs: int = 3, warmup: int = 1, prompt: str = DEFAULT_PROMPT,
           edit_prompt: str = EDIT_PROMPT, image: str | Path | None = None, guidance_scale: float | None = None,
           out: str | Path | None = None, force: bool = False, on_status: Callable[[str], None] | None = None,
-          on_row: Callable[[Row], None] | None = None, svdq_compute: str = "w4a4") -> BenchResult:
+          on_row: Callable[[Row], None] | None = None, svdq_compute: str = "w4a4",
+          text_encoder: str | Path | None = None, card: bool = False) -> BenchResult:
     """Benchmark `folder` (optionally with `transformer` swapped in) and write bench.json / bench.md into `out`.
+    `text_encoder`: a 4-bit text encoder file run packed in its slot. `card`: the model card's rows (the base, each
+    4-bit file given alone, both) by every offload mode, as Nunchaku's cards tabulate them.
 
     `size` defaults to 1024 on an accelerator and 256 on a CPU; compute is float32 on a CPU unless `dtype` says
     otherwise. After the first timed denoising step, a run whose estimate passes a minute says so. An SVDQuant
@@ -424,6 +450,7 @@ def bench(folder: str | Path, *, transformer: str | Path | None = None, device: 
     transformer_dir = pipeload.transformer_folder(folder, swap)
     if swap is not None:
         pipeload.check_swap_fits(folder, swap)
+    te_source = _open_text_encoder(folder, text_encoder, card, swap)
     dev = resolve_device(device)
     dtype_name = dtype or ("fp32" if dev.type == "cpu" else "bf16")
     if dtype_name not in DTYPES:
@@ -439,18 +466,20 @@ def bench(folder: str | Path, *, transformer: str | Path | None = None, device: 
     reference = load_references([Path(image)])[0] if image is not None else edit_image(
         max(round(width * shrink), MIN_REFERENCE_SIDE), max(round(height * shrink), MIN_REFERENCE_SIDE))
     out = Path(out) if out is not None else default_out(folder, swap)
-    read_paths = {"folder": folder, "--transformer": swap, "--image": image}
+    read_paths = {"folder": folder, "--transformer": swap, "--image": image,
+                  "--text-encoder": text_encoder and Path(text_encoder)}
     check_output(out, force=force, verb="bench", inputs=read_paths)  # before the runs, not after them
     say(f"hashing the transformer weights in {transformer_dir}")
     weights = pipeload.weights_sha256(transformer_dir)
     source = pipeload.transformer_source(transformer_dir)
     memory = _Memory(dev)
     settings = _Settings(folder, swap, dev, dtype_name, width, height, steps, runs, warmup, prompt, edit_prompt,
-                         reference, guidance_scale, svdq_compute)
+                         reference, guidance_scale, svdq_compute, te_source)
+    configs = card_settings(settings, card)
 
     rows: list[Row] = []
     runnable = [m for m in modes if m == "none" or dev.type != "cpu"]
-    step_count = {"units": steps * (warmup + runs) * len(tasks) * len(runnable), "timed": False}
+    step_count = {"units": steps * (warmup + runs) * len(tasks) * len(runnable) * len(configs), "timed": False}
 
     def on_step(seconds: float) -> None:
         if not step_count["timed"]:
@@ -465,8 +494,14 @@ def bench(folder: str | Path, *, transformer: str | Path | None = None, device: 
             on_row(row)
 
     pipeline_name = str(index.get("_class_name"))
-    for mode in modes:
-        pipeline_name = _bench_mode(mode, tasks, settings, memory, pipeline_name, say, emit, on_step)
+    for config in configs:
+        if config.label:
+            say(f"model card row: {config.label}")
+        def labelled(row: Row, label: str = config.label) -> None:
+            emit(replace(row, model=label))
+
+        for mode in modes:
+            pipeline_name = _bench_mode(mode, tasks, config, memory, pipeline_name, say, labelled, on_step)
     doc = _document(settings, rows, transformer_dir=transformer_dir, weights=weights, pipeline_name=pipeline_name,
                     memory=memory, image=image, source=source)
     prepare_run_folder(out)
@@ -475,6 +510,18 @@ def bench(folder: str | Path, *, transformer: str | Path | None = None, device: 
         drawn = charts.write_bench_chart(doc, staging / charts.BENCH_PNG)
         (staging / BENCH_MD).write_text(to_markdown(doc, chart=charts.BENCH_PNG if drawn else None))
     return BenchResult(out, doc)
+
+
+def _open_text_encoder(folder: Path, text_encoder: str | Path | None, card: bool, swap: Path | None) -> Any:
+    """--text-encoder opened and checked against the folder, before anything loads; --card needs a 4-bit file."""
+    if card and text_encoder is None and swap is None:
+        raise PortError("--card compares the base with its 4-bit files: give --transformer (an SVDQuant file), "
+                        "--text-encoder (a 4-bit text encoder), or both.")
+    if text_encoder is None:
+        return None
+    from .text_encoder_swap import open_swap
+
+    return open_swap(folder, Path(text_encoder))
 
 
 def parse_list(text: str, option: str) -> list[str]:
