@@ -108,3 +108,19 @@ def test_bench_card_needs_a_4_bit_file_and_refuses_before_loading(wide, tmp_path
     run = run_port(capsys, "bench", base, "--card", "--out", tmp_path / "c")
     assert run.code == 2 and "--card compares the base with its 4-bit files" in run.msg
     assert not (tmp_path / "c").exists()
+
+
+def test_validate_encodes_the_prompt_with_the_4_bit_text_encoder(wide, tmp_path, capsys):
+    import json
+
+    from .helpers import run_port
+
+    base, file = wide
+    run = run_port(capsys, "validate", base / "transformer", "--base", base, "--prompt", "a red fox",
+                   "--text-encoder", file, "--resolution", "32", "--text-len", "16", "--timesteps", "1.0",
+                   "--out", tmp_path / "v", "--json")
+    assert run.code in (0, 1), run.err  # the verdict is the transformer's; the features are what is checked here
+    inputs = json.loads(run.out)["inputs"]
+    assert inputs["text_encoder_4bit"] and 0 < inputs["prompt_features_error"] < 0.5
+    run = run_port(capsys, "validate", base / "transformer", "--text-encoder", file, "--out", tmp_path / "w")
+    assert run.code == 2 and "--text-encoder encodes --prompt" in run.msg and not (tmp_path / "w").exists()

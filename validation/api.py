@@ -33,7 +33,7 @@ def validate(model: str | Path, *, device: str = "cpu", dtype: str | None = None
              on_stage: Callable[[str, int], None] | None = None,
              runtime: str = "torch", provider: str = "CPUExecutionProvider",
              devices: str | Sequence[str] | None = None, svdq_compute: str | None = None,
-             ort_threads: int | None = None) -> Report:
+             ort_threads: int | None = None, text_encoder: Path | None = None) -> Report:
     """Run golden, intrinsic reference and device under test in lock-step and judge the device.
 
     `runtime="torch"`: `model` is a transformer (folder or file) run on `device` in `dtype` (default bf16).
@@ -49,9 +49,16 @@ def validate(model: str | Path, *, device: str = "cpu", dtype: str | None = None
     `svdq_compute` ("w4a4" or "w4a16", a Nunchaku SVDQuant `model` only): the intrinsic and device runs keep the
     quantized linears packed and compute them so (validation.packed); the golden stays the float32 run of the
     dequantized weights. Without it an SVDQuant file runs as plain linears of its dequantized weights.
+    `text_encoder` (a 4-bit text encoder file, with `base` and `prompt`): encodes the prompt, run packed, in place of
+    the base's encoder; the report's inputs say how far its features are from the base encoder's.
     """
     _check_options(runtime, device, devices, ort_threads, svdq_compute,
-                   device_weight_transform is not None or prepare_device_model is not None)
+                   device_weight_transform is not None or prepare_device_model is not None, text_encoder, prompt, base)
+    te_source = None
+    if text_encoder is not None:
+        from porting.pipeline.text_encoder_swap import open_swap
+
+        te_source = open_swap(Path(base), Path(text_encoder))  # --prompt needs --base: checked above
     if devices is not None:
         from .distributed import validate_pipeline
 
@@ -90,7 +97,7 @@ def validate(model: str | Path, *, device: str = "cpu", dtype: str | None = None
         raise _changed_since_export(weights_path, export["weights_sha256"], weights)
     check_dequantized(source)
     inputs = build_inputs(source.config, resolution, text_len, timesteps, seeds, base, prompt,
-                          family=source.detection.family)
+                          family=source.detection.family, text_encoder=_packed(te_source))
     runs, golden_weights = _runs(source, ref, dev, dtype, golden_dtype, intrinsic, export, svdq_compute,
                                  device_weight_transform, Path(model), provider, resolution, ort_threads)
     if prepare_device_model is not None:
@@ -103,13 +110,24 @@ def validate(model: str | Path, *, device: str = "cpu", dtype: str | None = None
     return report
 
 
+def _packed(te_source: Any) -> Any:
+    """The 4-bit text encoder run packed on the CPU in float32 (the golden's precision), or None."""
+    if te_source is None:
+        return None
+    from porting.runtime.awq_text import load_packed_text_encoder
+
+    return load_packed_text_encoder(te_source, "cpu", torch.float32)
+
+
 def _check_options(runtime: str, device: str, devices: str | Sequence[str] | None, ort_threads: int | None,
-                   svdq_compute: str | None, hooks: bool) -> None:
+                   svdq_compute: str | None, hooks: bool, text_encoder: Path | None = None,
+                   prompt: str | None = None, base: Path | None = None) -> None:
     """--runtime is one validate knows, and every option given applies to the run (`options.APPLIES`)."""
     if runtime not in RUNTIMES and devices is None:
         raise PortError(f"--runtime {runtime!r}: choose one of {', '.join(RUNTIMES)}.")
     check_applicable(runtime, {"--device": None if device == "cpu" else device, "--ort-threads": ort_threads,
-                               "--svdq-compute": svdq_compute, "--devices": devices, "hooks": hooks or None},
+                               "--svdq-compute": svdq_compute, "--devices": devices, "hooks": hooks or None,
+                               "--text-encoder": text_encoder, "--prompt": prompt, "--base": base},
                      device=device, devices=devices if devices is None or isinstance(devices, str) else
                      ",".join(devices), ort_threads=ort_threads)
 

@@ -27,10 +27,12 @@ class Inputs:
 
 def build_inputs(config: Mapping[str, Any], resolution: int = 512, text_len: int = 512,
                  timesteps: Sequence[float] = (1.0, 0.5, 0.1), seeds: Sequence[int] = (0,),
-                 base: Path | None = None, prompt: str | None = None, family: Family | None = None) -> Inputs:
+                 base: Path | None = None, prompt: str | None = None, family: Family | None = None,
+                 text_encoder: Any = None) -> Inputs:
     """Packed latents and ids for `resolution`, text features of `text_len` tokens, one row per case.
 
-    `family` defaults to the one whose diffusers class the config names."""
+    `family` defaults to the one whose diffusers class the config names; `text_encoder` (a loaded 4-bit encoder)
+    encodes the prompt in place of the base's (its features' error against the base's is described)."""
     if resolution % TOKEN_SIDE:
         raise PortError(f"--resolution {resolution} must be a multiple of {TOKEN_SIDE}.")
     family = family or family_for_class(str(config.get("_class_name")))
@@ -40,7 +42,8 @@ def build_inputs(config: Mapping[str, Any], resolution: int = 512, text_len: int
                                                   "to use a real prompt"}
     prompt_feats: dict[str, torch.Tensor] | None = None
     if base is not None and prompt:
-        prompt_feats, text_desc = stages.encode_prompt(Path(base), prompt, text_len, config)
+        prompt_feats, text_desc = stages.encode_prompt(Path(base), prompt, text_len, config,
+                                                       **({"text_encoder": text_encoder} if text_encoder else {}))
         for key, shape in text_shapes.items():
             got = prompt_feats[key].shape[-1]
             if got != shape[-1]:

@@ -66,6 +66,11 @@ APPLIES: dict[str, Applies] = {
         "one of them.", usage=False)),
     "hooks": Applies(frozenset({"torch", "devices"}), Refusal(
         "weight transforms and model hooks act on a torch model; the onnxruntime runner has none.", usage=False)),
+    "--text-encoder": Applies(frozenset({"torch"}), Refusal(
+        "--text-encoder encodes --prompt in the torch staged runner on one device; drop --devices / --runtime "
+        "onnxruntime, or --text-encoder.", usage=False), needs={"torch": ("--prompt", Refusal(
+            "--text-encoder encodes --prompt: give --prompt (and --base, whose encoder it stands in for).",
+            usage=False))}),
     "--prompt": Applies(_EVERY, Refusal(""), needs={kind: ("--base", Refusal(
         "--prompt needs --base (the base model's text encoder encodes it).", usage=False)) for kind in _EVERY}),
 }

@@ -65,6 +65,9 @@ def validate(
     base: Annotated[Optional[Path], typer.Option("--base", help="Base model folder whose text encoder(s) "
                                                  "encode --prompt as its pipeline does.")] = None,
     prompt: Annotated[Optional[str], typer.Option("--prompt", help="Prompt for real text features.")] = None,
+    text_encoder: Annotated[Optional[Path], typer.Option(
+        "--text-encoder", help="A 4-bit text encoder file (Nunchaku's AWQ W4A16 Qwen3 or T5), run packed, encodes "
+                               "--prompt in place of --base's; the report gives its features' error.")] = None,
     max_ratio: Annotated[float, typer.Option(
         "--max-ratio", help="Largest accepted device/intrinsic error ratio.")] = 2.0,
     config: Annotated[Optional[Path], typer.Option("--config", help="Base config the weights must fit.")] = None,
@@ -100,8 +103,8 @@ def validate(
     follower = devices is not None and launched_by_torchrun() and os.environ.get("RANK", "0") != "0"
     output = _output.use(json_mode=json_, quiet=quiet or follower, heavy=True)
     recipe, model, base = _model_of(model, base, workspace, output)
-    check_applicable(runtime, {**given, "--prompt": prompt or None, "--base": base}, device=device, devices=devices,
-                     ort_threads=ort_threads)
+    check_applicable(runtime, {**given, "--prompt": prompt or None, "--base": base, "--text-encoder": text_encoder},
+                     device=device, devices=devices, ort_threads=ort_threads)
     from porting.reports import REPORTS, run_folder
 
     out = out or run_folder(recipe.reports if recipe is not None else model.resolve().parent / REPORTS, "validate")
@@ -118,7 +121,8 @@ def validate(
                               timesteps=timestep_list, seeds=seed_list, base=base, prompt=prompt,
                               max_ratio=max_ratio, config=config, intrinsic=intrinsic,
                               on_stage=bar.on_stage, runtime=runtime, provider=provider, devices=devices,
-                              ort_threads=ort_threads, svdq_compute=svdq_compute.value if svdq_compute else None)
+                              ort_threads=ort_threads, svdq_compute=svdq_compute.value if svdq_compute else None,
+                              text_encoder=text_encoder)
     if report is not None:  # None: a torchrun rank other than 0; rank 0 writes the one report
         _report(output, report, model, out, recipe, runtime)
 
@@ -176,6 +180,9 @@ def _report(output: _output.Output, report: Any, model: Path, out: Path, recipe:
     from validation.report import terminal_table
 
     output.table(terminal_table(data))
+    if data["inputs"].get("prompt_features_error") is not None:
+        output.note(f"the prompt was encoded by the 4-bit text encoder (packed): its features are "
+                    f"{100 * data['inputs']['prompt_features_error']:.2f} % from --base's encoder (relative L2)")
     output.status(f"report: {out / 'report.json'} and {out / 'report.md'}")
     _say_chart(output, out, bool(data["blocks"]))
     if report.verdict != "pass":

@@ -123,6 +123,11 @@ def encoder_layers(n_layers: int, wanted: Sequence[int]) -> tuple[int, ...]:
     return tuple(max(1, round(n_layers * k / len(wanted))) for k in range(1, len(wanted) + 1))
 
 
+def features_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Relative L2 distance of prompt features from the base encoder's."""
+    return float((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-30))
+
+
 def description(encoders: Sequence[nn.Module], prompt: str, **extra: Any) -> dict[str, Any]:
     return {"text_features": "prompt", "prompt": prompt,
             "text_encoder": ", ".join(type(e).__name__ for e in encoders), **extra}

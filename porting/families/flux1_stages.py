@@ -14,7 +14,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from ._flux_stages import ROPE, VAE_SCALE, FluxStages, State, description, require_folders
+from ._flux_stages import ROPE, VAE_SCALE, FluxStages, State, description, features_error, require_folders
 
 POOLED = "pooled"
 
@@ -69,9 +69,10 @@ class Flux1Stages(FluxStages):
                 "txt_ids": torch.zeros(ctx.shape[1], 3),  # FluxPipeline.encode_prompt's text_ids
                 **self.guidance(config, b)}
 
-    def encode_prompt(self, base: Path, prompt: str, text_len: int,
-                      config: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """CLIP's pooled output and T5's sequence, through `FluxPipeline.encode_prompt` itself."""
+    def encode_prompt(self, base: Path, prompt: str, text_len: int, config: Mapping[str, Any],
+                      text_encoder: Any = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """CLIP's pooled output and T5's sequence, through `FluxPipeline.encode_prompt` itself; `text_encoder` (a
+        4-bit T5) in place of the base's T5."""
         from diffusers import FluxPipeline
         from transformers import AutoTokenizer, CLIPTextModel, T5EncoderModel
 
@@ -84,7 +85,14 @@ class Flux1Stages(FluxStages):
         with torch.no_grad():
             embeds, pooled, _ = pipe.encode_prompt(prompt=prompt, prompt_2=None, device=torch.device("cpu"),
                                                    max_sequence_length=text_len)
-        return {"ctx": embeds.float(), POOLED: pooled.float()}, description([clip, t5], prompt)
+            extra: dict[str, Any] = {}
+            if text_encoder is not None:
+                pipe.text_encoder_2 = text_encoder
+                four, _, _ = pipe.encode_prompt(prompt=prompt, prompt_2=None, device=torch.device("cpu"),
+                                                max_sequence_length=text_len)
+                extra = {"text_encoder_4bit": True, "prompt_features_error": features_error(four, embeds)}
+                embeds, t5 = four, text_encoder
+        return {"ctx": embeds.float(), POOLED: pooled.float()}, description([clip, t5], prompt, **extra)
 
 
 STAGES = Flux1Stages()

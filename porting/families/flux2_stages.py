@@ -22,6 +22,7 @@ from ._flux_stages import (
     State,
     description,
     encoder_layers,
+    features_error,
     pipeline_class_name,
     require_folders,
 )
@@ -89,10 +90,10 @@ class Flux2Stages(FluxStages):
                 "img_ids": Flux2Pipeline._prepare_latent_ids(latents), "txt_ids": Flux2Pipeline._prepare_text_ids(ctx),
                 **self.guidance(config, latents.shape[0])}
 
-    def encode_prompt(self, base: Path, prompt: str, text_len: int,
-                      config: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    def encode_prompt(self, base: Path, prompt: str, text_len: int, config: Mapping[str, Any],
+                      text_encoder: Any = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """The base's own text encoder as its pipeline runs it: Qwen3 (klein) or Mistral 3 (dev), the hidden
-        states of the pipeline's layers stacked."""
+        states of the pipeline's layers stacked; `text_encoder` (a 4-bit Qwen3, klein only) in its place."""
         declared = pipeline_class_name(base)
         variants = {v.pipeline: v for v in FAMILY.pipelines.values()}
         if declared is not None and declared not in variants:
@@ -103,6 +104,9 @@ class Flux2Stages(FluxStages):
         enc_dir, tok_dir = base / "text_encoder", base / "tokenizer"
         device = torch.device("cpu")
         if variant.text_encoder == "Mistral3ForConditionalGeneration":
+            if text_encoder is not None:
+                raise InputError(f"{base}: FLUX.2 [dev]'s Mistral 3 encoder has no 4-bit form flux-port runs; a 4-bit "
+                                 "Qwen3 encoder feeds FLUX.2 [klein].", hint="Leave --text-encoder out.")
             from diffusers import Flux2Pipeline
             from transformers import AutoProcessor, Mistral3ForConditionalGeneration
 
@@ -125,8 +129,14 @@ class Flux2Stages(FluxStages):
                 feats = Flux2KleinPipeline._get_qwen3_prompt_embeds(
                     text_encoder=encoder, tokenizer=tokenizer, prompt=[prompt], device=device,
                     max_sequence_length=text_len, hidden_states_layers=used)
+                if text_encoder is not None:
+                    four = Flux2KleinPipeline._get_qwen3_prompt_embeds(
+                        text_encoder=text_encoder, tokenizer=tokenizer, prompt=[prompt], device=device,
+                        max_sequence_length=text_len, hidden_states_layers=used)
+                    error, feats, encoder = features_error(four, feats), four, text_encoder
+        extra = {} if text_encoder is None else {"text_encoder_4bit": True, "prompt_features_error": error}
         return {"ctx": feats.float()}, description([encoder], prompt, text_encoder_layers=list(used),
-                                                   pipeline=variant.pipeline)
+                                                   pipeline=variant.pipeline, **extra)
 
 
 STAGES = Flux2Stages()

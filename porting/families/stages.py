@@ -59,10 +59,12 @@ class TransformerStages(Protocol):
         """The inputs state for a batch: packed latents, position ids, text features, timesteps, guidance."""
         ...
 
-    def encode_prompt(self, base: Path, prompt: str, text_len: int,
-                      config: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    def encode_prompt(self, base: Path, prompt: str, text_len: int, config: Mapping[str, Any],
+                      text_encoder: Any = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """Text features of `prompt` from the base's own text encoders, as the family's pipeline computes them,
-        and a description for the report."""
+        and a description for the report. `text_encoder`: a module standing in for the encoder a 4-bit file
+        replaces (Qwen3 for klein, T5 for FLUX.1): the features come from it, the description records their
+        error against the base's own (`prompt_features_error`)."""
         ...
 
     def forward_kwargs(self, state: State) -> dict[str, Any]:
