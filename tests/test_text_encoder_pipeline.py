@@ -124,3 +124,20 @@ def test_validate_encodes_the_prompt_with_the_4_bit_text_encoder(wide, tmp_path,
     assert inputs["text_encoder_4bit"] and 0 < inputs["prompt_features_error"] < 0.5
     run = run_port(capsys, "validate", base / "transformer", "--text-encoder", file, "--out", tmp_path / "w")
     assert run.code == 2 and "--text-encoder encodes --prompt" in run.msg and not (tmp_path / "w").exists()
+
+
+def test_the_converted_bf16_folder_loads_as_the_pipelines_text_encoder(wide, tmp_path):
+    from diffusers import Flux2KleinPipeline
+    from transformers import Qwen3Model
+
+    from porting.engine.text_encoder import convert_text_encoder
+
+    base, file = wide
+    convert_text_encoder(file, tmp_path / "te-bf16")
+    encoder = Qwen3Model.from_pretrained(tmp_path / "te-bf16", dtype=torch.bfloat16)
+    pipe = Flux2KleinPipeline.from_pretrained(base, text_encoder=encoder, dtype=torch.bfloat16)
+    packed = pipeload.load(base, torch.device("cpu"), torch.bfloat16, text_encoder_file=open_swap(base, file))
+    with torch.no_grad():
+        want = pipe.encode_prompt(prompt="a red fox", device="cpu", max_sequence_length=32)[0]
+        got = packed.encode_prompt(prompt="a red fox", device="cpu", max_sequence_length=32)[0]
+    assert torch.equal(got, want)  # the packed encoder computes what the converted folder computes
