@@ -49,16 +49,11 @@ def validate(model: str | Path, *, device: str = "cpu", dtype: str | None = None
     `svdq_compute` ("w4a4" or "w4a16", a Nunchaku SVDQuant `model` only): the intrinsic and device runs keep the
     quantized linears packed and compute them so (validation.packed); the golden stays the float32 run of the
     dequantized weights. Without it an SVDQuant file runs as plain linears of its dequantized weights.
-    `text_encoder` (a 4-bit text encoder file, with `base` and `prompt`): encodes the prompt, run packed, in place of
-    the base's encoder; the report's inputs say how far its features are from the base encoder's.
-    """
+    `text_encoder` (a 4-bit file, with `base` and `prompt`) encodes the prompt, packed, in place of the base's
+    encoder; the report's inputs give its features' error."""
     _check_options(runtime, device, devices, ort_threads, svdq_compute,
                    device_weight_transform is not None or prepare_device_model is not None, text_encoder, prompt, base)
-    te_source = None
-    if text_encoder is not None:
-        from porting.pipeline.text_encoder_swap import open_swap
-
-        te_source = open_swap(Path(base), Path(text_encoder))  # --prompt needs --base: checked above
+    te_source = _open_text_encoder(text_encoder, base)
     if devices is not None:
         from .distributed import validate_pipeline
 
@@ -108,6 +103,15 @@ def validate(model: str | Path, *, device: str = "cpu", dtype: str | None = None
     if out is not None:
         report.write(Path(out), inputs=read_paths)
     return report
+
+
+def _open_text_encoder(text_encoder: Path | None, base: Path | None) -> Any:
+    """--text-encoder opened and checked against --base (which --prompt needs: checked before), or None."""
+    if text_encoder is None:
+        return None
+    from porting.pipeline.text_encoder_swap import open_swap
+
+    return open_swap(Path(base), Path(text_encoder))  # type: ignore[arg-type]
 
 
 def _packed(te_source: Any) -> Any:

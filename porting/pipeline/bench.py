@@ -437,8 +437,7 @@ def bench(folder: str | Path, *, transformer: str | Path | None = None, device: 
           on_row: Callable[[Row], None] | None = None, svdq_compute: str = "w4a4",
           text_encoder: str | Path | None = None, card: bool = False) -> BenchResult:
     """Benchmark `folder` (optionally with `transformer` swapped in) and write bench.json / bench.md into `out`.
-    `text_encoder`: a 4-bit text encoder file run packed in its slot. `card`: the model card's rows (the base, each
-    4-bit file given alone, both) by every offload mode, as Nunchaku's cards tabulate them.
+    `text_encoder`: a 4-bit text encoder file run packed; `card`: the model card's rows (`card_settings`).
 
     `size` defaults to 1024 on an accelerator and 256 on a CPU; compute is float32 on a CPU unless `dtype` says
     otherwise. After the first timed denoising step, a run whose estimate passes a minute says so. An SVDQuant
@@ -510,6 +509,22 @@ def bench(folder: str | Path, *, transformer: str | Path | None = None, device: 
         drawn = charts.write_bench_chart(doc, staging / charts.BENCH_PNG)
         (staging / BENCH_MD).write_text(to_markdown(doc, chart=charts.BENCH_PNG if drawn else None))
     return BenchResult(out, doc)
+
+
+def _bench_configs(configs: list[_Settings], modes: list[str], tasks: list[str], memory: _Memory, pipeline_name: str,
+                   say: Callable[[str], None], emit: Callable[[Row], None], on_step: Callable[[float], None]) -> str:
+    """Every offload mode of every configuration (one, or the model card's rows), each row labelled with its
+    configuration; returns the pipeline's class name."""
+    for config in configs:
+        if config.label:
+            say(f"model card row: {config.label}")
+
+        def labelled(row: Row, label: str = config.label) -> None:
+            emit(replace(row, model=label))
+
+        for mode in modes:
+            pipeline_name = _bench_mode(mode, tasks, config, memory, pipeline_name, say, labelled, on_step)
+    return pipeline_name
 
 
 def _open_text_encoder(folder: Path, text_encoder: str | Path | None, card: bool, swap: Path | None) -> Any:
