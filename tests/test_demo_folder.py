@@ -117,3 +117,13 @@ def test_a_rerun_refuses_when_another_verb_wrote_inside_what_the_demo_replaces(t
     assert "a new demo would replace published" in msg and "published/reports" in msg
     assert "nothing was changed" in msg and "--workdir OTHER" in msg
     assert _files(work) == before
+
+
+def test_a_rerun_clears_all_the_demo_wrote_before_its_first_step(tmp_path):
+    """With nothing of the user's in it, the cleared work folder holds only the demo's new record: its report run
+    folder went, and reports/validate/ and reports/, which held nothing else, with it."""
+    work = tmp_path / "work"
+    _fake_demo(work)
+    prepare_workdir(work)
+    assert sorted(p.name for p in work.iterdir()) == [RECORD]
+    assert read_record(work).files == {} and foreign_entries(work) == []
