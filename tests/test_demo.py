@@ -15,10 +15,11 @@ from porting.reports import latest_report
 from .helpers import run_port
 
 
-def test_demo_walks_the_whole_path(tmp_path, capsys):
-    work = tmp_path / "demo"
+def test_demo_walks_the_whole_path(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    work = tmp_path / "demo-out" / "klein"  # the default family's default folder
     with pytest.raises(SystemExit) as exc:
-        main(["demo", "--workdir", str(work), "--json"])
+        main(["demo", "--json"])
     assert exc.value.code == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["convert"]["ok"] and doc["convert"]["source_tensors"] == 41 and doc["convert"]["target_tensors"] == 49
@@ -47,6 +48,7 @@ def _files(root: Path) -> dict[str, bytes]:
             if p.is_file() and p.name != RECORD}
 
 
+@pytest.mark.slow  # two demos or more, 10 s each; test_demo_folder.py tests this with small fake steps
 def test_a_second_family_goes_to_its_own_folder_and_keeps_the_users_reports(tmp_path, capsys, monkeypatch):
     """`port demo` then `port demo --family flux1` in the same folder (issue 30, item 1): each family writes
     demo-out/FAMILY/; the reports a verb the user ran wrote in the first one are kept byte for byte."""
@@ -68,6 +70,7 @@ def test_a_second_family_goes_to_its_own_folder_and_keeps_the_users_reports(tmp_
     assert (tmp_path / "demo-out" / "flux1" / "demo.png").is_file()
 
 
+@pytest.mark.slow  # two demos or more, 10 s each; test_demo_folder.py tests this with small fake steps
 def test_a_rerun_in_the_same_folder_replaces_the_demos_files_and_keeps_what_other_verbs_wrote(tmp_path, capsys):
     work = tmp_path / "work"
     assert run_port(capsys, "demo", "--workdir", work).code == 0
@@ -90,6 +93,7 @@ def test_a_rerun_in_the_same_folder_replaces_the_demos_files_and_keeps_what_othe
     assert _files(user_report) == kept["report"]
 
 
+@pytest.mark.slow  # two demos or more, 10 s each; test_demo_folder.py tests this with small fake steps
 def test_a_rerun_refuses_when_another_verb_wrote_inside_what_the_demo_replaces(tmp_path, capsys):
     work = tmp_path / "work"
     assert run_port(capsys, "demo", "--workdir", work).code == 0
