@@ -115,7 +115,9 @@ def test_fast_path_equals_the_reference_decode(case, tmp_path, monkeypatch):
     for name, m in linears:
         target = info.targets[name + ".weight"]
         for piece, stored in zip(m.pieces, target.pieces, strict=True):
-            assert torch.equal(piece.values(0, piece.n), _reference_values(stored.layer, decoder, stored.rows)), name
+            values = piece.values(0, piece.n)
+            assert torch.equal(values, _reference_values(stored.layer, decoder, stored.rows)), name
+            assert torch.equal(piece.values(0, piece.n, torch.bfloat16), values.bfloat16()), name  # made in bf16
         x = torch.randn(7, m.in_features, generator=gen)
         want = x @ decoder.dequantize(name + ".weight").t()
         if name + ".bias" in info.targets:
