@@ -2,7 +2,8 @@
 
     python bench/svdq_generate.py                       # int4 rank 32, best of 3 alternating runs
     python bench/svdq_generate.py --precision nvfp4 --runs 2
-    python bench/svdq_generate.py --forward-blocks 2,6  # also bench/svdquant.py's forward, cut to 2 + 6 blocks
+    python bench/svdq_generate.py --forward-blocks none  # only the generate figures
+    python bench/svdq_generate.py --forward-blocks full  # bench/svdquant.py's forward at full klein-9B size
 
 The model: klein-9B widths (inner 4096 = 32 heads x 128, mlp_hidden 12288), one double and one single block, with the
 demo's text encoder, VAE and scheduler (`write_tiny_base(..., "klein")`; the transformer's in_channels and
@@ -14,7 +15,12 @@ Each run is a fresh process, `port generate BASE --transformer T --prompt ... --
 defaults otherwise (float32 compute, 256 px), timed by generate's own denoise time, and its peak RSS taken with
 `os.wait4`. The three variants (bf16 folder, packed `--svdq-compute w4a16`, packed `w4a4`) run alternating, round
 after round, and the best of each is kept: on a shared machine the spread between single runs is wide. Prints
-each run, the best, the ratios to bf16 and the targets (denoise <= 1.3x bf16, peak RSS <= 0.6x). Not part of CI.
+each run, the best, the ratios to bf16 and the targets (denoise <= 1.3x bf16, peak RSS <= 0.6x).
+
+Then bench/svdquant.py's forward figures (one bf16 forward of 256 image + 64 text tokens from the packed file, w4a4
+and w4a16, and from the bf16 folder), by default cut to 2 double + 6 single blocks at the same widths: the full
+8 + 24 blocks need a 5.5 GB file, an 18 GB bf16 folder and about a quarter of an hour on a 2-core machine. Not part
+of CI; run it under `flock /work/bench.lock` on a shared machine.
 """
 
 from __future__ import annotations
@@ -60,7 +66,7 @@ def build(work: Path, precision: str, rank: int) -> tuple[Path, Path, Path]:
         part.rename(svdq)
     bf16 = work / f"bf16-{precision}_r{rank}"
     if not (bf16 / "config.json").is_file():
-        subprocess.run(port("convert", svdq, "--out", bf16), check=True, env=env(), stdout=subprocess.DEVNULL)
+        subprocess.run(port("convert", svdq, "--out", bf16), check=True, env=env(), capture_output=True)
     return base, svdq, bf16
 
 
@@ -129,12 +135,12 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3, help="alternating rounds; the best of each variant is kept")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--work", type=Path, default=Path("/tmp/flux-port-svdq-generate"))
-    ap.add_argument("--forward-blocks", default=None,
-                    help="also run bench/svdquant.py's forward: 'full' (8 + 24 blocks, ~18 GB bf16) or D,S")
+    ap.add_argument("--forward-blocks", default="2,6",
+                    help="bench/svdquant.py's forward: D,S blocks (default 2,6), 'full' (8 + 24) or 'none'")
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     bench_generate(args)
-    if args.forward_blocks:
+    if args.forward_blocks != "none":
         bench_forward(args)
 
 
