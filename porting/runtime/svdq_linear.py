@@ -12,8 +12,10 @@ the bias. That is about a third of the bf16 weight.
 branch on the raw input, the 4-bit branch on the input divided by s and rounded to 4 bits per group, multiplied by
 the 4-bit weights and accumulated in float32 (the kernel accumulates int4 groups in T: about 1 % apart for bf16),
 then the bias, then the low-rank output. `compute="w4a16"` multiplies the full-precision input by the dequantized
-weight R/s + U·D (what `port convert` writes). Either way a weight is dequantized a band of rows at a time while the
-forward runs: memory stays packed. AWQ W4A16 layers (FLUX.1 adaLN) are plain linears with dequantized weights.
+weight R/s + U·D (what `port convert` writes), computed as (x/s)·Rᵀ + (x·Dᵀ)·Uᵀ so that only R is ever dequantized.
+Either way R is dequantized a cache-sized band of rows at a time while the forward runs, in one vectorized pass over
+the band's bytes and its scales, and multiplied at once: memory stays packed. AWQ W4A16 layers (FLUX.1 adaLN) are
+plain linears with dequantized weights.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from porting.tensors.quant.svdq import tiles as P
@@ -32,7 +33,7 @@ from porting.tensors.reader import read_stored
 from .svdq_act import SHIFT_GELU, int4_activations, nvfp4_activations, round_to, smoothed
 
 COMPUTES = ("w4a4", "w4a16")
-BAND_ELEMENTS = 1 << 24  # float32 elements of weight dequantized at once (64 MiB)
+BAND_ELEMENTS = 1 << 22  # float32 elements of weight dequantized at once (16 MiB: stays in cache while it is used)
 FP16_MAX = 65504.0
 
 
@@ -106,28 +107,19 @@ class PackedPiece(nn.Module):
 
     # -- the weight, a band of rows at a time ---------------------------------------------------------------------
 
-    def values(self, r0: int, r1: int) -> torch.Tensor:
-        """Rows [r0, r1) of the 4-bit weight times its group scales, float32 (no wtscale, wcscales, s or U·D)."""
+    def values(self, r0: int, r1: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows [r0, r1) of the 4-bit weight times its group scales (no wtscale, wcscales, s or U·D; AWQ:
+        q·scale + zero), float32, or these float32 values rounded to `dtype`. One vectorized pass over the band's
+        bytes (`tiles.*_band_values`), no lookup; bf16 directly (half the traffic) where that rounds the same."""
         if self.kind == "awq":
-            codes = unpack_nibbles(self.codes[r0:r1])
-            return (codes.float() * self.scales[r0:r1].float().repeat_interleave(64, dim=1)
-                    + self.zeros[r0:r1].float().repeat_interleave(64, dim=1))
-        rows = r1 - r0
-        # each byte's two code values by one lookup (int32 indices), times their group scale by broadcasting
-        table = self._byte_values(self.codes.device)
-        v = table.index_select(0, self.codes[r0:r1].reshape(-1).int())
+            return P.awq_band_values(self.codes[r0:r1], self.scales[r0:r1], self.zeros[r0:r1]).to(dtype)
+        direct = dtype if dtype == torch.bfloat16 and self.scales.dtype in (torch.bfloat16, torch.uint8) else None
         if self.precision == "nvfp4":
-            scales = self.scales[r0:r1].view(torch.float8_e4m3fn).float()
+            v = P.nvfp4_band_values(self.codes[r0:r1], self.scales[r0:r1].view(torch.float8_e4m3fn),
+                                    direct or torch.float32)
         else:
-            scales = self.scales[r0:r1].float()
-        return v.view(rows, scales.shape[1], -1).mul_(scales[:, :, None]).view(rows, self.k)
-
-    def _byte_values(self, device: torch.device) -> torch.Tensor:
-        cached = getattr(self, "_table", None)
-        if cached is None or cached.device != device:
-            cached = P.byte_values(self.precision).to(device)
-            self._table = cached
-        return cached
+            v = P.int4_band_values(self.codes[r0:r1], self.scales[r0:r1], direct or torch.float32)
+        return v.to(dtype)
 
     def weight(self, r0: int, r1: int) -> torch.Tensor:
         """Rows [r0, r1) of the effective weight R/s + U·D, float32 (what svdq/decode.py dequantizes)."""
@@ -143,9 +135,22 @@ class PackedPiece(nn.Module):
             w = w + self.up[r0:r1].float() @ self.down.float()
         return w
 
+    def row_scale(self) -> torch.Tensor:
+        """nvfp4's per-output factor alpha·wcscales, float32 (n,)."""
+        scale = torch.full((self.n,), self.alpha, dtype=torch.float32, device=self.codes.device)
+        return scale * self.wcscales.float() if self.wcscales is not None else scale
+
     def bands(self) -> list[tuple[int, int]]:
-        step = max(1, BAND_ELEMENTS // self.k)
+        step = max(16, BAND_ELEMENTS // self.k)
         return [(r, min(r + step, self.n)) for r in range(0, self.n, step)]
+
+    def product(self, h: torch.Tensor) -> torch.Tensor:
+        """h (tokens, k) times the 4-bit weight's transpose (`values`), in h's dtype, a cache-sized band of weight
+        rows at a time: (tokens, n)."""
+        out = torch.empty(h.shape[0], self.n, dtype=h.dtype, device=h.device)
+        for r0, r1 in self.bands():
+            out[:, r0:r1] = h @ self.values(r0, r1, h.dtype).t()
+        return out
 
     # -- forward --------------------------------------------------------------------------------------------------
 
@@ -157,20 +162,29 @@ class PackedPiece(nn.Module):
         return self._w4a4(x, act_dtype or x.dtype)
 
     def _w4a16(self, x: torch.Tensor) -> torch.Tensor:
+        """x·(R/s + U·D)ᵀ + b computed as (x/s)·Rᵀ + (x·Dᵀ)·Uᵀ + b: the weight's effective form is never built,
+        only R a band at a time; equal to the converted folder up to its bf16 rounding."""
         bias = self.bias_w4a16 if self.bias_w4a16 is not None else self.bias
-        out = torch.empty(*x.shape[:-1], self.n, dtype=x.dtype, device=x.device)
-        for r0, r1 in self.bands():
-            b = bias[r0:r1].to(x.dtype) if bias is not None else None
-            out[..., r0:r1] = F.linear(x, self.weight(r0, r1).to(x.dtype), b)
-        return out
+        flat = x.reshape(-1, self.k)
+        if self.kind == "awq":
+            out = self.product(flat)
+            out = out.add_(bias.to(out.dtype)) if bias is not None else out
+            return out.reshape(*x.shape[:-1], self.n)
+        h = (flat.float() / self.smooth.float()).to(x.dtype)
+        out = self.product(h).float()
+        if self.precision == "nvfp4":
+            out.mul_(self.row_scale())
+        if self.up is not None:
+            out.addmm_(flat.float() @ self.down.float().t(), self.up.float().t())
+        if bias is not None:
+            out.add_(bias.float())
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.n)
 
     def _w4a4(self, x: torch.Tensor, t: torch.dtype) -> torch.Tensor:
         lora = x.float() @ self.down.float().t() if self.down is not None else None  # raw input, before s and shift
         h = smoothed(x, self.smooth, SHIFT_GELU if self.gelu_shift else 0.0, t)
         act = nvfp4_activations(h) if self.precision == "nvfp4" else int4_activations(h, t, self.gelu_shift)
-        acc = torch.empty(*x.shape[:-1], self.n, dtype=torch.float32, device=x.device)
-        for r0, r1 in self.bands():
-            acc[..., r0:r1] = act @ self.values(r0, r1).t()
+        acc = self.product(act.reshape(-1, self.k)).reshape(*x.shape[:-1], self.n)
         if self.alpha != 1.0:
             acc = acc * self.alpha
         acc = round_to(acc, t)

@@ -60,6 +60,41 @@ def decode_values(qweight: torch.Tensor, n: int, k: int, precision: str) -> torc
     return byte_values(precision).index_select(0, packed).reshape(n, k)
 
 
+def int4_band_values(code_bytes: torch.Tensor, scales: torch.Tensor,
+                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Row-major code bytes (rows, k/2) uint8 (two's complement nibbles, column 2j low) and their group scales
+    (rows, k/64) -> code·scale (rows, k) in `dtype`, in one vectorized pass: arithmetic shifts of the bytes read as
+    int8 give both signed nibbles, no lookup. `dtype` float32 is exact; bfloat16 (bf16 scales) is the float32
+    value rounded once to bf16, as torch multiplies bf16 in float32."""
+    rows, groups = scales.shape
+    b = code_bytes.view(torch.int8)
+    q = torch.stack(((b << 4) >> 4, b >> 4), dim=-1).view(rows, groups, -1).to(dtype)
+    return q.mul_(scales.to(dtype)[:, :, None]).view(rows, -1)
+
+
+def nvfp4_band_values(code_bytes: torch.Tensor, scales: torch.Tensor,
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Row-major E2M1 code bytes (rows, k/2) uint8 and their micro-scales (rows, k/16) float8_e4m3fn -> e2m1·scale
+    float32 (rows, k), without a lookup: a nibble's sign, two exponent bits and mantissa bit, placed at bits 15,
+    11-10 and 9 of a float16, are that E2M1 value times 2^-14 (exponent 0 reads as the subnormal 0.5·2^-14); the 2^14
+    goes into the scales, which stays exact (an e4m3 scale times a power of two). Every product (2 by 4 mantissa
+    bits) is exact in float32 and in bfloat16, the other `dtype` it is meant for."""
+    rows, groups = scales.shape
+    b = code_bytes.to(torch.int16)
+    lo = ((b & 0x7) << 9) | ((b & 0x8) << 12)
+    hi = ((b & 0x70) << 5) | ((b & 0x80) << 8)
+    v = torch.stack((lo, hi), dim=-1).view(torch.float16).view(rows, groups, -1).to(dtype)
+    return v.mul_((scales.float() * 2.0**14).to(dtype)[:, :, None]).view(rows, -1)
+
+
+def awq_band_values(code_bytes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """Row-major unsigned code bytes (rows, k/2) uint8, per-64 scales and zeros (rows, k/64) -> q·scale + zero
+    float32 (rows, k) (AWQ W4A16)."""
+    rows, groups = scales.shape
+    q = torch.stack((code_bytes & 0xF, code_bytes >> 4), dim=-1).view(rows, groups, -1).float()
+    return q.mul_(scales.float()[:, :, None]).add_(zeros.float()[:, :, None]).view(rows, -1)
+
+
 def signed_int4(codes: torch.Tensor) -> torch.Tensor:
     """Two's complement nibbles: 8..15 are -8..-1."""
     return torch.where(codes >= 8, codes - 16, codes)
@@ -114,7 +149,8 @@ def deinterleave_rows(t: torch.Tensor, splits: int) -> torch.Tensor:
 
 __all__ = ["TILE_N", "TILE_K", "E2M1", "CODE_AXES", "CODE_PERM", "SCALE_AXES", "SCALE_PERM", "MICRO_AXES",
            "MICRO_PERM", "LOWRANK_AXES", "LOWRANK_PERM", "nibbles", "unpack_code_bytes", "unpack_codes", "byte_values",
-           "decode_values", "signed_int4", "e2m1", "unpack_scales", "unpack_vector", "unpack_micro_scales",
+           "decode_values", "int4_band_values", "nvfp4_band_values",
+           "awq_band_values", "signed_int4", "e2m1", "unpack_scales", "unpack_vector", "unpack_micro_scales",
            "unpack_lowrank", "unpack_awq_codes", "deinterleave_rows"]
 
 
