@@ -18,6 +18,7 @@ from porting.errors import InputError, UnsupportedFormatError
 from porting.paths import check_plain_name
 
 from . import dtypes
+from .files import FileReader
 from .identity import hash_checkpoint
 from .reader import Checkpoint, TensorInfo
 from .sidecars import may_be_quantized
@@ -49,21 +50,18 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
             hint="Convert it to safetensors first in a sandbox you trust, e.g. with "
                  "`torch.load(path, weights_only=True)` followed by `safetensors.torch.save_file`.",
         )
-    try:
-        size = path.stat().st_size
-    except OSError as e:
-        raise InputError(f"{path}: cannot read ({e.strerror}).") from e
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise InputError(f"{path}: not a safetensors file (only {size} bytes).",
-                             hint="Check that the download finished.")
-        (n,) = struct.unpack("<Q", head)
-        if n == 0 or n > MAX_HEADER_BYTES or n > size - 8:
-            raise InputError(
-                f"{path}: not a safetensors file (header length field says {n} bytes, file has {size}).",
-                hint="Is this a pickle or GGUF file renamed to .safetensors, or a truncated download?")
-        raw = f.read(n)
+    reader = FileReader(path)  # the one open of this file: the data is read through it later
+    size = reader.size()
+    head = reader.read(0, min(8, size))
+    if len(head) < 8:
+        raise InputError(f"{path}: not a safetensors file (only {size} bytes).",
+                         hint="Check that the download finished.")
+    (n,) = struct.unpack("<Q", head)
+    if n == 0 or n > MAX_HEADER_BYTES or n > size - 8:
+        raise InputError(
+            f"{path}: not a safetensors file (header length field says {n} bytes, file has {size}).",
+            hint="Is this a pickle or GGUF file renamed to .safetensors, or a truncated download?")
+    raw = reader.read(8, n, "the header")
     header = parse_json(raw, str(path), what="safetensors header", kind=dict, object_pairs_hook=_unique_keys)
     metadata = header.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
@@ -96,7 +94,7 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
                 f"{path}: file is truncated: tensor {key!r} ends at byte {end} of the data section, "
                 f"which holds only {data_size} bytes.", hint="Download the file again.")
         spans.append((begin, end, key))
-        tensors[key] = TensorInfo(key, dtype, shape, path, data_start + begin, end - begin)
+        tensors[key] = TensorInfo(key, dtype, shape, path, data_start + begin, end - begin, reader=reader)
     spans.sort()
     cursor = 0
     for begin, end, key in spans:

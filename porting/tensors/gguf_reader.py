@@ -8,7 +8,6 @@ row-major order, so they are byte ranges the writer can copy; every other type i
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,8 +33,11 @@ def _gguf() -> Any:
 
 class GGUFDecoder:
     def __init__(self, path: Path, entries: dict[str, tuple[Any, int, int, tuple[int, ...]]]) -> None:
+        from .files import reader_for
+
         self.path = path
         self.entries = entries  # key -> (GGML type, data offset, stored bytes, torch shape)
+        self.reader = reader_for(path)  # one descriptor for every row block
 
     def dequantize(self, key: str, rows: tuple[int, int] | None = None,
                    dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -57,11 +59,7 @@ class GGUFDecoder:
         import torch
 
         raw = np.empty((count, row_bytes), dtype=np.uint8)  # uninitialised: read over at once
-        start = offset + rows[0] * row_bytes
-        with open(self.path, "rb", buffering=0) as f:
-            got = os.preadv(f.fileno(), [raw], start)
-        if got != raw.nbytes:
-            raise InputError(f"{self.path}: unexpected end of file while reading tensor {key!r}.")
+        self.reader.read_into(memoryview(raw).cast("B"), offset + rows[0] * row_bytes, f"tensor {key!r}")
         if qtype.name == "Q8_0":
             return q8_0(raw, dtype)
         values = gguf.quants.dequantize(raw, qtype)

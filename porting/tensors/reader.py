@@ -36,6 +36,8 @@ class TensorInfo:
     start: int  # absolute byte offset of the tensor data in `file` (for computed tensors: of its main stored part)
     nbytes: int  # logical size in `dtype`
     computed: bool = False  # True: no byte range; the checkpoint's decoder computes it
+    # the file opened once when its header was read (files.FileReader): every read of the data goes through it
+    reader: Any = field(default=None, compare=False, repr=False)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -166,18 +168,19 @@ def _check_dequantized(t: torch.Tensor, key: str, path: Path, rows: tuple[int, i
                       "output dtype (try --dtype bf16 or fp32); the file may be damaged.")
 
 
+def _reader(info: TensorInfo) -> Any:
+    from .files import reader_for
+
+    return info.reader if info.reader is not None else reader_for(info.file)
+
+
 def read_bytes(info: TensorInfo) -> bytes:
     """A stored tensor's raw bytes, without torch (small tensors a header-only reader needs, e.g. JSON markers)."""
-    with open(info.file, "rb") as f:
-        f.seek(info.start)
-        raw = f.read(info.nbytes)
-    if len(raw) != info.nbytes:
-        raise InputError(f"{info.file}: unexpected end of file while reading tensor {info.name!r}.")
-    return raw
+    return _reader(info).read(info.start, info.nbytes, f"tensor {info.name!r}")
 
 
 def read_stored(info: TensorInfo, rows: tuple[int, int] | None = None) -> torch.Tensor:
-    """Read a stored tensor, or rows [a, b) of dim 0, with plain file reads.
+    """Read a stored tensor, or rows [a, b) of dim 0, with positioned reads on the file's one descriptor.
 
     Plain reads instead of mmap keep resident memory at one tensor: mapped pages of a 18 GB file would otherwise
     count towards the process RSS.
@@ -190,12 +193,5 @@ def read_stored(info: TensorInfo, rows: tuple[int, int] | None = None) -> torch.
         row_bytes = info.nbytes // info.shape[0] if info.shape[0] else 0
         start, nbytes, shape[0] = start + a * row_bytes, (b - a) * row_bytes, b - a
     buf = torch.empty(nbytes, dtype=torch.uint8)  # uninitialised: no time spent zeroing what is read over
-    with open(info.file, "rb", buffering=0) as f:
-        f.seek(start)
-        view, got = memoryview(buf.numpy()), 0
-        while got < nbytes:
-            n = f.readinto(view[got:])
-            if not n:
-                raise InputError(f"{info.file}: unexpected end of file while reading tensor {info.name!r}.")
-            got += n
+    _reader(info).read_into(memoryview(buf.numpy()), start, f"tensor {info.name!r}")
     return buf.view(info.torch_dtype).reshape(shape)

@@ -32,6 +32,7 @@ from porting.outputs import atomic_folder  # noqa: F401  (re-exported: where wri
 
 from .dtypes import nbytes as _nbytes
 from .dtypes import torch_dtype
+from .files import FileReader, reader_for
 from .identity import WeightsHasher, tensor_bytes
 from .prefetch import ByteBudget, prefetched
 
@@ -180,17 +181,20 @@ COPY_MAX = 16 * 2**20  # bytes per copy_file_range call: small enough that the f
 
 
 class _Sources:
-    """Source files opened once each, read sequentially with a larger read-ahead (what cp asks for)."""
+    """The source files' readers (files.reader_for: the descriptor opened when each header was read), asked for a
+    larger read-ahead (what cp asks for)."""
 
     def __init__(self) -> None:
-        self._fds: dict[Path, int] = {}
+        self._readers: dict[Path, FileReader] = {}
+
+    def reader(self, path: Path) -> FileReader:
+        if path not in self._readers:
+            self._readers[path] = reader_for(path)
+            self._readers[path].advise(0, 0, "sequential")
+        return self._readers[path]
 
     def fd(self, path: Path) -> int:
-        if path not in self._fds:
-            self._fds[path] = os.open(path, os.O_RDONLY)
-            if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(self._fds[path], 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        return self._fds[path]
+        return self.reader(path).fd
 
     def read_into(self, view: memoryview, path: Path, offset: int, key: str) -> int:
         n = os.preadv(self.fd(path), [view], offset)
@@ -199,9 +203,7 @@ class _Sources:
         return n
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        self._readers.clear()  # the descriptors belong to the readers; the last holder closes them
 
 
 Piece = tuple[memoryview, "mmap.mmap | None"]  # bytes of a tensor, and the read buffer they live in (if any)
