@@ -412,17 +412,6 @@ def hollow_traceable(name: str, folder: Path, profile: Profile) -> tuple[Traceab
     raise ValueError(f"{name}: no streamed export")
 
 
-def _tensor_index(folder: Path) -> dict[str, Path]:
-    from safetensors import safe_open
-
-    index = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as sf:
-            for k in sf.keys():
-                index[k] = f
-    return index
-
-
 @dataclass(frozen=True)
 class Written:
     """Where a streamed weight sits in the component's weights file: what a second graph of the same component
@@ -455,7 +444,8 @@ def stream_bf16_component(name: str, folder: Path, profile: Profile, dest: Path,
     import onnx_ir as ir
     import onnxscript.optimizer as opt
     from onnx_ir.passes.common import RemoveUnusedNodesPass
-    from safetensors import safe_open
+
+    from .weights import ComponentWeights
 
     size = profile.size if size is None else size
     traced, prefix = hollow_traceable(name, folder, replace(profile, size=size, more_sizes=()))
@@ -466,7 +456,7 @@ def stream_bf16_component(name: str, folder: Path, profile: Profile, dest: Path,
     data_path = dest / data_file
     reuse = bool(written)
     written = {} if written is None else written
-    index = {} if reuse else _tensor_index(folder)
+    index = None if reuse else ComponentWeights(folder)
     weights: set[str] = set()
 
     def point(value: Any, value_name: str, at: Written) -> None:
@@ -493,8 +483,7 @@ def stream_bf16_component(name: str, folder: Path, profile: Profile, dest: Path,
                 key = value_name[len(prefix):] if value_name.startswith(prefix) else value_name
                 if key not in index:
                     raise ValueError(f"{folder}: no tensor {key} in its safetensors files")
-                with safe_open(str(index[key]), framework="pt") as sf:
-                    tensor = sf.get_tensor(key)
+                tensor = index.read(key)
                 small = tensor.numel() < BF16_MIN_ELEMENTS
                 tensor = tensor.to(torch.float32 if small else torch.bfloat16).contiguous()
                 raw = (tensor.view(torch.int16) if not small else tensor).numpy().tobytes()

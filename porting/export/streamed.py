@@ -27,22 +27,12 @@ from porting.skeleton import TIES, hollow_loading
 
 from .external import padding, save_streamed
 from .ort import require
-
-
-def _source_keys(folder: Path) -> dict[str, Path]:
-    from safetensors import safe_open
-
-    index = {}
-    for f in sorted(Path(folder).glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as sf:
-            for k in sf.keys():
-                index[k] = f
-    return index
+from .weights import ComponentWeights
 
 
 def key_map(traced: Traceable, folder: Path) -> tuple[dict[str, str], list[str]]:
     """graph parameter name -> source key, and the names with no source tensor (empty: the component streams)."""
-    index = _source_keys(folder)
+    index = ComponentWeights(folder)
     out, missing = {}, []
     for graph_name, _ in traced.module.named_parameters():
         wrapper, _, name = graph_name.partition(".")
@@ -72,7 +62,6 @@ def stream_component(traced: Traceable, folder: Path, keys: dict[str, str], dtyp
     require("onnx")
     require("onnxscript")
     import onnx_ir as ir
-    from safetensors import safe_open
 
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
     with warnings.catch_warnings(), torch.no_grad():
@@ -83,7 +72,7 @@ def stream_component(traced: Traceable, folder: Path, keys: dict[str, str], dtyp
     model = program.model
     del program
     dtypes = dict(traced.module.named_parameters())
-    index = _source_keys(folder)
+    index = ComponentWeights(folder)
     dest.mkdir(parents=True, exist_ok=True)
     data_file = file + ".data"
     offset = 0
@@ -91,11 +80,10 @@ def stream_component(traced: Traceable, folder: Path, keys: dict[str, str], dtyp
         for name, value in list(model.graph.initializers.items()):
             if name not in keys:
                 continue
-            with safe_open(str(index[keys[name]]), framework="pt") as sf:
-                tensor = sf.get_tensor(keys[name])
+            tensor = index.read(keys[name])
             want = dtypes[name]
             if list(tensor.shape) != list(want.shape):
-                raise InputError(f"{index[keys[name]]}: {keys[name]} has shape {list(tensor.shape)}; the "
+                raise InputError(f"{index.file(keys[name])}: {keys[name]} has shape {list(tensor.shape)}; the "
                                  f"component's config.json makes it {list(want.shape)}.",
                                  hint="The safetensors files and config.json of this component do not match.")
             tensor = tensor.to(want.dtype).contiguous()

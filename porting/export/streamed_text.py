@@ -95,13 +95,13 @@ def _linears(proto: Any, pending: set[str]) -> dict[str, Linear]:
 
 
 class _Source:
-    """The component's safetensors files, one tensor at a time (a file open only while a tensor is read)."""
+    """The component's tensors, one at a time, through each file's one reader (`weights.ComponentWeights`)."""
 
     def __init__(self, folder: Path, prefix: str) -> None:
-        from .ryzenai import _tensor_index
+        from .weights import ComponentWeights
 
         self.folder, self.prefix = folder, prefix
-        self.index = _tensor_index(folder)
+        self.index = ComponentWeights(folder)
 
     def key(self, graph_name: str) -> str:
         key = graph_name[len(self.prefix):] if graph_name.startswith(self.prefix) else graph_name
@@ -114,18 +114,10 @@ class _Source:
         return key
 
     def read(self, key: str, rows: slice | None = None) -> torch.Tensor:
-        from safetensors import safe_open
-
-        with safe_open(str(self.index[key]), framework="pt") as sf:
-            if rows is None:
-                return sf.get_tensor(key)
-            return sf.get_slice(key)[rows]
+        return self.index.read(key, rows)
 
     def shape(self, key: str) -> list[int]:
-        from safetensors import safe_open
-
-        with safe_open(str(self.index[key]), framework="pt") as sf:
-            return list(sf.get_slice(key).get_shape())
+        return self.index.shape(key)
 
 
 def _external(tensor: Any, location: str, offset: int, length: int) -> None:
@@ -270,16 +262,15 @@ def streamed_text_encoder_bytes(folder: Path) -> tuple[int, str]:
     """Host memory of the streamed int4 text encoder export: the interpreter, the hollow graph, the largest Linear
     weight as read, in float32 and transposed (about 2.5 float32 copies), and one embedding chunk."""
     from porting.resources import MEMORY_OVERHEAD, STREAMED_GRAPH_BYTES, gib
-    from porting.tensors.checkpoint import read_header
+
+    from .weights import ComponentWeights
 
     best = ("", 0)
-    for f in sorted(Path(folder).glob("*.safetensors")):
-        tensors, _ = read_header(f)
-        for key, info in tensors.items():
-            if "embed" in key or key.startswith("lm_head") or len(info.shape) != 2:
-                continue  # written in chunks, or small
-            if math.prod(info.shape) * 4 > best[1]:
-                best = (key, math.prod(info.shape) * 4)
+    for key, info in ComponentWeights(Path(folder)).view.tensors.items():
+        if "embed" in key or key.startswith("lm_head") or len(info.shape) != 2:
+            continue  # written in chunks, or small
+        if math.prod(info.shape) * 4 > best[1]:
+            best = (key, math.prod(info.shape) * 4)
     need = MEMORY_OVERHEAD + STREAMED_GRAPH_BYTES + int(2.5 * best[1]) + CHUNK_BYTES
     return need, (f"largest Linear {best[0] or '-'} 2.5 x {gib(best[1])} in float32, embedding chunk "
                   f"{gib(CHUNK_BYTES)}, graph {gib(STREAMED_GRAPH_BYTES)}, interpreter {gib(MEMORY_OVERHEAD)}")
