@@ -15,7 +15,6 @@ MARK = "# long:"
 PENDING = {
     "porting/export/ryzenai.py:stream_bf16_component",
     "porting/export/streamed_text.py:stream_int4_text_encoder",
-    "porting/tensors/writer.py:write_shards",
 }
 
 

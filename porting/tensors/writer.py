@@ -21,7 +21,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping
 
 if TYPE_CHECKING:
     import torch
@@ -552,6 +552,53 @@ def _write_all(fd: int, data: memoryview | bytes) -> None:
         view = view[n:]
 
 
+@dataclass
+class _ShardRun:
+    """What writing each tensor of a shard shares: the copier, the side hashes, the hashing thread, the read-ahead
+    budget and its buffer pool, the weights hasher and the progress callback."""
+
+    copier: _Copier
+    side: _SideHashes
+    hashing: ThreadPoolExecutor
+    budget: ByteBudget
+    pool: list[mmap.mmap]
+    hasher: WeightsHasher | None
+    on_bytes: Callable[[int], None] | None
+
+    def write_entry(self, e: Entry, pieces: Iterator[Any], out_fd: int, follower: _FileDigest,
+                    behind: _DropBehind) -> None:
+        """Write one tensor's pieces (up to its None): copied ranges by the kernel, hashed on the side; bytes from
+        memory written while a third thread hashes them."""
+        digest = hashlib.sha256() if self.hasher else None
+        copied = False
+        while (piece := next(pieces)) is not None:
+            if isinstance(piece, Segments):  # copied by the kernel, hashed on the side
+                self.side.submit(e, piece, before_waiting=functools.partial(self.copier.flush, out_fd))
+                self.copier.copy(out_fd, piece)
+                digest, copied = None, True
+                continue
+            self.copier.flush(out_fd)  # the copied bytes before these go first
+            data, buf = piece
+            hashed = None
+            if digest and data.nbytes >= HASH_ASIDE:  # the hash runs on a third thread as we write
+                hashed = self.hashing.submit(digest.update, data)
+            elif digest:
+                digest.update(data)
+            _write_all(out_fd, data)
+            follower.advance(data.nbytes)
+            behind.wrote(out_fd, data.nbytes)
+            if hashed:
+                hashed.result()
+            self.budget.give(data.nbytes)
+            del data, piece
+            if buf is not None:
+                self.pool.append(buf)
+        if self.hasher and digest is not None:
+            self.hasher.add(e.key, e.dtype, e.shape, digest.hexdigest())
+        if self.on_bytes and not copied:  # copied bytes are reported by the copier as it copies them
+            self.on_bytes(e.nbytes)
+
+
 def write_shards(folder: Path, stem: str, entries: list[Entry],
                  tensors: Iterable[torch.Tensor | Segments | Chunks | Filled],
                  max_shard_bytes: int, metadata: dict[str, str] | None = None,
@@ -578,6 +625,7 @@ def write_shards(folder: Path, stem: str, entries: list[Entry],
     stream = prefetched(_pieces(entries, tensors, budget, pool), depth=64)
     hashing = ThreadPoolExecutor(1, thread_name_prefix="flux-port-hash")
     copier, side = _Copier(on_bytes), _SideHashes(hasher, known)
+    run = _ShardRun(copier, side, hashing, budget, pool, hasher, on_bytes)
     file_sha256: dict[str, str] = {}
     as_hashed: dict[str, os.stat_result] = {}
     try:
@@ -593,34 +641,7 @@ def write_shards(folder: Path, stem: str, entries: list[Entry],
                 follower.advance(len(header))
                 behind = _DropBehind(len(header))
                 for e in shard:
-                    digest = hashlib.sha256() if hasher else None
-                    copied = False
-                    while (piece := next(pieces)) is not None:
-                        if isinstance(piece, Segments):  # copied by the kernel, hashed on the side
-                            side.submit(e, piece, before_waiting=functools.partial(copier.flush, out_fd))
-                            copier.copy(out_fd, piece)
-                            digest, copied = None, True
-                            continue
-                        copier.flush(out_fd)  # the copied bytes before these go first
-                        data, buf = piece
-                        hashed = None
-                        if digest and data.nbytes >= HASH_ASIDE:  # the hash runs on a third thread as we write
-                            hashed = hashing.submit(digest.update, data)
-                        elif digest:
-                            digest.update(data)
-                        _write_all(out_fd, data)
-                        follower.advance(data.nbytes)
-                        behind.wrote(out_fd, data.nbytes)
-                        if hashed:
-                            hashed.result()
-                        budget.give(data.nbytes)
-                        del data, piece
-                        if buf is not None:
-                            pool.append(buf)
-                    if hasher and digest is not None:
-                        hasher.add(e.key, e.dtype, e.shape, digest.hexdigest())
-                    if on_bytes and not copied:  # copied bytes are reported by the copier as it copies them
-                        on_bytes(e.nbytes)
+                    run.write_entry(e, pieces, out_fd, follower, behind)
                     weight_map[e.key] = name
                 copier.flush(out_fd)
                 file_sha256[name] = follower.finish()
