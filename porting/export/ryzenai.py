@@ -423,6 +423,21 @@ class Written:
     shape: tuple[int, ...]
 
 
+def _append_weight(data: Any, tensor: torch.Tensor) -> Written:
+    """`tensor` rounded to bfloat16 (float32 below BF16_MIN_ELEMENTS) and appended to the open external-data file
+    `data`, aligned (onnxruntime maps large tensors from the file); where it went."""
+    import onnx_ir as ir
+
+    small = tensor.numel() < BF16_MIN_ELEMENTS
+    tensor = tensor.to(torch.float32 if small else torch.bfloat16).contiguous()
+    raw = (tensor.view(torch.int16) if not small else tensor).numpy().tobytes()
+    offset = data.tell()
+    pad = padding(offset, len(raw))
+    data.write(b"\0" * pad)
+    data.write(raw)
+    return Written(offset + pad, len(raw), ir.DataType.FLOAT if small else ir.DataType.BFLOAT16, tuple(tensor.shape))
+
+
 def stream_bf16_component(name: str, folder: Path, profile: Profile, dest: Path, *, size: int | None = None,
                           written: dict[str, Written] | None = None) -> tuple[Any, dict[str, Any]]:
     """Export a bf16-cast component (transformer, VAE decoder) holding at most one weight tensor at a time.
@@ -475,28 +490,14 @@ def stream_bf16_component(name: str, folder: Path, profile: Profile, dest: Path,
                                  f"graph into {data_file}")
             point(value, value_name, written[value_name])
     else:
-        offset = 0
         with open(data_path, "wb") as data:
             for value_name, value in list(model.graph.initializers.items()):
-                if value_name not in params:
-                    continue
-                key = value_name[len(prefix):] if value_name.startswith(prefix) else value_name
-                if key not in index:
-                    raise ValueError(f"{folder}: no tensor {key} in its safetensors files")
-                tensor = index.read(key)
-                small = tensor.numel() < BF16_MIN_ELEMENTS
-                tensor = tensor.to(torch.float32 if small else torch.bfloat16).contiguous()
-                raw = (tensor.view(torch.int16) if not small else tensor).numpy().tobytes()
-                pad = padding(offset, len(raw))  # aligned: onnxruntime maps large tensors from the file
-                data.write(b"\0" * pad)
-                offset += pad
-                data.write(raw)
-                at = Written(offset, len(raw), ir.DataType.FLOAT if small else ir.DataType.BFLOAT16,
-                             tuple(tensor.shape))
-                written[value_name] = at
-                point(value, value_name, at)
-                offset += len(raw)
-                del tensor, raw
+                if value_name in params:
+                    key = value_name[len(prefix):] if value_name.startswith(prefix) else value_name
+                    if key not in index:
+                        raise ValueError(f"{folder}: no tensor {key} in its safetensors files")
+                    written[value_name] = _append_weight(data, index.read(key))
+                    point(value, value_name, written[value_name])
     # fold only small constants (Reduce axes, shape arithmetic): nothing that reads a streamed weight. onnxscript
     # folds a Transpose of an initializer whatever its size (its `_DEFAULT_ALWAYS_FOLD_OPS`), which loaded every
     # Linear weight from model.onnx.data and stored its transpose inline (the whole model in memory and in the

@@ -141,16 +141,31 @@ def int4_blocks(w_t: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarra
     return packed, scales
 
 
-def stream_int4_text_encoder(folder: Path, profile: Any, dest: Path) -> tuple[Any, dict[str, Any]]:
-    """Export the text encoder of `folder` into `dest` (graph proto returned, its weights already in
-    `dest/TEXT_ENCODER_FILE.data`), with every Linear as int4 MatMulNBits quantized as it is read."""
-    require("onnxscript")
+class _Appender:
+    """Appends tensors' bytes to the external-data file, each tensor's start aligned for mmap."""
+
+    def __init__(self, data: Any) -> None:
+        self.data, self.offset = data, 0
+
+    def write(self, raw: bytes, align: int | None = None) -> int:
+        """Append `raw`; `align`: the whole tensor's size when `raw` starts a tensor. Returns where it starts."""
+        pad = padding(self.offset, align) if align is not None else 0
+        self.data.write(b"\0" * pad)
+        self.offset += pad
+        start = self.offset
+        self.data.write(raw)
+        self.offset += len(raw)
+        return start
+
+
+def _hollow_proto(folder: Path, profile: Any, dest: Path) -> tuple[Any, str, Any]:
+    """(the traced graph as an opset-17 proto with every weight a PENDING placeholder, the weights' name prefix, the
+    hidden-state layers it returns)."""
     import onnx_ir as ir
     import onnxscript.optimizer as opt
-    from onnx import TensorProto, helper
     from onnx_ir.passes.common import RemoveUnusedNodesPass
 
-    from .ryzenai import FILES, WEIGHTS, _dynamo_export, downgrade_to_17
+    from .ryzenai import _dynamo_export, downgrade_to_17
 
     traced, prefix = hollow_text_encoder(folder, profile)
     model = _dynamo_export(traced)
@@ -169,76 +184,59 @@ def stream_int4_text_encoder(folder: Path, profile: Any, dest: Path) -> tuple[An
     RemoveUnusedNodesPass()(model)
     proto = ir.serde.serialize_model(model)
     del model
-    proto = downgrade_to_17(proto)
+    return downgrade_to_17(proto), prefix, layers
 
-    def location(t: Any) -> str | None:
-        return next((e.value for e in t.external_data if e.key == "location"), None)
 
-    pending = {t.name for t in proto.graph.initializer if location(t) == PENDING}
-    linears = _linears(proto, pending)
-    source = _Source(folder, prefix)
-    file = FILES["text_encoder"]
-    data_file = file + ".data"
-    dest.mkdir(parents=True, exist_ok=True)
-    replaced: dict[str, list[Any]] = {}  # a node's first output -> what takes its place (MatMulNBits, or [] drops it)
-    new_inits, dropped = [], set()
-    block = profile.block_size
-    offset = 0
-    with open(dest / data_file, "wb") as data:
-        def write(raw: bytes, align: int | None = None) -> int:
-            """Append `raw`; `align`: the whole tensor's size when `raw` starts a tensor (aligned for mmap)."""
-            nonlocal offset
-            pad = padding(offset, align) if align is not None else 0
-            data.write(b"\0" * pad)
-            offset += pad
-            start = offset
-            data.write(raw)
-            offset += len(raw)
-            return start
+def _location(t: Any) -> str | None:
+    return next((e.value for e in t.external_data if e.key == "location"), None)
 
-        for t in list(proto.graph.initializer):
-            if t.name not in pending:
-                continue
-            key = source.key(t.name)
-            want = list(t.dims)
-            have = source.shape(key)
-            if have != want:
-                raise InputError(f"{folder}: {key} has shape {have}; its config.json makes it {want}.",
-                                 hint="The safetensors files and config.json of the text encoder do not match.")
-            if t.name in linears:
-                lin = linears[t.name]
-                w_t = np.ascontiguousarray(source.read(key).to(torch.float32).numpy().T)  # (K, N)
-                k, n = w_t.shape
-                packed, scales = int4_blocks(w_t, block)
-                del w_t
-                q_name, s_name = f"{t.name}.T_Q4", f"{t.name}.T_scales"
-                q_t = TensorProto(name=q_name, data_type=TensorProto.UINT8, dims=list(packed.shape))
-                _external(q_t, data_file, write(packed.tobytes(), packed.nbytes), packed.nbytes)
-                s_t = TensorProto(name=s_name, data_type=TensorProto.FLOAT, dims=list(scales.shape))
-                _external(s_t, data_file, write(scales.astype(np.float32).tobytes(), scales.nbytes), scales.nbytes)
-                new_inits += [q_t, s_t]
-                del packed, scales
-                attrs = {"K": k, "N": n, "bits": 4, "block_size": block}
-                if profile.accuracy_level:  # as onnxruntime's quantizer: 0 / unset is left out
-                    attrs["accuracy_level"] = profile.accuracy_level
-                replaced[lin.transpose.output[0]] = []
-                for mm in lin.matmuls:
-                    replaced[mm.output[0]] = [helper.make_node("MatMulNBits", [mm.input[0], q_name, s_name],
-                                                         list(mm.output), name=(mm.name + "_Q4") if mm.name else "",
-                                                         domain="com.microsoft", **attrs)]
-                dropped.add(t.name)
-                continue
-            # not a Linear (embedding, norms): float32, written in row chunks of at most CHUNK_BYTES
-            rows = max(1, CHUNK_BYTES // (4 * max(1, math.prod(want[1:]))))
-            chunks = [slice(r, r + rows) for r in range(0, want[0], rows)] if want else [None]
-            start = None
-            for chunk in chunks:
-                part = source.read(key, chunk).to(torch.float32).contiguous()
-                at = write(part.numpy().tobytes(), align=4 * math.prod(want) if start is None else None)
-                start = at if start is None else start
-                del part
-            t.data_type = TensorProto.FLOAT
-            _external(t, data_file, start or 0, 4 * math.prod(want))
+
+def _as_nbits(t: Any, lin: Any, weight: Any, out: _Appender, data_file: str, profile: Any,
+              replaced: dict[str, list[Any]]) -> list[Any]:
+    """A Linear's weight quantized to int4 blocks and written; its MatMuls replaced by MatMulNBits (in `replaced`).
+    Returns the new initializers (codes, scales)."""
+    from onnx import TensorProto, helper
+
+    w_t = np.ascontiguousarray(weight.to(torch.float32).numpy().T)  # (K, N)
+    k, n = w_t.shape
+    packed, scales = int4_blocks(w_t, profile.block_size)
+    del w_t
+    q_name, s_name = f"{t.name}.T_Q4", f"{t.name}.T_scales"
+    q_t = TensorProto(name=q_name, data_type=TensorProto.UINT8, dims=list(packed.shape))
+    _external(q_t, data_file, out.write(packed.tobytes(), packed.nbytes), packed.nbytes)
+    s_t = TensorProto(name=s_name, data_type=TensorProto.FLOAT, dims=list(scales.shape))
+    _external(s_t, data_file, out.write(scales.astype(np.float32).tobytes(), scales.nbytes), scales.nbytes)
+    attrs = {"K": k, "N": n, "bits": 4, "block_size": profile.block_size}
+    if profile.accuracy_level:  # as onnxruntime's quantizer: 0 / unset is left out
+        attrs["accuracy_level"] = profile.accuracy_level
+    replaced[lin.transpose.output[0]] = []
+    for mm in lin.matmuls:
+        replaced[mm.output[0]] = [helper.make_node("MatMulNBits", [mm.input[0], q_name, s_name], list(mm.output),
+                                                   name=(mm.name + "_Q4") if mm.name else "", domain="com.microsoft",
+                                                   **attrs)]
+    return [q_t, s_t]
+
+
+def _as_float_chunks(t: Any, key: str, want: list[int], source: _Source, out: _Appender, data_file: str) -> None:
+    """A tensor that is not a Linear (embedding, norms) in float32, written in row chunks of at most CHUNK_BYTES."""
+    from onnx import TensorProto
+
+    rows = max(1, CHUNK_BYTES // (4 * max(1, math.prod(want[1:]))))
+    chunks = [slice(r, r + rows) for r in range(0, want[0], rows)] if want else [None]
+    start = None
+    for chunk in chunks:
+        part = source.read(key, chunk).to(torch.float32).contiguous()
+        at = out.write(part.numpy().tobytes(), align=4 * math.prod(want) if start is None else None)
+        start = at if start is None else start
+        del part
+    t.data_type = TensorProto.FLOAT
+    _external(t, data_file, start or 0, 4 * math.prod(want))
+
+
+def _rewire(proto: Any, replaced: dict[str, list[Any]], dropped: set[str], new_inits: list[Any]) -> None:
+    """The graph with each replaced node's stand-ins, the dropped initializers gone and the new ones added."""
+    from onnx import helper
+
     nodes = []
     for node in proto.graph.node:
         nodes.extend(replaced.get(node.output[0], [node]) if node.output else [node])
@@ -249,11 +247,44 @@ def stream_int4_text_encoder(folder: Path, profile: Any, dest: Path) -> tuple[An
     proto.graph.initializer.extend(kept + new_inits)
     if not any(o.domain == "com.microsoft" for o in proto.opset_import):
         proto.opset_import.append(helper.make_opsetid("com.microsoft", 1))
-    left = [t.name for t in proto.graph.initializer if location(t) == PENDING]
+
+
+def stream_int4_text_encoder(folder: Path, profile: Any, dest: Path) -> tuple[Any, dict[str, Any]]:
+    """Export the text encoder of `folder` into `dest` (graph proto returned, its weights already in
+    `dest/TEXT_ENCODER_FILE.data`), with every Linear as int4 MatMulNBits quantized as it is read."""
+    require("onnxscript")
+    from .ryzenai import FILES, WEIGHTS
+
+    proto, prefix, layers = _hollow_proto(folder, profile, dest)
+    pending = {t.name for t in proto.graph.initializer if _location(t) == PENDING}
+    linears = _linears(proto, pending)
+    source = _Source(folder, prefix)
+    file = FILES["text_encoder"]
+    data_file = file + ".data"
+    dest.mkdir(parents=True, exist_ok=True)
+    replaced: dict[str, list[Any]] = {}  # a node's first output -> what takes its place (MatMulNBits, or [] drops it)
+    new_inits, dropped = [], set()
+    with open(dest / data_file, "wb") as data:
+        out = _Appender(data)
+        for t in list(proto.graph.initializer):
+            if t.name not in pending:
+                continue
+            key, want = source.key(t.name), list(t.dims)
+            have = source.shape(key)
+            if have != want:
+                raise InputError(f"{folder}: {key} has shape {have}; its config.json makes it {want}.",
+                                 hint="The safetensors files and config.json of the text encoder do not match.")
+            if t.name in linears:
+                new_inits += _as_nbits(t, linears[t.name], source.read(key), out, data_file, profile, replaced)
+                dropped.add(t.name)
+            else:
+                _as_float_chunks(t, key, want, source, out, data_file)
+    _rewire(proto, replaced, dropped, new_inits)
+    left = [t.name for t in proto.graph.initializer if _location(t) == PENDING]
     if left:
         raise ValueError(f"{folder}: {left[0]} was not written (an internal error)")
     return proto, {"weights": WEIGHTS["text_encoder"], "file": file, "data_file": data_file,
-                   "matmulnbits": len(linears), "block_size": block, "symmetric": True,
+                   "matmulnbits": len(linears), "block_size": profile.block_size, "symmetric": True,
                    "accuracy_level": profile.accuracy_level, "streamed": True,
                    "hidden_states_layers": list(layers)}
 
