@@ -112,7 +112,8 @@ def workspace(port: dict, tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize("order", [("validate", "compare", "bench", "validate"),
-                                   ("bench", "validate", "compare", "bench", "validate")])
+                                   pytest.param(("bench", "validate", "compare", "bench", "validate"),
+                                                marks=pytest.mark.slow)])  # the second order: whole pipelines again
 def test_any_order_of_verbs_reruns_cleanly(workspace: Path, capsys: pytest.CaptureFixture, order: tuple) -> None:
     from porting.ownership import foreign_entries
 

@@ -6,6 +6,8 @@ import json
 import os
 from pathlib import Path
 
+import pytest
+
 from tests.hubserver.harness import MiB, cli, client_env, hubs, local_files, wait_until  # noqa: F401  (fixtures)
 from tests.hubserver.server import Repo, git_sha1, sha256, tiny_pipeline_files
 
@@ -181,6 +183,7 @@ def test_disk_space_precheck_refuses_with_both_numbers(cli, hubs, tmp_path):
     assert not hubs.requests(contains="/resolve/") and not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # waits out the client's read timeout (3 s); the push side keeps its own in the default run
 def test_server_that_stops_answering_gives_up_within_the_timeout(cli, hubs, tmp_path):
     silent = hubs.silent_url()
     r = fetch(cli, hubs, tmp_path, "hf:acme/tiny", "--endpoint", silent, "--timeout", "1", "--retries", "1")

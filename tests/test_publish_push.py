@@ -68,6 +68,7 @@ def writes(hubs: FakeHubs, since: int = 0) -> list[str]:
     return [f"{r.method} {r.path}" for r in hubs.log[since:] if r.method in ("POST", "PUT")]
 
 
+@pytest.mark.slow  # idempotence is also held in the default run by the ModelScope push test
 def test_second_push_sends_nothing_and_says_so(cli, hubs, port, tmp_path):
     assert push(cli, hubs, port, tmp_path).code == 0
     first = hubs.hf[REPO].branches["main"]
@@ -303,6 +304,7 @@ def test_batch_refuses_a_bad_push_before_any_work(hubs, tmp_path, push, why):
     assert why in json.loads(r.stdout)["error"] and not (tmp_path / "out").exists() and hubs.log == []
 
 
+@pytest.mark.slow  # a resume variant; test_interrupted_push_resumes_without_sending_stored_files_again stays
 def test_push_stopped_before_the_card_commit_resumes_with_the_card_only(cli, hubs, port, tmp_path):
     hubs.fail_commits.append("flux-port: model card")
     r = push(cli, hubs, port, tmp_path)
@@ -365,6 +367,7 @@ def test_folder_changed_after_publish_is_refused(port, tmp_path):
         local_identity(out)
 
 
+@pytest.mark.slow  # a resume variant on ModelScope; the Hub's stays in the default run
 def test_modelscope_interrupted_push_resumes(cli, hubs, port, tmp_path):
     argv = publish_argv(port, tmp_path / "pub", "--push", REPO, "--push-to", "modelscope", "--send-token")
     env = client_env(tmp_path, hubs, MODELSCOPE_API_TOKEN=GOOD_TOKEN)
@@ -378,7 +381,7 @@ def test_modelscope_interrupted_push_resumes(cli, hubs, port, tmp_path):
     assert repo.history[repo.branches[r.json["push"]["revision"]]] == published(tmp_path / "pub")
 
 
-@pytest.mark.parametrize("hub", ["hf", "modelscope"])
+@pytest.mark.parametrize("hub", ["hf", pytest.param("modelscope", marks=pytest.mark.slow)])  # one in the default run
 def test_an_endpoint_that_never_answers_is_exit_4_not_a_hang(cli, hubs, port, tmp_path, hub):
     silent = hubs.silent_url()
     argv = publish_argv(port, tmp_path / "pub", "--push", REPO, "--push-to", hub, "--endpoint", silent,
@@ -391,6 +394,7 @@ def test_an_endpoint_that_never_answers_is_exit_4_not_a_hang(cli, hubs, port, tm
     assert_no_token(r.stdout, r.stderr)
 
 
+@pytest.mark.slow  # an interruption variant; the interrupted-push resume stays in the default run
 def test_ctrl_c_during_the_upload_names_the_resume(cli, hubs, port, tmp_path):
     import os
     import signal

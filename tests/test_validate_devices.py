@@ -60,6 +60,7 @@ def numbers(report_json: Path) -> dict:
     return {k: v for k, v in d.items() if k not in WHERE}
 
 
+@pytest.mark.slow  # two torch.distributed processes; the staged split and its fault location are tested in one process
 def test_two_cpu_ranks_equal_one_process_and_locate_a_fault_on_rank_1(converted, tmp_path):
     fault = functools.partial(perturb, f"{RANK1_BLOCK}.attn.to_out.weight", 0.1)
     one = validate(converted, device_weight_transform=fault, out=tmp_path / "one", **SMALL)
