@@ -492,15 +492,7 @@ def bench(folder: str | Path, *, transformer: str | Path | None = None, device: 
         if on_row:
             on_row(row)
 
-    pipeline_name = str(index.get("_class_name"))
-    for config in configs:
-        if config.label:
-            say(f"model card row: {config.label}")
-        def labelled(row: Row, label: str = config.label) -> None:
-            emit(replace(row, model=label))
-
-        for mode in modes:
-            pipeline_name = _bench_mode(mode, tasks, config, memory, pipeline_name, say, labelled, on_step)
+    pipeline_name = _bench_configs(configs, modes, tasks, memory, str(index.get("_class_name")), say, emit, on_step)
     doc = _document(settings, rows, transformer_dir=transformer_dir, weights=weights, pipeline_name=pipeline_name,
                     memory=memory, image=image, source=source)
     prepare_run_folder(out)
