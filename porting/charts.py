@@ -92,7 +92,11 @@ def write_bench_chart(doc: dict[str, Any], path: Path) -> bool:
     if not rows or missing():
         return False
     plt = _pyplot()
-    labels = ["\n".join(x for x in (r.get("model"), r["mode"], r["task"]) if x) for r in rows]
+    import textwrap
+
+    # a model card row's name ("4-bit transformer + text encoder") wrapped to the bar's width
+    labels = ["\n".join(x for x in (textwrap.fill(r.get("model") or "", 14), r["mode"], r["task"]) if x)
+              for r in rows]
     fig, (mem, speed) = plt.subplots(1, 2, figsize=(max(6.0, 1.2 * len(rows) + 3), 3.6), dpi=100)
     mem.bar(labels, [r["memory"]["peak_bytes"] / 2**30 for r in rows], color="#2e86c1")
     mem.set_ylabel(f"peak memory, GiB ({doc['memory_counter']})", fontsize=7)
