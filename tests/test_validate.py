@@ -187,6 +187,7 @@ def test_bad_device_strings(text):
         parse_device(text)
 
 
+@pytest.mark.slow  # a child interpreter; test_generate holds the same refusal in this process
 def test_npu_without_torch_npu_exits_2_with_the_install_hint(converted):
     proc = subprocess.run([sys.executable, "-m", "porting", "validate", str(converted), "--device", "npu:0"],
                           capture_output=True, text=True,
