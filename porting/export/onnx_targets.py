@@ -14,6 +14,7 @@ import logging
 import shutil
 import time
 import warnings
+from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, Callable
 
@@ -151,7 +152,7 @@ def _graph_facts(proto: Any, component: str, file: str) -> dict[str, Any]:
 Say = Callable[[str], None]
 
 
-class Target:
+class Target(ABC):
     """What one export target does at each step of the driver; `prepare` runs before the folder is read."""
 
     name = "generic"
@@ -163,17 +164,20 @@ class Target:
         self.produced = opset
         self.notices: list[str] = []
 
+    @abstractmethod
     def prepare(self, folder: Path) -> None:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def check_fit(self, layout: Layout, wanted: list[str], params: dict[str, int],
                   available: int | None) -> None:
         """Refuse, before any tracing, an export that would not fit in memory."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def export(self, component: str, source: Path, dest: Path, params: int, say: Say) -> ComponentResult:
         """Export one component from `source` into `dest` (its folder under the staging folder)."""
-        raise NotImplementedError
+        ...
 
     def finish(self, staging: Path, say: Say) -> dict[str, Any]:
         """Check the staged export; returns the manifest fields of the check."""
@@ -182,8 +186,9 @@ class Target:
     def source_fields(self, folder: Path, sources: dict[str, Path]) -> dict[str, Any]:
         return {}
 
+    @abstractmethod
     def manifest_fields(self, layout: Layout) -> dict[str, Any]:
-        raise NotImplementedError
+        ...
 
 
 class Generic(Target):
