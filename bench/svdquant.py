@@ -4,6 +4,7 @@
     python bench/svdquant.py --precision nvfp4
     python bench/svdquant.py --blocks 1,2             # cut the block counts (same widths) for a quick look
     python bench/svdquant.py --skip-forward           # convert figures only
+    python bench/svdquant.py --device cuda --tokens 4096   # the forwards on a GPU (1024x1024), after a warm-up
 
 The file is made by deepcompressor's own packer (tests/svdqfiles.py `write_klein9b_shaped`, random codes, scales
 and low-rank factors; needs `pip install --no-deps deepcompressor-toolkit==0.1.0`); making it is not what is
@@ -68,7 +69,7 @@ def synced() -> float:
 
 FORWARD = textwrap.dedent("""
     import json, sys, time, torch
-    src, compute, tokens, text = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    src, compute, tokens, text, device = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[6]
     torch.manual_seed(0)
     t0 = time.perf_counter()
     if compute == "bf16":
@@ -77,7 +78,9 @@ FORWARD = textwrap.dedent("""
     else:
         from porting.runtime.svdq_model import load_svdq_transformer
         model = load_svdq_transformer(src, torch.bfloat16, compute=compute)
-    model.eval()
+    model.eval().to(device)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    sync()
     load = time.perf_counter() - t0
     cfg = model.config
     side = int(tokens ** 0.5)
@@ -85,15 +88,25 @@ FORWARD = textwrap.dedent("""
                                          torch.arange(tokens // side * 1.0), indexing="ij"), -1).reshape(-1, 4)
     txt_ids = torch.zeros(text, 4)
     txt_ids[:, 3] = torch.arange(text)
-    x = torch.randn(1, img_ids.shape[0], cfg.in_channels).bfloat16()
-    ctx = torch.randn(1, text, cfg.joint_attention_dim).bfloat16()
+    x = torch.randn(1, img_ids.shape[0], cfg.in_channels).bfloat16().to(device)
+    ctx = torch.randn(1, text, cfg.joint_attention_dim).bfloat16().to(device)
+    img_ids, txt_ids, t = img_ids.to(device), txt_ids.to(device), torch.tensor([0.5], device=device)
+
+    def forward():
+        with torch.no_grad():
+            return model(hidden_states=x, encoder_hidden_states=ctx, timestep=t, img_ids=img_ids,
+                         txt_ids=txt_ids, return_dict=False)[0]
+
+    if device != "cpu":  # the first call on an accelerator pays for kernel selection and workspace allocation
+        forward()
+        sync()
     t1 = time.perf_counter()
-    with torch.no_grad():
-        y = model(hidden_states=x, encoder_hidden_states=ctx, timestep=torch.tensor([0.5]), img_ids=img_ids,
-                  txt_ids=txt_ids, return_dict=False)[0]
+    y = forward()
+    sync()
     fwd = time.perf_counter() - t1
     torch.save(y.float(), sys.argv[5])
-    print(json.dumps({"load_s": load, "forward_s": fwd}))
+    gpu = torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else None
+    print(json.dumps({"load_s": load, "forward_s": fwd, "gpu_peak_gib": gpu}))
 """)
 
 
@@ -106,6 +119,7 @@ def main() -> None:
     ap.add_argument("--text", type=int, default=64, help="text tokens of the forward")
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--skip-forward", action="store_true")
+    ap.add_argument("--device", default="cpu", help="where the forwards run (cuda: after one untimed warm-up call)")
     ap.add_argument("--keep", action="store_true")
     args = ap.parse_args()
     blocks = tuple(int(b) for b in args.blocks.split(",")) if args.blocks else None
@@ -147,11 +161,12 @@ def main() -> None:
             for compute, where in (("w4a4", src), ("w4a16", src), ("bf16", out)):
                 res = work / f"y-{compute}.pt"
                 wall, rss, stdout = run_child([sys.executable, "-c", FORWARD, str(where), compute, str(args.tokens),
-                                               str(args.text), str(res)])
+                                               str(args.text), str(res), args.device])
                 d = json.loads(stdout.strip().splitlines()[-1])
                 outputs[compute] = res
                 print(f"(c) forward {compute:<6} ({args.tokens} image + {args.text} text tokens): load "
-                      f"{d['load_s']:.1f} s, forward {d['forward_s']:.1f} s, peak RSS {rss:.2f} GiB", flush=True)
+                      f"{d['load_s']:.1f} s, forward {d['forward_s']:.3f} s, peak RSS {rss:.2f} GiB"
+                      + (f", {args.device} peak {d['gpu_peak_gib']:.2f} GiB" if d["gpu_peak_gib"] else ""), flush=True)
             import torch
 
             ref = torch.load(outputs["bf16"])
