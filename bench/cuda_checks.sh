@@ -10,13 +10,14 @@
 # Wheels the machine lacks travel in .whl/ (pure-Python ones, pip download --no-deps); .whl/alt/ holds newer
 # transformers / huggingface_hub, installed only if the machine's own cannot import the pipeline.
 #   1. packed:   the demo's klein-wide model, its SVDQuant int4 file run packed on cuda (generate, w4a16 and w4a4,
-#                against the bf16 folder), then bench/svdquant.py's forward at klein-9B widths on cuda
-#   2. validate: port validate --device cuda against the CPU golden, the bf16 folder and the packed file
-#   3. offload:  bench/offload.py at klein-4B size, offload none and model, t2i
+#                against the bf16 folder)
+#   2. forward:  bench/svdquant.py's forward at klein-9B widths on cuda
+#   3. validate: port validate --device cuda against the CPU golden, the bf16 folder and the packed file
+#   4. offload:  bench/offload.py at klein-4B size, offload none and model, t2i
 set -u
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 OUT=${OUT:-/tmp/cuda-checks}
-STEPS=${STEPS:-"packed validate offload"}
+STEPS=${STEPS:-"packed forward validate offload"}
 DEVICE=${DEVICE:-cuda}
 FORWARD=${FORWARD:-"--blocks 2,6 --tokens 4096 --text 512"}
 ROOT=$(pwd)
@@ -33,7 +34,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 else
     export PYTHONPATH=$ROOT
 fi
-port() { python3 -m porting "$@"; }
+PORT=(python3 -m porting)
 
 step() {  # step NAME SECONDS CMD...: one time-boxed step; all of its output in checks.log, its end on stdout
     local name=$1 limit=$2 t0 rc
@@ -57,28 +58,30 @@ step() {  # step NAME SECONDS CMD...: one time-boxed step; all of its output in 
 
 cd "$W" || exit 1
 if [[ " $STEPS " == *" packed "* || " $STEPS " == *" validate "* ]]; then
-    step demo 180 port demo --family klein-wide
-    step svdq-convert 120 port convert demo-out/klein-wide/transformer --quantize svdq-int4 --out svdq
+    step demo 180 "${PORT[@]}" demo --family klein-wide
+    step svdq-convert 120 "${PORT[@]}" convert demo-out/klein-wide/transformer --quantize svdq-int4 --out svdq
 fi
 SVDQ=$(ls svdq/*.safetensors 2>/dev/null | head -n 1)
 BASE=demo-out/klein-wide/published
 
 if [[ " $STEPS " == *" packed "* ]]; then
-    step gen-bf16 120 port generate "$BASE" --device "$DEVICE" --prompt "a red fox" -o bf16.png --json
+    step gen-bf16 120 "${PORT[@]}" generate "$BASE" --device "$DEVICE" --prompt "a red fox" -o bf16.png --json
     for c in w4a16 w4a4; do
-        step "gen-$c" 120 port generate "$BASE" --device "$DEVICE" --transformer "$SVDQ" --svdq-compute "$c" \
+        step "gen-$c" 120 "${PORT[@]}" generate "$BASE" --device "$DEVICE" --transformer "$SVDQ" --svdq-compute "$c" \
             --prompt "a red fox" -o "$c.png" --json
     done
+fi
+if [[ " $STEPS " == *" forward "* ]]; then
     # shellcheck disable=SC2086
     step svdq-forward 300 python3 "$ROOT/bench/svdquant.py" --device "$DEVICE" $FORWARD --workdir "$W"
 fi
 
 if [[ " $STEPS " == *" validate "* ]]; then
-    step validate-bf16 150 port validate demo-out/klein-wide/transformer --device "$DEVICE" -o val-bf16
-    step validate-fp16 150 port validate demo-out/klein-wide/transformer --device "$DEVICE" --dtype fp16 \
+    step validate-bf16 150 "${PORT[@]}" validate demo-out/klein-wide/transformer --device "$DEVICE" -o val-bf16
+    step validate-fp16 150 "${PORT[@]}" validate demo-out/klein-wide/transformer --device "$DEVICE" --dtype fp16 \
         -o val-fp16
     for c in w4a16 w4a4; do
-        step "validate-$c" 150 port validate "$SVDQ" --device "$DEVICE" --svdq-compute "$c" -o "val-$c"
+        step "validate-$c" 150 "${PORT[@]}" validate "$SVDQ" --device "$DEVICE" --svdq-compute "$c" -o "val-$c"
     done
 fi
 

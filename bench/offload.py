@@ -146,7 +146,8 @@ def main() -> None:
            "--task", args.task, "--size", size, "--steps", str(args.steps), "--runs", str(args.runs), "--warmup",
            str(args.warmup), "--out", str(out)]
     print("$", " ".join(cmd), file=sys.stderr)
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    root = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
     code = subprocess.call(cmd, env=env)
     if code == 0:
         doc = json.loads((out / "bench.json").read_text())
