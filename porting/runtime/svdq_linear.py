@@ -141,6 +141,8 @@ class PackedPiece(nn.Module):
         return scale * self.wcscales.float() if self.wcscales is not None else scale
 
     def bands(self) -> list[tuple[int, int]]:
+        if self.codes.device.type != "cpu":  # an accelerator's cost is per launch, not per cache miss: one band
+            return [(0, self.n)]
         step = max(16, BAND_ELEMENTS // self.k)
         return [(r, min(r + step, self.n)) for r in range(0, self.n, step)]
 
