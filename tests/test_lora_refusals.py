@@ -117,3 +117,28 @@ def test_dry_runs_write_nothing_and_dtype_is_refused(base, tmp_path, capsys):
     assert run.code == 0 and json.loads(run.out)["ok"] and leftovers(tmp_path / "merged") == []
     run = run_port(capsys, "convert", adapter, "--out", tmp_path / "lora", "--dtype", "bf16")
     assert run.code == 2 and "--dtype" in run.msg and not (tmp_path / "lora").exists()
+
+
+def test_an_fp8_lora_is_merged_upcast(base, tmp_path, capsys):
+    """F8_E4M3 factors (how some trainers save to halve the file) are floating-point: merged upcast to float32,
+    bit for bit the merge of the same values stored as float32; converted for diffusers as bf16, not refused."""
+    from safetensors.torch import load_file
+
+    from .lorakit import make_parts, weight_shapes
+
+    parts = make_parts(weight_shapes(base["state"], False), ["img_in", "double_blocks.0.img_attn.qkv"], "lora",
+                       alpha=1.5)
+    fp8 = write_adapter(tmp_path / "fp8.safetensors", BY_NAME["kohya"], parts, dtype=torch.float8_e4m3fn)
+    for p in parts:  # the values fp8 holds, stored exactly in float32
+        p.factors = {r: t.to(torch.float8_e4m3fn).to(torch.float32) for r, t in p.factors.items()}
+    f32 = write_adapter(tmp_path / "f32.safetensors", BY_NAME["kohya"], parts)
+    run = run_port(capsys, "merge", base["file"], fp8, "--out", tmp_path / "m8", "--quiet")
+    assert run.code == 0, run.msg
+    assert run_port(capsys, "merge", base["file"], f32, "--out", tmp_path / "m32", "--quiet").code == 0
+    [a], [b] = (sorted((tmp_path / n).glob("*.safetensors")) for n in ("m8", "m32"))
+    got, want = load_file(str(a)), load_file(str(b))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    run = run_port(capsys, "convert", fp8, "--out", tmp_path / "lora", "--quiet")
+    assert run.code == 0, run.msg
+    out = load_file(str(tmp_path / "lora" / "pytorch_lora_weights.safetensors"))
+    assert len(out) == 8 and all(t.dtype == torch.bfloat16 for t in out.values())  # fp8 values are exact in bf16

@@ -180,6 +180,8 @@ def convert_adapter(src: SourceLike, out: str | Path | None, to: Naming = "diffu
         return result
     factor_keys = [k for m in adapter.modules.values() for r, k in m.keys.items() if r != "alpha"]
     dtype = adapter.ckpt.tensors[factor_keys[0]].torch_dtype if factor_keys else torch.float32  # not the alphas'
+    if dtype.itemsize == 1:  # fp8 factors: written bf16 (exact for their values; a folded scale is rounded once,
+        dtype = torch.bfloat16  # and peft / diffusers load bf16 adapters)
     tensors: dict[str, torch.Tensor] = {}
     for f in factors:
         for key, t in key_tensors(f, style).items():
