@@ -142,3 +142,27 @@ def test_an_fp8_lora_is_merged_upcast(base, tmp_path, capsys):
     assert run.code == 0, run.msg
     out = load_file(str(tmp_path / "lora" / "pytorch_lora_weights.safetensors"))
     assert len(out) == 8 and all(t.dtype == torch.bfloat16 for t in out.values())  # fp8 values are exact in bf16
+
+
+@pytest.mark.parametrize("naming", ["lycoris-lokr", "bfl-lokr"])
+def test_a_lokr_module_that_cannot_make_its_layer_is_refused_without_a_base(base, tmp_path, capsys, naming):
+    """lokr_w1 and lokr_w2 that chain but whose Kronecker product is not the layer's shape: without a base, adapter
+    convert checks each module against the shapes the family's architecture gives (the sizes the adapter's other
+    modules pin), names the module and shapes, and writes nothing; the intact adapter converts."""
+    from safetensors.torch import load_file, save_file
+
+    good, _ = adapter_for(tmp_path / "good.safetensors", BY_NAME[naming], base["state"], seed=2)
+    tensors = load_file(str(good))
+    key = sorted(k for k in tensors if k.endswith("lokr_w2_a"))[-1]
+    tensors[key] = torch.cat([tensors[key], tensors[key][:1]]).contiguous()  # one row more: still chains
+    save_file(tensors, str(tmp_path / "bad.safetensors"))
+    run = run_port(capsys, "convert", tmp_path / "bad.safetensors", "--out", tmp_path / "lora", "--json")
+    assert run.code == 2, run.err
+    error = json.loads(run.out)["error"]
+    w1 = key.replace("w2_a", "w1")
+    assert key in error and w1 in error and list(tensors[key].shape).__str__() in error, error
+    assert "architecture" in error and "Nothing was written" in error, error
+    assert leftovers(tmp_path / "lora") == []
+    for to in ("diffusers", "original"):
+        ok = run_port(capsys, "convert", good, "--to", to, "--out", tmp_path / f"ok-{to}", "--quiet", "--materialise")
+        assert ok.code == 0, ok.msg

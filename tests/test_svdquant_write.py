@@ -298,6 +298,11 @@ def test_rank_is_padded_to_16(tmp_path, capsys, sources):
 
     assert not unpack_lowrank(down, True)[20:].any()
     assert math.isfinite(doc["reread"]["worst_rel_l2"])
+    # the name gives the stored rank, as nunchaku's names do (and as merge renames a file whose rank grew)
+    assert doc["file"].startswith("svdq-int4_r32-") and (tmp_path / "r20" / doc["file"]).is_file()
+    dry = json.loads(run_port(capsys, "convert", sources["flux2"], "--quantize", "svdq-int4", "--rank", "7",
+                              "--dry-run", "--json").out)
+    assert dry["planned_files"][0].startswith("svdq-int4_r16-")
 
 
 @pytest.mark.parametrize("precision", ["int4", "nvfp4"])

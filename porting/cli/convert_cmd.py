@@ -129,7 +129,8 @@ def svdq_table(doc: dict) -> Table:
     from rich.table import Table
 
     group = 64 if doc["precision"] == "int4" else 16
-    table = Table(title=f"SVDQuant {doc['precision']} rank {doc['rank']}: weight error (relative L2) vs plain "
+    rank = doc.get("stored_rank", doc["rank"])
+    table = Table(title=f"SVDQuant {doc['precision']} rank {rank}: weight error (relative L2) vs plain "
                         f"{doc['precision']} g{group} rounding")
     for column in ("weights", "layer", "tensors", "SVDQuant", "plain 4-bit"):
         table.add_column(column)
@@ -269,7 +270,8 @@ def _convert_svdq(job: _Job, quantize: str, rank: int, calibrate: Optional[Path]
     from porting.engine.svdq_convert import PRECISIONS
     from porting.tensors.quant.svdq.layout import file_name
 
-    result.extra.update(quantize_to=f"Nunchaku SVDQuant ({quantize}, rank {rank})",
+    stored = "" if padded(rank) == rank else f", stored as rank {padded(rank)}"
+    result.extra.update(quantize_to=f"Nunchaku SVDQuant ({quantize}, rank {rank}{stored})",
                         planned_files=[file_name(PRECISIONS[quantize], rank, job.source.path)])
     return result
 
