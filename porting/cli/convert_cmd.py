@@ -268,7 +268,7 @@ def _convert_svdq(job: _Job, quantize: str, rank: int, calibrate: Optional[Path]
     result = run_convert(job.source, None, to="diffusers", config=job.config, strict=job.strict, dry_run=True,
                          on_notice=job.on_notice)
     from porting.engine.svdq_convert import PRECISIONS
-    from porting.tensors.quant.svdq.layout import file_name
+    from porting.tensors.quant.svdq.layout import file_name, padded
 
     stored = "" if padded(rank) == rank else f", stored as rank {padded(rank)}"
     result.extra.update(quantize_to=f"Nunchaku SVDQuant ({quantize}, rank {rank}{stored})",

@@ -187,8 +187,8 @@ def convert_svdquant(src: SourceLike, out: str | Path, quantize: str, rank: int 
         extra = {"quantized_to": f"{writer.NAME} {precision}, rank {stored}{asked}", "file": name,
                  "file_sha256": _sha256(staging / name),
                  "stored_kinds": {k: v for k, v in _layer_counts(layout).items()}, "reread": checked,
-                 "svdq": {"precision": precision, "rank": rank, "stored_rank": stored, "smoothing": smoothing, "quality": kinds,
-                          "file_bytes": size, "bf16_bytes": plan.output_bytes}}
+                 "svdq": {"precision": precision, "rank": rank, "stored_rank": stored, "smoothing": smoothing,
+                          "quality": kinds, "file_bytes": size, "bf16_bytes": plan.output_bytes}}
         manifest = {"tool": "flux-port", "version": __version__, "source": str(source.path.resolve()),
                     "source_naming": detection.naming_label, "table": family, "to": "nunchaku",
                     "variant": detection.variant, "files": [name], "config": detection.config, **extra}
