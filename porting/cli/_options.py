@@ -194,6 +194,7 @@ APPLIES: dict[str, dict[str, Applies]] = {
         "--materialise": Applies(frozenset({"adapter"}), _ADAPTERS_ONLY),
         "--rank": Applies(frozenset({"svdq"}), _SVDQ_ONLY),
         "--calibrate": Applies(frozenset({"svdq"}), _SVDQ_ONLY),
+        "--verbose": Applies(frozenset({"svdq"}), _SVDQ_ONLY),
         "--device": Applies(frozenset({"svdq"}), _SVDQ_ONLY, needs={"svdq": ("--calibrate", Refusal(
             "--device says where --calibrate runs the model; without --calibrate nothing runs."))}),
         "--to original": Applies(frozenset({"adapter", "weights", "quantized"}), Refusal(
@@ -254,13 +255,14 @@ def convert_kind(source_kind: str, quantize: Optional[str]) -> str:
 
 def convert_given(*, lora_style: Optional[str] = None, materialise: bool = False, rank: Optional[int] = None,
                   calibrate: Any = None, device: str = "cpu", to: str = "diffusers", dtype: str = "keep",
-                  quantize: Optional[str] = None) -> dict[str, Optional[str]]:
+                  quantize: Optional[str] = None, verbose: bool = False) -> dict[str, Optional[str]]:
     """`port convert`'s options as `check_applicable` takes them: each shown as given, None when left at its
     default."""
     return {"--lora-style": None if lora_style is None else f"--lora-style {lora_style}",
             "--materialise": "--materialise" if materialise else None,
             "--rank": None if rank is None else "--rank",
             "--calibrate": None if calibrate is None else "--calibrate",
+            "--verbose": "--verbose" if verbose else None,
             "--device": "--device" if device != "cpu" else None,
             "--to original": "--to original" if to == "original" else None,
             "--dtype": "--dtype" if dtype != "keep" else None,
