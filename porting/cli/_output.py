@@ -79,7 +79,10 @@ class Output:
             table.title = Text(printable(table.title, lines=False))
         width = self.out.width
         with self.out.capture() as captured:  # printed without the blanks rich pads the lines with
-            self.out.print(table if fits(self.out, table, width) else vertical(table, width))
+            if fits(self.out, table, width):
+                self.out.print(table)
+            else:  # lines made to fit; a digest or command longer than the width stays whole
+                self.out.print(vertical(table, width), soft_wrap=True)
         self.out.file.write("".join(line.rstrip() + "\n" for line in captured.get().splitlines()))
 
     def document(self, doc: Any) -> None:
@@ -198,31 +201,42 @@ def vertical(table: Table, width: int) -> Group:
     """`table` as `label  value` lines: a table with headers gives one block per row (`header  cell`), blocks a blank
     line apart; a table without headers one block (its first cell the label, the others the value). A value wraps
     at spaces; a word longer than the line (a path) is broken after a `/`, as messages are, and folded only where a
-    piece is still too long."""
+    piece is still too long. A digest or a command is never broken: one that does not fit beside its label goes on
+    the next line, indented by two."""
     from rich.console import Group
-    from rich.table import Table
     from rich.text import Text
 
     headers = [printable(c.header, lines=False) if isinstance(c.header, str) else str(c.header) for c in table.columns]
     cells = zip(*(c._cells for c in table.columns))
-    rows = [[c if isinstance(c, Text) else Text(str(c)) for c in row] for row in cells]
+    rows = [[c.plain if isinstance(c, Text) else str(c) for c in row] for row in cells]
     if table.show_header and any(headers):
-        blocks = [list(zip(map(Text, headers), row)) for row in rows]
+        blocks = [list(zip(headers, row)) for row in rows]
     else:
-        blocks = [[(row[0], Text(" ").join(row[1:])) for row in rows]]
-    parts: list[Any] = [table.title] if table.title else []
+        blocks = [[(row[0], " ".join(row[1:])) for row in rows]]
+    title = table.title.plain if isinstance(table.title, Text) else table.title
+    lines: list[str] = wrap_lines(str(title), width, continuation="").splitlines() if title else []
     for i, pairs in enumerate(blocks):
-        grid = Table.grid(padding=(0, 2))
+        if i:
+            lines.append("")
         label_width = min(max((len(k) for k, _ in pairs), default=1), width // 3)
-        grid.add_column(width=label_width, overflow="fold")
-        grid.add_column(overflow="fold")
-        room = max(width - label_width - 2, 1)
         for label, value in pairs:
-            if any(len(line) > room for line in value.plain.splitlines()):
-                value = Text(wrap_lines(value.plain, room, continuation=""))
-            grid.add_row(label, value)
-        parts.extend([Text(""), grid] if i else [grid])
-    return Group(*parts)
+            lines += _pair_lines(label, value, label_width, width)
+    return Group(*(Text(line) for line in lines))
+
+
+def _pair_lines(label: str, value: str, label_width: int, width: int) -> list[str]:
+    room = max(width - label_width - 2, 1)
+    labels = wrap_lines(label, label_width, continuation="").splitlines() or [""]
+    values = wrap_lines(value, room, continuation="").splitlines() if value else []
+    out: list[str] = []
+    for n in range(max(len(labels), len(values))):
+        left = labels[n] if n < len(labels) else ""
+        right = values[n] if n < len(values) else ""
+        if len(right) > room:  # a digest or a command longer than the room beside the label: below it, whole
+            out += [left.rstrip(), "  " + right] if left.strip() else ["  " + right]
+            continue
+        out.append((left.ljust(label_width) + "  " + right).rstrip())
+    return out
 
 
 def quiet_libraries() -> None:
