@@ -105,8 +105,8 @@ def generate(
     On a CPU the defaults fit the machine: float32 compute and 16x16 latent patches (256 px for FLUX VAEs; both
     overridable), and a run whose first step says it would pass a minute prints its estimate first."""
     out = _output.use(json_mode=json_, quiet=quiet, heavy=True)
-    from porting.pipeline.generate import generate as run_generate
     from porting import progress
+    from porting.pipeline.generate import generate as run_generate
     from porting.progress import StepProgress
     from porting.seeds import check_seed
 
