@@ -78,6 +78,7 @@ class Output:
         if isinstance(table.title, str):
             table.title = Text(printable(table.title, lines=False))
         width = self.out.width
+        keep_words_whole(self.out, table, width)
         with self.out.capture() as captured:  # printed without the blanks rich pads the lines with
             if fits(self.out, table, width):
                 self.out.print(table)
@@ -175,6 +176,26 @@ def cell(*lines: object) -> Text:
     return Text("\n".join(printable(line, lines=False) for line in lines))
 
 
+def keep_words_whole(console: Console, table: Table, width: int) -> None:
+    """Where the table is wider than `width` but every column's longest word fits side by side, fix each column's
+    width: its longest word, plus a share of the room left in proportion to what its longest cell needs beyond
+    that. Rich, left to shrink the table itself, cuts columns by ratio below a word that a narrower column left
+    room for (a model card's bench table went vertical, 64 lines, while its words fit 80 columns)."""
+    from rich.measure import Measurement
+
+    wide = console.options.update_width(10**6)
+    cells = [[c for c in [column.header if table.show_header else "", *column._cells] if c] for column in table.columns]
+    low = [max((Measurement.get(console, wide, c).minimum for c in column), default=1) for column in cells]
+    high = [max((Measurement.get(console, wide, c).maximum for c in column), default=1) for column in cells]
+    room = width - table._extra_width - (table.padding[1] + table.padding[3]) * len(low)
+    if sum(high) <= room or sum(low) > room or any(c.width is not None for c in table.columns):
+        return  # fits as it is, or goes vertical (table())
+    spare, wants = room - sum(low), [h - lo for h, lo in zip(high, low)]
+    shares = [spare * want // sum(wants) for want in wants]
+    for column, lo, share in zip(table.columns, low, shares):
+        column.width = lo + share
+
+
 def fits(console: Console, table: Table, width: int) -> bool:
     """Whether rich lays `table` out in `width` columns with every word of every cell (and header) whole: each
     column at least as wide as its longest word plus its padding (rich shrinks columns by ratio, and cuts a word
@@ -194,7 +215,7 @@ def fits(console: Console, table: Table, width: int) -> bool:
     except Exception:  # noqa: BLE001 - rich's layout is private: without it, the sum of the minimums decides
         borders = (len(needed) + (1 if table.show_edge else -1)) if table.box else 0
         return sum(needed) + borders <= width
-    return all(w >= n for w, n in zip(widths, needed))
+    return all(w >= n for w, n in zip(widths, needed)) and sum(widths) + table._extra_width <= width
 
 
 def vertical(table: Table, width: int) -> Group:
