@@ -99,7 +99,7 @@ def _command_at(pairs: list[tuple[str, str]], i: int) -> int:
     """The index after the last word of the command starting at word `i`, or `i` when none starts there."""
     head = pairs[i][1].lstrip("`'\"(")
     verbs = _COMMAND_HEADS.get(head)
-    if verbs is None or i + 1 >= len(pairs) or pairs[i + 1][1].rstrip(".,;:`)'\"") not in verbs:
+    if verbs is None or i + 1 >= len(pairs) or pairs[i + 1][1].rstrip(".,;`)'\"") not in verbs:
         return i
     quoted = False
     j = i + 1
