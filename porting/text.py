@@ -92,6 +92,7 @@ PORT_VERBS = frozenset({"fetch", "recipes", "inspect", "convert", "merge", "vali
                         "compare", "bench", "export", "batch", "env"})
 _COMMAND_HEADS = {"port": PORT_VERBS, "pip": frozenset({"install", "uninstall"}), "python": frozenset({"-m"})}
 _HEX = re.compile(r"^\W*[0-9a-fA-F]{40,}\W*$")
+_JOINS = frozenset({"and", "or", "then"})  # "port validate X and port publish Y": two commands
 _CLAUSE_END = re.compile(r"(?:[,;`)]|[^./]\.)['\"]?$")
 
 
@@ -105,13 +106,18 @@ def _command_at(pairs: list[tuple[str, str]], i: int) -> int:
     j = i + 1
     while j < len(pairs):
         word = pairs[j][1]
-        if not quoted and word.startswith("("):
+        if not quoted and (word.startswith("(") or word in _JOINS):
             break
         quoted ^= word.count('"') % 2 == 1
         j += 1
         if not quoted and _CLAUSE_END.search(word):
             break
     return j
+
+
+def longest_unit(text: str) -> int:
+    """The widest thing in `text` a line must hold whole: a word, or a command or a digest (never broken)."""
+    return max((len(unit) for line in text.splitlines() for _, unit, _ in _units(line.strip())), default=0)
 
 
 def _units(body: str) -> list[tuple[str, str, bool]]:

@@ -10,7 +10,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any, Iterator
 
 from porting.finite import dumps
-from porting.text import for_console, printable, relative_paths, wrap_lines
+from porting.text import for_console, longest_unit, printable, relative_paths, wrap_lines
 
 if TYPE_CHECKING:  # rich is imported on first use: `port --help` and `port --version` never print through it
     from rich.console import Console, Group
@@ -185,7 +185,7 @@ def keep_words_whole(console: Console, table: Table, width: int) -> None:
 
     wide = console.options.update_width(10**6)
     cells = [[c for c in [column.header if table.show_header else "", *column._cells] if c] for column in table.columns]
-    low = [max((Measurement.get(console, wide, c).minimum for c in column), default=1) for column in cells]
+    low = [max((_longest(console, wide, c) for c in column), default=1) for column in cells]
     high = [max((Measurement.get(console, wide, c).maximum for c in column), default=1) for column in cells]
     room = width - table._extra_width - (table.padding[1] + table.padding[3]) * len(low)
     if sum(high) <= room or sum(low) > room or any(c.width is not None for c in table.columns):
@@ -196,16 +196,25 @@ def keep_words_whole(console: Console, table: Table, width: int) -> None:
         column.width = lo + share
 
 
+def _longest(console: Console, options: Any, renderable: Any) -> int:
+    """The narrowest a cell can be: its longest word, or a command or digest in it (printed whole, never broken)."""
+    from rich.measure import Measurement
+    from rich.text import Text
+
+    minimum = Measurement.get(console, options, renderable).minimum if renderable else 0
+    text = renderable.plain if isinstance(renderable, Text) else renderable if isinstance(renderable, str) else ""
+    return max(minimum, longest_unit(text))
+
+
 def fits(console: Console, table: Table, width: int) -> bool:
     """Whether rich lays `table` out in `width` columns with every word of every cell (and header) whole: each
     column at least as wide as its longest word plus its padding (rich shrinks columns by ratio, and cuts a word
     that does not fit its column with an ellipsis)."""
-    from rich.measure import Measurement
 
     wide = console.options.update_width(10**6)
 
     def longest_word(renderable: Any) -> int:
-        return Measurement.get(console, wide, renderable).minimum if renderable else 0
+        return _longest(console, wide, renderable)
 
     pad = table.padding[1] + table.padding[3]
     needed = [pad + max([longest_word(c.header) if table.show_header else 0, *map(longest_word, c._cells)])
