@@ -213,3 +213,7 @@ def test_no_command_or_digest_is_broken_at_80_columns_piped(capsys, tmp_path, mo
     assert any(line.strip() == digest or line.split()[-1:] == [digest] for line in run.out.splitlines()), run.out
     command = f"port validate {out} --device cpu"
     assert any(line.strip() == command for line in run.err.splitlines()), run.err
+    run = run_port(capsys, "inspect", "klein-fp8-comfy.safetensors")  # its runtime table suggests commands
+    commands = [line.strip() for line in run.out.splitlines() if "port convert" in line]
+    assert commands and all(c.startswith("port convert klein-fp8-comfy.safetensors") and " --out " in c
+                            for c in commands), run.out
