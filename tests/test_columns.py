@@ -214,6 +214,7 @@ def test_no_command_or_digest_is_broken_at_80_columns_piped(capsys, tmp_path, mo
     command = f"port validate {out} --device cpu"
     assert any(line.strip() == command for line in run.err.splitlines()), run.err
     run = run_port(capsys, "inspect", "klein-fp8-comfy.safetensors")  # its runtime table suggests commands
-    commands = [line.strip() for line in run.out.splitlines() if "port convert" in line]
+    commands = [line.strip() for line in run.out.splitlines() if line.strip().startswith("port convert")]
     assert commands and all(c.startswith("port convert klein-fp8-comfy.safetensors") and " --out " in c
                             for c in commands), run.out
+    assert "config.timestep_guidance_channels" in run.out  # a label longer than the label column, whole

@@ -255,18 +255,26 @@ def vertical(table: Table, width: int) -> Group:
 
 
 def _pair_lines(label: str, value: str, label_width: int, width: int) -> list[str]:
+    """`label  value`, the value wrapped in the room beside the label column; a label wider than its column whole
+    (its value beside it when the first line fits, else below), a value line too long for the room (a command, a
+    digest) whole beneath the label, indented by two."""
     room = max(width - label_width - 2, 1)
-    labels = wrap_lines(label, label_width, continuation="").splitlines() or [""]
     values = wrap_lines(value, room, continuation="").splitlines() if value else []
+    indent = " " * (label_width + 2)
     out: list[str] = []
-    for n in range(max(len(labels), len(values))):
-        left = labels[n] if n < len(labels) else ""
-        right = values[n] if n < len(values) else ""
-        if len(right) > room:  # a digest or a command longer than the room beside the label: below it, whole
-            out += [left.rstrip(), "  " + right] if left.strip() else ["  " + right]
-            continue
-        out.append((left.ljust(label_width) + "  " + right).rstrip())
-    return out
+    if len(label) > label_width:
+        out.append(label)
+        if values and len(label) + 2 + len(values[0]) <= width:
+            out[0] += "  " + values.pop(0)
+    for n, line in enumerate(values):
+        head = label.ljust(label_width) + "  " if n == 0 and not out else indent
+        if len(line) > room:
+            if n == 0 and not out:
+                out.append(label)
+            out.append("  " + line)
+        else:
+            out.append((head + line).rstrip())
+    return out or [label]
 
 
 def quiet_libraries() -> None:
