@@ -190,6 +190,19 @@ _SVDQ_BASES = Refusal("{flag} applies to Nunchaku SVDQuant bases; {src} is not o
 # each job's convert options against the same table (batch/jobs.py: check_applicable_options).
 APPLIES: dict[str, dict[str, Applies]] = {
     "convert": {
+        # first: an option that writes another kind of file is the true reason a related option does not apply
+        "--quantize": Applies(frozenset({"svdq", "quantized", "awq"}), Refusal(
+            "--quantize {quantize}: {src} is an adapter (LoRA / LyCORIS factors); --quantize writes quantized "
+            "transformer weights.", "Merge the adapter into a base first (port merge), then quantize the result."),
+            per_kind={
+                "awq_weights": Refusal("--quantize awq-int4 writes a 4-bit text encoder (Qwen3, T5); {src} is "
+                                       "transformer weights.", "For a transformer: --quantize svdq-int4."),
+                "text_encoder_other": Refusal("--quantize {quantize}: {src} is a text encoder; the transformer "
+                                              "formats do not apply to it.",
+                                              "port convert {src} --quantize awq-int4 --out DIR")},
+            needs={"quantized": ("--to original", Refusal(
+                "--quantize {quantize} writes original (BFL) naming for ComfyUI-style loaders; it needs --to "
+                "original.", "port convert {src} --to original --quantize {quantize} {out}"))}),
         "--lora-style": Applies(frozenset({"adapter"}), _ADAPTERS_ONLY),
         "--materialise": Applies(frozenset({"adapter"}), _ADAPTERS_ONLY),
         "--rank": Applies(frozenset({"svdq"}), _SVDQ_ONLY),
@@ -207,18 +220,6 @@ APPLIES: dict[str, dict[str, Applies]] = {
                                usage=False),
             "text_encoder": Refusal("--dtype: a text encoder is written in bf16 (its 4-bit layers dequantized); "
                                     "--dtype does not apply.")}),
-        "--quantize": Applies(frozenset({"svdq", "quantized", "awq"}), Refusal(
-            "--quantize {quantize}: {src} is an adapter (LoRA / LyCORIS factors); --quantize writes quantized "
-            "transformer weights.", "Merge the adapter into a base first (port merge), then quantize the result."),
-            per_kind={
-                "awq_weights": Refusal("--quantize awq-int4 writes a 4-bit text encoder (Qwen3, T5); {src} is "
-                                       "transformer weights.", "For a transformer: --quantize svdq-int4."),
-                "text_encoder_other": Refusal("--quantize {quantize}: {src} is a text encoder; the transformer "
-                                              "formats do not apply to it.",
-                                              "port convert {src} --quantize awq-int4 --out DIR")},
-            needs={"quantized": ("--to original", Refusal(
-                "--quantize {quantize} writes original (BFL) naming for ComfyUI-style loaders; it needs --to "
-                "original.", "port convert {src} --to original --quantize {quantize} {out}"))}),
     },
     "inspect": {
         "--strength": Applies(frozenset({"adapter"}), Refusal(
