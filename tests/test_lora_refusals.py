@@ -166,3 +166,15 @@ def test_a_lokr_module_that_cannot_make_its_layer_is_refused_without_a_base(base
     for to in ("diffusers", "original"):
         ok = run_port(capsys, "convert", good, "--to", to, "--out", tmp_path / f"ok-{to}", "--quiet", "--materialise")
         assert ok.code == 0, ok.msg
+    # with a base config, against its real shapes: the same refusal, naming the base's shape
+    config = json.loads(run_port(capsys, "inspect", base["file"], "--json").out)["config"]
+    (tmp_path / "base").mkdir()
+    (tmp_path / "base" / "config.json").write_text(json.dumps({"_class_name": "Flux2Transformer2DModel", **config}))
+    run = run_port(capsys, "convert", tmp_path / "bad.safetensors", "--config", tmp_path / "base", "--out",
+                   tmp_path / "lora-c", "--json", "--materialise")
+    assert run.code == 2, run.err
+    error = json.loads(run.out)["error"]
+    assert key in error and "in the base (--config)" in error and leftovers(tmp_path / "lora-c") == []
+    ok = run_port(capsys, "convert", good, "--config", tmp_path / "base", "--out", tmp_path / "ok-c", "--quiet",
+                  "--materialise")
+    assert ok.code == 0, ok.msg

@@ -5,13 +5,14 @@ Each layer's shape is a formula in the family's sizes (`to_q` is [inner_dim, inn
 adapter's own naming. The sizes are those the adapter's modules pin (the value most modules give), so a module whose
 difference cannot be its layer for the same model (a LoKr whose lokr_w1 x lokr_w2 make [68, 64] where every other
 module says inner_dim = 64, or a square layer made non-square) is refused by key before anything is written. A base
-(`--config`) checks the real shapes instead; sizes no module pins cannot be checked here.
+(`--config`) checks the real shapes instead (`check_config`); sizes no module pins cannot be checked here.
 """
 
 from __future__ import annotations
 
 import re
 from collections import Counter
+from typing import Any, Mapping
 
 from porting.errors import InputError
 from porting.families import family_for
@@ -102,4 +103,22 @@ def check_architecture(adapter: Adapter) -> None:
                  "check it against the base it is for.")
 
 
-__all__ = ["check_architecture", "formulas"]
+def check_config(adapter: Adapter, config: Mapping[str, Any], where: str = "--config") -> None:
+    """Refuse (exit 2, by key) the first module whose difference is not its layer's shape in the base `config`,
+    or whose layer the base does not have."""
+    shapes = family_for(adapter.table).expected_shapes(config, adapter.naming)
+    for param, m in adapter.modules.items():
+        got = tuple(delta_shape(adapter, m))
+        want = shapes.get(param)
+        if want is not None and tuple(want) == got:
+            continue
+        kind = {"lokr": "LoKr", "loha": "LoHa", "lora": "LoRA"}.get(m.kind, m.kind)
+        what = (f"the base ({where}) has no {param}" if want is None else
+                f"{param} is {list(want)} in the base ({where})")
+        raise InputError(f"{adapter.path}: {kind} factors {_factors(adapter, m)} make a {list(got)} difference; "
+                         f"{what}. Nothing was written.",
+                         hint="The adapter is damaged or made for another model; export it again, or convert it "
+                              "against the base it was made for.")
+
+
+__all__ = ["check_architecture", "check_config", "formulas"]

@@ -29,7 +29,7 @@ from porting.outputs import InputPaths, atomic_folder
 from porting.text import one_line
 
 from . import LORA_FILE, MANIFEST
-from .architecture import check_architecture
+from .architecture import check_architecture, check_config
 from .transform import Factors, NotSplittable, as_full_rank_lora, baked, carry, materialised, unsized
 
 Style = Literal["diffusers", "bfl", "kohya"]
@@ -168,6 +168,8 @@ def convert_adapter(src: SourceLike, out: str | Path | None, to: Naming = "diffu
                              "keys of transformer modules.", details=lines)
     if config is None:  # no base to hold the shapes against: the family's architecture
         check_architecture(adapter)
+    else:
+        check_config(adapter, config)
     style = style or ("diffusers" if to == "diffusers" else "bfl")
     if (to == "diffusers") != (style == "diffusers"):
         raise PortError(f"key style {style!r} does not go with --to {to}.",

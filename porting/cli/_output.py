@@ -78,7 +78,8 @@ class Output:
         if isinstance(table.title, str):
             table.title = Text(printable(table.title, lines=False))
         width = self.out.width
-        keep_words_whole(self.out, table, width)
+        if not fits(self.out, table, width):  # rich's own layout cuts a word: widths that keep each whole, if any
+            keep_words_whole(self.out, table, width)
         with self.out.capture() as captured:  # printed without the blanks rich pads the lines with
             if fits(self.out, table, width):
                 self.out.print(table)
