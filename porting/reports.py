@@ -59,12 +59,30 @@ def _run_order(name: str) -> tuple[str, int]:
     return (stamp, int(n) if n.isdigit() else 0)
 
 
-def latest_report(folder: Path) -> Path | None:
+def latest_report(folder: Path, weights: str | None = None) -> Path | None:
     """The report.json a validate folder or a shared reports/ folder points to: FOLDER/report.json (a run folder,
-    or the single-folder layout of earlier versions), else the newest FOLDER/validate/<time>/report.json."""
+    or the single-folder layout of earlier versions), else the newest FOLDER/validate/<time>/report.json; with
+    `weights` (a sha256), the newest of those that validated these weights, if one did (a reports/ folder shared
+    by several transformers: the demo's port and its merge), else the newest."""
     direct = folder / REPORT_JSON
     if direct.is_file():
         return direct
     runs = sorted((p for p in (folder / "validate").glob(f"*/{REPORT_JSON}") if p.is_file()),
                   key=lambda p: _run_order(p.parent.name))
+    if weights is not None:
+        mine = [p for p in runs if _validated(p) == weights]
+        runs = mine or runs
     return runs[-1] if runs else None
+
+
+def _validated(report: Path) -> str | None:
+    """The weights sha256 a report.json records, None where it cannot be read."""
+    import json
+
+    try:
+        with open(report, "rb") as f:
+            doc = json.loads(f.read(1 << 24))  # a report is kilobytes; a huge file is not one
+    except (OSError, ValueError):
+        return None
+    value = doc.get("weights_sha256") if isinstance(doc, dict) else None
+    return value if isinstance(value, str) else None

@@ -84,6 +84,58 @@ def _current_folders() -> list[str]:
 _GAP_WORD = re.compile(r"( *)(\S+)")
 _LABEL = re.compile(r"\[\d+/\d+\] ")
 
+# A command the user is told to run is kept on one line, never broken (a terminal joins its own soft wraps when the
+# line is copied; a line broken here pastes as two commands): `port VERB ...`, `pip install ...`, `python -m ...`,
+# up to the end of its clause. A digest is one word that is never folded. (tests/test_columns.py holds the verb
+# list to porting/cli/app.py's.)
+PORT_VERBS = frozenset({"fetch", "recipes", "inspect", "convert", "merge", "validate", "demo", "publish", "generate",
+                        "compare", "bench", "export", "batch", "env"})
+_COMMAND_HEADS = {"port": PORT_VERBS, "pip": frozenset({"install", "uninstall"}), "python": frozenset({"-m"})}
+_HEX = re.compile(r"^\W*[0-9a-fA-F]{40,}\W*$")
+_JOINS = frozenset({"and", "or", "then"})  # "port validate X and port publish Y": two commands
+_CLAUSE_END = re.compile(r"(?:[,;`)]|[^./]\.)['\"]?$")
+
+
+def _command_at(pairs: list[tuple[str, str]], i: int) -> int:
+    """The index after the last word of the command starting at word `i`, or `i` when none starts there."""
+    head = pairs[i][1].lstrip("`'\"(")
+    verbs = _COMMAND_HEADS.get(head)
+    if verbs is None or i + 1 >= len(pairs) or pairs[i + 1][1].rstrip(".,;`)'\"") not in verbs:
+        return i
+    quoted = False
+    j = i + 1
+    while j < len(pairs):
+        word = pairs[j][1]
+        if not quoted and (word.startswith("(") or word in _JOINS):
+            break
+        quoted ^= word.count('"') % 2 == 1
+        j += 1
+        if not quoted and _CLAUSE_END.search(word):
+            break
+    return j
+
+
+def longest_unit(text: str) -> int:
+    """The widest thing in `text` a line must hold whole: a word, or a command or a digest (never broken)."""
+    return max((len(unit) for line in text.splitlines() for _, unit, _ in _units(line.strip())), default=0)
+
+
+def _units(body: str) -> list[tuple[str, str, bool]]:
+    """(gap, text, whole) of each word of `body`; a command or a digest is one unit, never broken (`whole`)."""
+    pairs = _GAP_WORD.findall(body)
+    units: list[tuple[str, str, bool]] = []
+    i = 0
+    while i < len(pairs):
+        end = _command_at(pairs, i)
+        if end > i:
+            text = pairs[i][1] + "".join(gap + word for gap, word in pairs[i + 1:end])
+            units.append((pairs[i][0], text, True))
+            i = end
+            continue
+        units.append((pairs[i][0], pairs[i][1], bool(_HEX.match(pairs[i][1]))))
+        i += 1
+    return units
+
 
 def wrap_lines(text: str, width: int = 80, continuation: str | None = None) -> str:
     """Each line of `text` wrapped at spaces to `width`, its continuation indented under it (under the text after
@@ -106,13 +158,13 @@ def _wrap_line(line: str, width: int, continuation: str | None = None) -> list[s
         follow = "  "
     lines: list[str] = []
     current, empty = indent, True
-    for gap, word in _GAP_WORD.findall(body):
+    for gap, word, whole in _units(body):
         sep = "" if empty else gap
         if len(current) + len(sep) + len(word) <= width:
             current, empty = current + sep + word, False
-        elif len(follow) + len(word) <= width:  # whole on a line of its own
-            lines.append(current)
-            current, empty = follow + word, False
+        elif len(follow) + len(word) <= width or whole:  # whole on a line of its own (a command: even if longer,
+            lines.append(current)  # unindented where the indent alone would push it past the width)
+            current, empty = (follow if len(follow) + len(word) <= width or len(word) > width else "") + word, False
         else:  # longer than a line: broken after a `/`, as much as fits here first
             pieces = path_pieces(word, width - len(current) - len(sep), width - len(follow))
             lines.append(current + sep + pieces[0] if pieces[0] else current)

@@ -269,3 +269,19 @@ def test_a_changed_validate_option_redoes_validate_and_publish_with_the_new_repo
     assert published["rule"]["max_ratio"] == 3.0
     assert run_port(capsys, "batch", jobs, "--out", out, "--executor", "local").code == 0
     assert len(_trace(trace)) == 5  # nothing changed: nothing redone
+
+
+def test_the_summary_on_a_terminal_is_tables_not_markdown(tmp_path, capsys, monkeypatch):
+    """Without --json the summary is a line and two tables (batch.md keeps the Markdown): no `| job |` rows or
+    `# port batch` heading on stdout, every line within 80 columns."""
+    monkeypatch.setenv("COLUMNS", "80")
+    build_demo_base(tmp_path / "base")
+    write_random_checkpoint(tmp_path / "a.safetensors", TINY_FLUX2, seed=5)
+    (tmp_path / "jobs.toml").write_text('[[job]]\nname = "a"\nsource = "a.safetensors"\nbase = "base"\n'
+                                        'steps = ["convert"]\n')
+    run = run_port(capsys, "batch", tmp_path / "jobs.toml", "--out", tmp_path / "out")
+    assert run.code == 0, run.msg
+    assert "# port batch" not in run.out and "| job |" not in run.out and "|---|" not in run.out, run.out
+    assert "jobs done 1, failed 0" in " ".join(run.out.split()) and "convert" in run.out and "done" in run.out
+    assert all(len(line) <= 80 for line in run.out.splitlines()), run.out
+    assert "| a | convert | done |" in (tmp_path / "out" / "_batch" / "batch.md").read_text()

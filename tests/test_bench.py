@@ -72,6 +72,37 @@ def test_cli_bench_json_and_bad_mode(folder: Path, tmp_path: Path, capsys: pytes
     assert code == 2 and "--offload 'disk'" in err and not (tmp_path / "c").exists()
 
 
+def test_cli_bench_on_cpu_says_a_skip_once_counts_runs_and_its_card_table_fits_80_columns(
+        folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Piped at 80 columns, every offload mode: the reason three modes are skipped is said once (it was said per
+    row), each run says how many are done, the time so far and the time left; the model card's rows (long model
+    names, four times the rows) stay a table at 80 columns, not a block of `key value` lines per row."""
+    from rich.table import Table
+
+    from porting.cli import _output
+    from porting.cli.bench_cmd import bench_table
+    from porting.pipeline.bench import CARD_ROWS
+
+    monkeypatch.setenv("COLUMNS", "80")
+    code, out, err = run_cli(["bench", str(folder), "--task", "t2i,edit", "--size", "32", "--steps", "1", "--runs",
+                              "2", "--warmup", "0", "--out", str(tmp_path / "b")], capsys)
+    assert code == 0, err
+    reason = "offloading moves weights"
+    assert sum(reason in line for line in err.splitlines()) == 1, err
+    runs = [line.strip() for line in err.splitlines() if line.strip().startswith(("t2i/none run", "edit/none run"))]
+    assert len(runs) == 4 and runs[0].startswith("t2i/none run 1 done (1/4 runs; ") and "left)" in runs[0], runs
+    assert runs[-1].startswith("edit/none run 2 done (4/4 runs; ") and runs[-1].endswith("elapsed)"), runs
+    doc = json.loads((tmp_path / "b" / "bench.json").read_text())
+    doc["rows"] = [{**row, "model": label} for label, _, _ in CARD_ROWS for row in doc["rows"]]
+    table, _ = bench_table(doc)
+    assert isinstance(table, Table)
+    _output.Output().table(table)
+    shown = capsys.readouterr().out
+    assert all(len(line) <= 80 for line in shown.splitlines()), shown
+    assert "┃ model" in shown and "│ 4-bit" in shown, shown  # a table, with its borders
+    assert len(shown.splitlines()) < 4 * len(doc["rows"]), shown
+
+
 def test_publish_puts_the_latest_tables_of_the_same_weights_in_the_card(port: dict, tmp_path: Path) -> None:
     work = tmp_path / "work"  # a folder of its own, so the shared tiny port's reports/ stay untouched
     shutil.copytree(port["transformer"], work / "transformer")

@@ -21,10 +21,13 @@ ESCAPED = re.compile(r"\\x[0-9a-f]{2}|\\u[0-9a-f]{4}")
 VERBS = sorted(REGISTERED)
 
 
+COMMAND = re.compile(r"^\s*(port|pip|python) ")  # a command to paste is printed whole, however long
+
+
 def fits(text: str, width: int = 80) -> None:
-    """No line over `width` columns, no escape text, no ellipsis (a value cut short)."""
+    """No line over `width` columns but a command, no escape text, no ellipsis (a value cut short)."""
     for line in text.splitlines():
-        assert len(line) <= width, f"{len(line)} columns: {line!r}"
+        assert len(line) <= width or COMMAND.match(line), f"{len(line)} columns: {line!r}"
         assert not ESCAPED.search(line), f"escape text: {line!r}"
         assert "…" not in line, f"a value cut short: {line!r}"
 
@@ -184,3 +187,34 @@ def test_messages_on_a_terminal_wrap_at_spaces_and_piped_stay_one_line(tmp_path,
     piped = run_port(capsys, "inspect", missing)
     assert piped.code == 2 and " ".join(shown.split()) == " ".join(piped.err.split())
     assert len(piped.err.splitlines()) < len(shown.splitlines())
+
+
+def test_the_verbs_a_message_keeps_whole_are_the_registered_ones() -> None:
+    from porting.text import PORT_VERBS
+
+    assert PORT_VERBS == set(REGISTERED)
+
+
+def test_no_command_or_digest_is_broken_at_80_columns_piped(capsys, tmp_path, monkeypatch, tiny2_state) -> None:
+    """Piped with COLUMNS=80: the hint's command is on one line (pasted, a broken one runs as two commands) and the
+    weights sha256 is one word on one line, though its label is wide enough to leave it 62 columns beside it."""
+    from safetensors.torch import save_file
+
+    from . import quantfiles as qf
+
+    monkeypatch.chdir(tmp_path)
+    tensors, _, _ = qf.comfy_mixed(tiny2_state, "float8_e4m3fn")  # `dequantized from`: a 16-column label
+    save_file(tensors, "klein-fp8-comfy.safetensors")
+    out = "a-folder-with-a-long-name/and-one-more-level/transformer"
+    run = run_port(capsys, "convert", "klein-fp8-comfy.safetensors", "--out", out)
+    assert run.code == 0, run.err
+    fits(run.out + run.err)
+    digest = json.loads((tmp_path / out / "flux-port.json").read_text())["weights_sha256"]
+    assert any(line.strip() == digest or line.split()[-1:] == [digest] for line in run.out.splitlines()), run.out
+    command = f"port validate {out} --device cpu"
+    assert any(line.strip() == command for line in run.err.splitlines()), run.err
+    run = run_port(capsys, "inspect", "klein-fp8-comfy.safetensors")  # its runtime table suggests commands
+    commands = [line.strip() for line in run.out.splitlines() if line.strip().startswith("port convert")]
+    assert commands and all(c.startswith("port convert klein-fp8-comfy.safetensors") and " --out " in c
+                            for c in commands), run.out
+    assert "config.timestep_guidance_channels" in run.out  # a label longer than the label column, whole

@@ -82,13 +82,17 @@ def test_a_rerun_in_the_same_folder_replaces_the_demos_files_and_keeps_what_othe
     assert user_report != demo_report.parent
     assert run_port(capsys, "convert", work / "finetune" / "tiny-klein-finetune.safetensors",
                     "--out", work / "mine").code == 0  # another verb's --out inside the work folder
+    run = run_port(capsys, "generate", work / "published", "-p", "a fox", "-o", work / "fox.png", "--quiet")
+    assert run.code == 0, run.msg  # an image of the user's, beside the demo's own
     kept = {name: _files(folder) for name, folder in (("report", user_report), ("mine", work / "mine"))}
+    image = (work / "fox.png").read_bytes()
     run = run_port(capsys, "demo", "--workdir", work)
     assert run.code == 0, run.msg
     assert {name: _files(folder) for name, folder in (("report", user_report), ("mine", work / "mine"))} == kept
+    assert (work / "fox.png").read_bytes() == image
     runs = sorted(p.name for p in (work / "reports" / "validate").iterdir())
     assert len(runs) == 2 and user_report.name in runs  # the earlier demo's own report was replaced by this one's
-    assert foreign_entries(work) == []  # the folder stays reusable
+    assert foreign_entries(work) == ["fox.png"]  # the folder stays reusable: the image is beside the demo's entries
     assert run_port(capsys, "demo", "--workdir", work).code == 0  # and reruns again
     assert _files(user_report) == kept["report"]
 

@@ -127,3 +127,29 @@ def test_a_rerun_clears_all_the_demo_wrote_before_its_first_step(tmp_path):
     prepare_workdir(work)
     assert sorted(p.name for p in work.iterdir()) == [RECORD]
     assert read_record(work).files == {} and foreign_entries(work) == []
+
+
+def test_a_rerun_keeps_an_image_port_generate_wrote_and_the_users_files_beside_the_demos(tmp_path):
+    """The README's promise: the outputs of the commands the user ran on the demo folder are kept. An image `port
+    generate -o WORK/fox.png` wrote (by its own writer, sealed as flux-port's) and a file of the user's beside the
+    demo's entries stay, byte for byte, and the folder reruns again; an edited demo.png (in what the demo replaces)
+    is still refused, named, nothing changed."""
+    from PIL import Image
+
+    from porting.pipeline.generate import save_png
+
+    work = tmp_path / "work"
+    _fake_demo(work)
+    save_png(Image.new("RGB", (8, 8), (200, 40, 10)), work / "fox.png")
+    (work / "notes.txt").write_text("prompts that worked")
+    kept = {name: (work / name).read_bytes() for name in ("fox.png", "notes.txt")}
+    _fake_demo(work, run="2")
+    assert {name: (work / name).read_bytes() for name in kept} == kept
+    assert (work / "demo.png").read_text() == "png 2"
+    _fake_demo(work, run="3")  # and again
+    assert {name: (work / name).read_bytes() for name in kept} == kept
+    (work / "demo.png").write_text("edited by hand")
+    before = _files(work)
+    with pytest.raises(UnsafeOutputError, match="'demo.png'") as exc:
+        prepare_workdir(work)
+    assert "nothing was changed" in str(exc.value) and _files(work) == before

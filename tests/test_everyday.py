@@ -81,6 +81,29 @@ def test_estimate_printed_when_a_step_is_slow(published: Path, tmp_path: Path, c
     assert "estimate: about 3 min 20 s for 2 step(s) (the first took 1 min 40 s)" in run.msg
 
 
+def test_the_first_step_line_counts_the_first_steps_time(published: Path, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Time passes only inside the denoising steps (50 s each, read by generate's step clock): the first line's
+    elapsed time is the first step's, not the 0.0 s since the progress line was set up."""
+    from porting import progress
+    from porting.pipeline import generate as gen
+
+    now = [0.0]
+
+    def step_clock() -> float:
+        now[0] += 50.0
+        return now[0]
+
+    monkeypatch.setattr(gen, "progress_clock", step_clock)
+    monkeypatch.setattr(progress, "clock", lambda: now[0])
+    run = run_port(capsys, "generate", published, "--prompt", "a fox", "--size", "32", "--steps", "2",
+                   "--output", tmp_path / "timed.png")
+    assert run.code == 0, run.err
+    first = next(line for line in run.err.splitlines() if line.startswith("denoising step 1/2"))
+    assert first.startswith("denoising step 1/2 (50.00 s; 50 s elapsed, about 50 s left)"), first
+
+
 def test_no_estimate_when_steps_are_fast(published: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     run = run_port(capsys, "generate", published, "--prompt", "a fox", "--size", "32", "--steps", "2",
                    "--output", tmp_path / "fast.png")

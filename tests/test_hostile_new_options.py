@@ -32,7 +32,7 @@ def test_svdq_convert_prints_its_table(tmp_path, capsys, src):
     """A plain (not --json) run printed the plan, wrote the file, then exited 70 on the error table."""
     r = run_port(capsys, "convert", src, "--quantize", "svdq-int4", "--rank", "33", "--out", tmp_path / "q")
     assert r.code == 0, r.err
-    assert "SVDQuant int4 rank 33" in r.out and "plain int4 g64" in r.out
+    assert "SVDQuant int4 rank 48" in r.out and "plain int4 g64" in r.out  # rank 33, stored padded to 48
 
 
 def test_calibrate_is_checked_before_anything_runs(tmp_path, capsys, src):

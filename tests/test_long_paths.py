@@ -1,6 +1,7 @@
 """Lines that carry long paths fit 80 columns: run from a folder whose path is 130 characters long, with COLUMNS=80
-and output piped, no line that demo / convert / validate / publish / compare print is wider than 80 columns. A path
-inside the current folder is shown relative to it; one outside is broken after a `/`; --json keeps it absolute."""
+and output piped, no line that demo / convert / validate / publish / compare print is wider than 80 columns, but a
+command to paste (whole on its own line). A path inside the current folder is shown relative to it; one outside is
+broken after a `/`, except inside a command; --json keeps it absolute."""
 
 from __future__ import annotations
 
@@ -24,7 +25,9 @@ def deep_folder(root: Path, length: int = 130) -> Path:
 
 
 def too_wide(*texts: str, width: int = 80) -> list[str]:
-    return [line for text in texts for line in text.splitlines() if len(line) > width]
+    """Lines wider than `width`, but a command to paste (printed whole, however long: a broken one pastes as two)."""
+    return [line for text in texts for line in text.splitlines()
+            if len(line) > width and not line.lstrip().startswith(("port ", "pip ", "python "))]
 
 
 def test_relative_paths_inside_the_current_folder_only() -> None:
@@ -38,7 +41,11 @@ def test_relative_paths_inside_the_current_folder_only() -> None:
 
 def test_a_path_longer_than_the_line_is_broken_after_a_separator() -> None:
     path = "/" + "/".join(["a-folder-name-of-thirty-chars-x"] * 5) + "/report.json"
-    text = f"Hint: publish it next: port publish --report {path} --base BASE_DIR --out DIR"
+    command = f"port publish --report {path} --base BASE_DIR --out DIR"
+    # in a command it is not broken: the command is one line to paste, whole
+    assert wrap_lines(f"Hint: publish it next: {command}", 80).splitlines() == ["Hint: publish it next:",
+                                                                              f"  {command}"]
+    text = f"Error: the report {path} validated other weights; validate this transformer again"
     wrapped = wrap_lines(text, 80)
     lines = wrapped.splitlines()
     assert not too_wide(wrapped) and len(lines) > 2
@@ -103,8 +110,12 @@ def test_the_verbs_fit_80_columns_from_a_deep_folder(port, tmp_path, capsys, mon
         assert run.code == 0, (name, run.err)
         assert not too_wide(run.out, run.err), (name, too_wide(run.out, run.err))
     assert "report: reports/validate/" in runs["validate"].err  # inside: relative, one line
-    assert str(outside) not in runs["validate outside"].err  # outside: broken after a separator...
-    assert str(outside) in "".join(runs["validate outside"].err.split())  # ...whole once the breaks are removed
+    prose = "\n".join(line for line in runs["validate outside"].err.splitlines()
+                      if not line.lstrip().startswith("port "))  # a command holds its paths whole
+    assert str(outside) not in prose  # outside: broken after a separator...
+    assert str(outside) in "".join(prose.split())  # ...whole once the breaks are removed
+    hint = [line.strip() for line in runs["convert outside"].err.splitlines() if "port validate" in line]
+    assert hint == [f"port validate {outside / 't'} --device cpu"]  # a command, whole on its line
     assert "LPIPS" in runs["compare"].err
     doc = json.loads(run_port(capsys, "convert", port["source"], "--out", here / "j", "--json").out)
     assert str(here / "j") in json.dumps(doc)

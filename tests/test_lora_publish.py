@@ -24,8 +24,8 @@ def port(tmp_path_factory):
 
 def tiny_adapter(folder: Path, seed: int = 0, width_factor: int = 1) -> Path:
     """A kohya LoRA for the tiny port's transformer (TINY_FLUX2 shapes), converted by port convert."""
-    shapes = {k[: -len(".weight")]: (s[0], s[1] * width_factor) for k, s in model_shapes(TINY_FLUX2).items()
-              if k.endswith(".weight")}
+    shapes = {k[: -len(".weight")]: (s[0] * width_factor, s[1] * width_factor)
+              for k, s in model_shapes(TINY_FLUX2).items() if k.endswith(".weight")}
     parts = make_parts(shapes, ["double_blocks.0.img_attn.qkv", "final_layer.adaLN_modulation.1"], "lora", seed=seed,
                        alpha=1.0)
     src = write_adapter(folder.parent / f"{folder.name}-kohya.safetensors", BY_NAME["kohya"], parts)

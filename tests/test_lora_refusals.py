@@ -117,3 +117,64 @@ def test_dry_runs_write_nothing_and_dtype_is_refused(base, tmp_path, capsys):
     assert run.code == 0 and json.loads(run.out)["ok"] and leftovers(tmp_path / "merged") == []
     run = run_port(capsys, "convert", adapter, "--out", tmp_path / "lora", "--dtype", "bf16")
     assert run.code == 2 and "--dtype" in run.msg and not (tmp_path / "lora").exists()
+
+
+def test_an_fp8_lora_is_merged_upcast(base, tmp_path, capsys):
+    """F8_E4M3 factors (how some trainers save to halve the file) are floating-point: merged upcast to float32,
+    bit for bit the merge of the same values stored as float32; converted for diffusers as bf16, not refused."""
+    from safetensors.torch import load_file
+
+    from .lorakit import make_parts, weight_shapes
+
+    parts = make_parts(weight_shapes(base["state"], False), ["img_in", "double_blocks.0.img_attn.qkv"], "lora",
+                       alpha=1.5)
+    fp8 = write_adapter(tmp_path / "fp8.safetensors", BY_NAME["kohya"], parts, dtype=torch.float8_e4m3fn)
+    for p in parts:  # the values fp8 holds, stored exactly in float32
+        p.factors = {r: t.to(torch.float8_e4m3fn).to(torch.float32) for r, t in p.factors.items()}
+    f32 = write_adapter(tmp_path / "f32.safetensors", BY_NAME["kohya"], parts)
+    run = run_port(capsys, "merge", base["file"], fp8, "--out", tmp_path / "m8", "--quiet")
+    assert run.code == 0, run.msg
+    assert run_port(capsys, "merge", base["file"], f32, "--out", tmp_path / "m32", "--quiet").code == 0
+    [a], [b] = (sorted((tmp_path / n).glob("*.safetensors")) for n in ("m8", "m32"))
+    got, want = load_file(str(a)), load_file(str(b))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    run = run_port(capsys, "convert", fp8, "--out", tmp_path / "lora", "--quiet")
+    assert run.code == 0, run.msg
+    out = load_file(str(tmp_path / "lora" / "pytorch_lora_weights.safetensors"))
+    assert len(out) == 8 and all(t.dtype == torch.bfloat16 for t in out.values())  # fp8 values are exact in bf16
+
+
+@pytest.mark.parametrize("naming", ["lycoris-lokr", "bfl-lokr"])
+def test_a_lokr_module_that_cannot_make_its_layer_is_refused_without_a_base(base, tmp_path, capsys, naming):
+    """lokr_w1 and lokr_w2 that chain but whose Kronecker product is not the layer's shape: without a base, adapter
+    convert checks each module against the shapes the family's architecture gives (the sizes the adapter's other
+    modules pin), names the module and shapes, and writes nothing; the intact adapter converts."""
+    from safetensors.torch import load_file, save_file
+
+    good, _ = adapter_for(tmp_path / "good.safetensors", BY_NAME[naming], base["state"], seed=2)
+    tensors = load_file(str(good))
+    key = sorted(k for k in tensors if k.endswith("lokr_w2_a"))[-1]
+    tensors[key] = torch.cat([tensors[key], tensors[key][:1]]).contiguous()  # one row more: still chains
+    save_file(tensors, str(tmp_path / "bad.safetensors"))
+    run = run_port(capsys, "convert", tmp_path / "bad.safetensors", "--out", tmp_path / "lora", "--json")
+    assert run.code == 2, run.err
+    error = json.loads(run.out)["error"]
+    w1 = key.replace("w2_a", "w1")
+    assert key in error and w1 in error and list(tensors[key].shape).__str__() in error, error
+    assert "architecture" in error and "Nothing was written" in error, error
+    assert leftovers(tmp_path / "lora") == []
+    for to in ("diffusers", "original"):
+        ok = run_port(capsys, "convert", good, "--to", to, "--out", tmp_path / f"ok-{to}", "--quiet", "--materialise")
+        assert ok.code == 0, ok.msg
+    # with a base config, against its real shapes: the same refusal, naming the base's shape
+    config = json.loads(run_port(capsys, "inspect", base["file"], "--json").out)["config"]
+    (tmp_path / "base").mkdir()
+    (tmp_path / "base" / "config.json").write_text(json.dumps({"_class_name": "Flux2Transformer2DModel", **config}))
+    run = run_port(capsys, "convert", tmp_path / "bad.safetensors", "--config", tmp_path / "base", "--out",
+                   tmp_path / "lora-c", "--json", "--materialise")
+    assert run.code == 2, run.err
+    error = json.loads(run.out)["error"]
+    assert key in error and "in the base (--config)" in error and leftovers(tmp_path / "lora-c") == []
+    ok = run_port(capsys, "convert", good, "--config", tmp_path / "base", "--out", tmp_path / "ok-c", "--quiet",
+                  "--materialise")
+    assert ok.code == 0, ok.msg

@@ -221,6 +221,26 @@ def test_generate_runs_the_onnx_transformer_and_draws_the_same_image(published, 
     assert got.shape == (32, 32, 3) and got.std() > 1 and np.abs(got - want).max() <= 1
 
 
+@pytest.mark.slow  # a second whole export (fp16): about a minute on two cores
+def test_the_fp16_export_generates_an_image(published, fp16_export, tmp_path, capsys) -> None:
+    """docs/export.md's first commands: an fp16 export, then `port generate` on it. The fp16 graph runs among the
+    source's fp32 torch components: its latents reach the VAE in their dtype (it ended in exit 70, `Input type
+    (c10::Half) and bias type (float)`, after every denoising step), and the image is the torch pipeline's within
+    fp16's rounding."""
+    from PIL import Image
+
+    _, folder = published
+    out, _ = fp16_export
+    code, _, err = run_cli(["generate", str(out), "--prompt", "a red fox", "--steps", "2", "--seed", "3", "--size",
+                            "32", "--output", str(tmp_path / "onnx16.png"), "--quiet"], capsys)
+    assert code == 0, err
+    generate(folder, "a red fox", steps=2, seed=3, size=32, output=tmp_path / "torch.png", progress=False)
+    got = np.asarray(Image.open(tmp_path / "onnx16.png"), dtype=np.int16)
+    want = np.asarray(Image.open(tmp_path / "torch.png"), dtype=np.int16)
+    assert got.shape == (32, 32, 3) and got.std() > 1
+    assert np.abs(got - want).mean() < 1.0 and np.abs(got - want).max() <= 8
+
+
 def test_bf16_export_is_refused_with_the_reason(published, tmp_path, capsys) -> None:
     _, folder = published
     code, _, err = run_cli(["export", str(folder), "--format", "onnx", "--out", str(tmp_path / "x"), "--dtype",

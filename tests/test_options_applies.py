@@ -56,6 +56,10 @@ def test_convert_kind_follows_quantize(quantize: str | None, kind: str) -> None:
     ("quantized", {}, UsageError, ["--quantize gguf-q8_0", "needs --to original"]),
     ("adapter", {"dtype": "fp16"}, PortError, ["--dtype applies to weights"]),
     ("adapter", {"quantize": "fp8-scaled"}, UsageError, ["--quantize fp8-scaled: m.safetensors is an adapter"]),
+    # the true reason first: --rank does apply to --quantize svdq-int4, which does not apply to an adapter
+    ("adapter", {"quantize": "svdq-int4", "rank": 7}, UsageError, ["--quantize svdq-int4: m.safetensors is an "
+                                                                   "adapter"]),
+    ("weights", {"verbose": True}, UsageError, ["--verbose applies to --quantize svdq"]),
     ("weights", {"lora_style": "kohya"}, UsageError, ["--lora-style kohya: m.safetensors is transformer weights",
                                                       "applies to adapters only"]),
 ])

@@ -308,6 +308,16 @@ def test_report_found_where_validate_writes_it(port: dict, tmp_path: Path) -> No
     assert (tmp_path / "pub").stat().st_mode & 0o777 == 0o777 & ~umask  # not the staging folder's private mode
 
 
+def test_the_report_found_is_the_newest_of_these_weights(port: dict, tmp_path: Path) -> None:
+    """reports/ next to the transformer is shared (the demo validates its port, then its merge there): without
+    --report, publish takes the newest report of the weights it publishes, not a newer one of other weights."""
+    shutil.copytree(port["transformer"], tmp_path / "transformer")
+    mine = write_report(tmp_path / "reports" / "validate" / "20261204-100000", port["weights"])
+    write_report(tmp_path / "reports" / "validate" / "20261204-110000", "e" * 64)  # newer: the merged weights
+    result = publish(port["base"], tmp_path / "transformer", tmp_path / "pub")
+    assert result.gate.passed and result.gate.path == mine
+
+
 def test_card_carries_the_source_hash_port_fetch_recorded(tmp_path: Path) -> None:
     from porting.demo.tinypipe import build_demo_base
 

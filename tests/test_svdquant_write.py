@@ -264,7 +264,8 @@ def test_inspect_shows_how_it_was_written(written, capsys):
 def test_the_summary_says_what_each_count_counts(tmp_path, capsys, monkeypatch, sources, family):
     """`quantized to` counts the layers stored in the file, `reread` the diffusers tensors they read back as (12 and
     14 for the tiny klein: q/k/v are one stored layer, the single block's projections two); each row names its
-    unit. On 80 columns the error table goes vertical with no empty cell; the file size is the plan's output size."""
+    unit. The error per layer kind is one summary line (the table with --verbose); on 80 columns the table goes
+    vertical with no empty cell; the file size is the plan's output size."""
     monkeypatch.setenv("COLUMNS", "80")
     doc = json.loads(run_port(capsys, "convert", sources[family], "--quantize", "svdq-int4", "--out",
                               tmp_path / "j", "--json").out)
@@ -278,6 +279,12 @@ def test_the_summary_says_what_each_count_counts(tmp_path, capsys, monkeypatch, 
     assert "fuses q/k/v" in text and ("each bias is a tensor" in text) == (family == "flux1")
     share = doc["svdq"]["file_bytes"] / doc["svdq"]["bf16_bytes"]
     assert f"output size {doc['svdq']['file_bytes'] / 1e9:.3f} GB, {share:.1%} of" in text
+    summary = text[text.index("SVDQuant int4 rank 32 weight error (relative L2): "):]
+    kinds = len(doc["svdq"]["quality"])
+    assert f"over {kinds} layer kinds" in summary and "--verbose prints each kind" in summary  # not one per kind
+    assert len(r.out.splitlines()) < 30, r.out
+    r = run_port(capsys, "convert", sources[family], "--quantize", "svdq-int4", "--out", tmp_path / "v", "--verbose")
+    assert r.code == 0, r.err
     errors = r.out[r.out.index("SVDQuant int4 rank 32: weight error"):].splitlines()[1:]
     assert errors and all(len(line.split()) >= 2 for line in errors if line.strip()), errors  # no empty cell
     assert not any(line.startswith("weights") and "file size" in line for line in errors)
@@ -298,6 +305,11 @@ def test_rank_is_padded_to_16(tmp_path, capsys, sources):
 
     assert not unpack_lowrank(down, True)[20:].any()
     assert math.isfinite(doc["reread"]["worst_rel_l2"])
+    # the name gives the stored rank, as nunchaku's names do (and as merge renames a file whose rank grew)
+    assert doc["file"].startswith("svdq-int4_r32-") and (tmp_path / "r20" / doc["file"]).is_file()
+    dry = json.loads(run_port(capsys, "convert", sources["flux2"], "--quantize", "svdq-int4", "--rank", "7",
+                              "--dry-run", "--json").out)
+    assert dry["planned_files"][0].startswith("svdq-int4_r16-")
 
 
 @pytest.mark.parametrize("precision", ["int4", "nvfp4"])

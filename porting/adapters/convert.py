@@ -29,6 +29,7 @@ from porting.outputs import InputPaths, atomic_folder
 from porting.text import one_line
 
 from . import LORA_FILE, MANIFEST
+from .architecture import check_architecture, check_config
 from .transform import Factors, NotSplittable, as_full_rank_lora, baked, carry, materialised, unsized
 
 Style = Literal["diffusers", "bfl", "kohya"]
@@ -165,6 +166,10 @@ def convert_adapter(src: SourceLike, out: str | Path | None, to: Naming = "diffu
         raise PortError(f"{shown(src)}: {len(adapter.unknown)} adapter key(s) cannot be read; nothing was written.",
                         hint="flux-port reads kohya, BFL / ai-toolkit, diffusers / peft, LyCORIS and ComfyUI diff "
                              "keys of transformer modules.", details=lines)
+    if config is None:  # no base to hold the shapes against: the family's architecture
+        check_architecture(adapter)
+    else:
+        check_config(adapter, config)
     style = style or ("diffusers" if to == "diffusers" else "bfl")
     if (to == "diffusers") != (style == "diffusers"):
         raise PortError(f"key style {style!r} does not go with --to {to}.",
@@ -180,6 +185,8 @@ def convert_adapter(src: SourceLike, out: str | Path | None, to: Naming = "diffu
         return result
     factor_keys = [k for m in adapter.modules.values() for r, k in m.keys.items() if r != "alpha"]
     dtype = adapter.ckpt.tensors[factor_keys[0]].torch_dtype if factor_keys else torch.float32  # not the alphas'
+    if dtype.itemsize == 1:  # fp8 factors: written bf16 (exact for their values; a folded scale is rounded once,
+        dtype = torch.bfloat16  # and peft / diffusers load bf16 adapters)
     tensors: dict[str, torch.Tensor] = {}
     for f in factors:
         for key, t in key_tensors(f, style).items():

@@ -190,22 +190,7 @@ _SVDQ_BASES = Refusal("{flag} applies to Nunchaku SVDQuant bases; {src} is not o
 # each job's convert options against the same table (batch/jobs.py: check_applicable_options).
 APPLIES: dict[str, dict[str, Applies]] = {
     "convert": {
-        "--lora-style": Applies(frozenset({"adapter"}), _ADAPTERS_ONLY),
-        "--materialise": Applies(frozenset({"adapter"}), _ADAPTERS_ONLY),
-        "--rank": Applies(frozenset({"svdq"}), _SVDQ_ONLY),
-        "--calibrate": Applies(frozenset({"svdq"}), _SVDQ_ONLY),
-        "--device": Applies(frozenset({"svdq"}), _SVDQ_ONLY, needs={"svdq": ("--calibrate", Refusal(
-            "--device says where --calibrate runs the model; without --calibrate nothing runs."))}),
-        "--to original": Applies(frozenset({"adapter", "weights", "quantized"}), Refusal(
-            "--quantize {quantize} writes Nunchaku's own layer names; --to does not apply.",
-            "port convert {src} --quantize {quantize} --out DIR"), per_kind={
-            "text_encoder": _TEXT_ENCODER_NAMES, "awq": _TEXT_ENCODER_NAMES}),
-        "--dtype": Applies(frozenset({"weights", "quantized"}), Refusal(
-            "--quantize {quantize} writes 4-bit layers and bf16 for the rest; --dtype does not apply."), per_kind={
-            "adapter": Refusal("--dtype applies to weights; a converted adapter keeps its factors' dtype.",
-                               usage=False),
-            "text_encoder": Refusal("--dtype: a text encoder is written in bf16 (its 4-bit layers dequantized); "
-                                    "--dtype does not apply.")}),
+        # first: an option that writes another kind of file is the true reason a related option does not apply
         "--quantize": Applies(frozenset({"svdq", "quantized", "awq"}), Refusal(
             "--quantize {quantize}: {src} is an adapter (LoRA / LyCORIS factors); --quantize writes quantized "
             "transformer weights.", "Merge the adapter into a base first (port merge), then quantize the result."),
@@ -218,6 +203,23 @@ APPLIES: dict[str, dict[str, Applies]] = {
             needs={"quantized": ("--to original", Refusal(
                 "--quantize {quantize} writes original (BFL) naming for ComfyUI-style loaders; it needs --to "
                 "original.", "port convert {src} --to original --quantize {quantize} {out}"))}),
+        "--lora-style": Applies(frozenset({"adapter"}), _ADAPTERS_ONLY),
+        "--materialise": Applies(frozenset({"adapter"}), _ADAPTERS_ONLY),
+        "--rank": Applies(frozenset({"svdq"}), _SVDQ_ONLY),
+        "--calibrate": Applies(frozenset({"svdq"}), _SVDQ_ONLY),
+        "--verbose": Applies(frozenset({"svdq"}), _SVDQ_ONLY),
+        "--device": Applies(frozenset({"svdq"}), _SVDQ_ONLY, needs={"svdq": ("--calibrate", Refusal(
+            "--device says where --calibrate runs the model; without --calibrate nothing runs."))}),
+        "--to original": Applies(frozenset({"adapter", "weights", "quantized"}), Refusal(
+            "--quantize {quantize} writes Nunchaku's own layer names; --to does not apply.",
+            "port convert {src} --quantize {quantize} --out DIR"), per_kind={
+            "text_encoder": _TEXT_ENCODER_NAMES, "awq": _TEXT_ENCODER_NAMES}),
+        "--dtype": Applies(frozenset({"weights", "quantized"}), Refusal(
+            "--quantize {quantize} writes 4-bit layers and bf16 for the rest; --dtype does not apply."), per_kind={
+            "adapter": Refusal("--dtype applies to weights; a converted adapter keeps its factors' dtype.",
+                               usage=False),
+            "text_encoder": Refusal("--dtype: a text encoder is written in bf16 (its 4-bit layers dequantized); "
+                                    "--dtype does not apply.")}),
     },
     "inspect": {
         "--strength": Applies(frozenset({"adapter"}), Refusal(
@@ -254,13 +256,14 @@ def convert_kind(source_kind: str, quantize: Optional[str]) -> str:
 
 def convert_given(*, lora_style: Optional[str] = None, materialise: bool = False, rank: Optional[int] = None,
                   calibrate: Any = None, device: str = "cpu", to: str = "diffusers", dtype: str = "keep",
-                  quantize: Optional[str] = None) -> dict[str, Optional[str]]:
+                  quantize: Optional[str] = None, verbose: bool = False) -> dict[str, Optional[str]]:
     """`port convert`'s options as `check_applicable` takes them: each shown as given, None when left at its
     default."""
     return {"--lora-style": None if lora_style is None else f"--lora-style {lora_style}",
             "--materialise": "--materialise" if materialise else None,
             "--rank": None if rank is None else "--rank",
             "--calibrate": None if calibrate is None else "--calibrate",
+            "--verbose": "--verbose" if verbose else None,
             "--device": "--device" if device != "cpu" else None,
             "--to original": "--to original" if to == "original" else None,
             "--dtype": "--dtype" if dtype != "keep" else None,

@@ -10,7 +10,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any, Iterator
 
 from porting.finite import dumps
-from porting.text import for_console, printable, relative_paths, wrap_lines
+from porting.text import for_console, longest_unit, printable, relative_paths, wrap_lines
 
 if TYPE_CHECKING:  # rich is imported on first use: `port --help` and `port --version` never print through it
     from rich.console import Console, Group
@@ -78,8 +78,13 @@ class Output:
         if isinstance(table.title, str):
             table.title = Text(printable(table.title, lines=False))
         width = self.out.width
+        if not fits(self.out, table, width):  # rich's own layout cuts a word: widths that keep each whole, if any
+            keep_words_whole(self.out, table, width)
         with self.out.capture() as captured:  # printed without the blanks rich pads the lines with
-            self.out.print(table if fits(self.out, table, width) else vertical(table, width))
+            if fits(self.out, table, width):
+                self.out.print(table)
+            else:  # lines made to fit; a digest or command longer than the width stays whole
+                self.out.print(vertical(table, width), soft_wrap=True)
         self.out.file.write("".join(line.rstrip() + "\n" for line in captured.get().splitlines()))
 
     def document(self, doc: Any) -> None:
@@ -172,16 +177,45 @@ def cell(*lines: object) -> Text:
     return Text("\n".join(printable(line, lines=False) for line in lines))
 
 
+def keep_words_whole(console: Console, table: Table, width: int) -> None:
+    """Where the table is wider than `width` but every column's longest word fits side by side, fix each column's
+    width: its longest word, plus a share of the room left in proportion to what its longest cell needs beyond
+    that. Rich, left to shrink the table itself, cuts columns by ratio below a word that a narrower column left
+    room for (a model card's bench table went vertical, 64 lines, while its words fit 80 columns)."""
+    from rich.measure import Measurement
+
+    wide = console.options.update_width(10**6)
+    cells = [[c for c in [column.header if table.show_header else "", *column._cells] if c] for column in table.columns]
+    low = [max((_longest(console, wide, c) for c in column), default=1) for column in cells]
+    high = [max((Measurement.get(console, wide, c).maximum for c in column), default=1) for column in cells]
+    room = width - table._extra_width - (table.padding[1] + table.padding[3]) * len(low)
+    if sum(high) <= room or sum(low) > room or any(c.width is not None for c in table.columns):
+        return  # fits as it is, or goes vertical (table())
+    spare, wants = room - sum(low), [h - lo for h, lo in zip(high, low)]
+    shares = [spare * want // sum(wants) for want in wants]
+    for column, lo, share in zip(table.columns, low, shares):
+        column.width = lo + share
+
+
+def _longest(console: Console, options: Any, renderable: Any) -> int:
+    """The narrowest a cell can be: its longest word, or a command or digest in it (printed whole, never broken)."""
+    from rich.measure import Measurement
+    from rich.text import Text
+
+    minimum = Measurement.get(console, options, renderable).minimum if renderable else 0
+    text = renderable.plain if isinstance(renderable, Text) else renderable if isinstance(renderable, str) else ""
+    return max(minimum, longest_unit(text))
+
+
 def fits(console: Console, table: Table, width: int) -> bool:
     """Whether rich lays `table` out in `width` columns with every word of every cell (and header) whole: each
     column at least as wide as its longest word plus its padding (rich shrinks columns by ratio, and cuts a word
     that does not fit its column with an ellipsis)."""
-    from rich.measure import Measurement
 
     wide = console.options.update_width(10**6)
 
     def longest_word(renderable: Any) -> int:
-        return Measurement.get(console, wide, renderable).minimum if renderable else 0
+        return _longest(console, wide, renderable)
 
     pad = table.padding[1] + table.padding[3]
     needed = [pad + max([longest_word(c.header) if table.show_header else 0, *map(longest_word, c._cells)])
@@ -191,38 +225,57 @@ def fits(console: Console, table: Table, width: int) -> bool:
     except Exception:  # noqa: BLE001 - rich's layout is private: without it, the sum of the minimums decides
         borders = (len(needed) + (1 if table.show_edge else -1)) if table.box else 0
         return sum(needed) + borders <= width
-    return all(w >= n for w, n in zip(widths, needed))
+    return all(w >= n for w, n in zip(widths, needed)) and sum(widths) + table._extra_width <= width
 
 
 def vertical(table: Table, width: int) -> Group:
     """`table` as `label  value` lines: a table with headers gives one block per row (`header  cell`), blocks a blank
     line apart; a table without headers one block (its first cell the label, the others the value). A value wraps
     at spaces; a word longer than the line (a path) is broken after a `/`, as messages are, and folded only where a
-    piece is still too long."""
+    piece is still too long. A digest or a command is never broken: one that does not fit beside its label goes on
+    the next line, indented by two."""
     from rich.console import Group
-    from rich.table import Table
     from rich.text import Text
 
     headers = [printable(c.header, lines=False) if isinstance(c.header, str) else str(c.header) for c in table.columns]
     cells = zip(*(c._cells for c in table.columns))
-    rows = [[c if isinstance(c, Text) else Text(str(c)) for c in row] for row in cells]
+    rows = [[c.plain if isinstance(c, Text) else str(c) for c in row] for row in cells]
     if table.show_header and any(headers):
-        blocks = [list(zip(map(Text, headers), row)) for row in rows]
+        blocks = [list(zip(headers, row)) for row in rows]
     else:
-        blocks = [[(row[0], Text(" ").join(row[1:])) for row in rows]]
-    parts: list[Any] = [table.title] if table.title else []
+        blocks = [[(row[0], " ".join(row[1:])) for row in rows]]
+    title = table.title.plain if isinstance(table.title, Text) else table.title
+    lines: list[str] = wrap_lines(str(title), width, continuation="").splitlines() if title else []
     for i, pairs in enumerate(blocks):
-        grid = Table.grid(padding=(0, 2))
+        if i:
+            lines.append("")
         label_width = min(max((len(k) for k, _ in pairs), default=1), width // 3)
-        grid.add_column(width=label_width, overflow="fold")
-        grid.add_column(overflow="fold")
-        room = max(width - label_width - 2, 1)
         for label, value in pairs:
-            if any(len(line) > room for line in value.plain.splitlines()):
-                value = Text(wrap_lines(value.plain, room, continuation=""))
-            grid.add_row(label, value)
-        parts.extend([Text(""), grid] if i else [grid])
-    return Group(*parts)
+            lines += _pair_lines(label, value, label_width, width)
+    return Group(*(Text(line) for line in lines))
+
+
+def _pair_lines(label: str, value: str, label_width: int, width: int) -> list[str]:
+    """`label  value`, the value wrapped in the room beside the label column; a label wider than its column whole
+    (its value beside it when the first line fits, else below), a value line too long for the room (a command, a
+    digest) whole beneath the label, indented by two."""
+    room = max(width - label_width - 2, 1)
+    values = wrap_lines(value, room, continuation="").splitlines() if value else []
+    indent = " " * (label_width + 2)
+    out: list[str] = []
+    if len(label) > label_width:
+        out.append(label)
+        if values and len(label) + 2 + len(values[0]) <= width:
+            out[0] += "  " + values.pop(0)
+    for n, line in enumerate(values):
+        head = label.ljust(label_width) + "  " if n == 0 and not out else indent
+        if len(line) > room:
+            if n == 0 and not out:
+                out.append(label)
+            out.append("  " + line)
+        else:
+            out.append((head + line).rstrip())
+    return out or [label]
 
 
 def quiet_libraries() -> None:

@@ -53,7 +53,7 @@ def batch(
 ) -> None:
     """Run fetch / convert / validate / publish / compare / export for many models; a rerun redoes nothing
     finished."""
-    from .batch.driver import check_ray_address, local_paths, markdown, ray_missing
+    from .batch.driver import check_ray_address, local_paths, ray_missing
     from .batch.jobs import check_applicable_options, load_jobs
     from .batch.steps import allowed_options, check_job_options
 
@@ -86,13 +86,35 @@ def batch(
     if output.json_mode:
         output.document({**doc, **({"exit_code": CheckFailed.exit_code} if failed else {})})
     else:
-        output.document_text(markdown(doc))
+        _print_summary(output, doc)
     output.status(f"summary: {out / '_batch' / 'batch.json'} and batch.md")
     if failed:
         if output.json_mode:
             raise typer.Exit(CheckFailed.exit_code)
         raise CheckFailed(f"{failed} of {len(jobs)} job(s) failed; see {out / '_batch' / 'batch.md'}.",
                           hint="Fix the cause and run the same command again: finished steps are not redone.")
+
+
+def _print_summary(output: _output.Output, doc: dict[str, Any]) -> None:
+    """batch.md's summary as a terminal shows it: a line and two tables (batch.md keeps the Markdown)."""
+    from rich.table import Table
+
+    from .batch.driver import step_rows
+
+    output.result(f"batch summary: jobs file {doc['jobs_file']}, executor {doc['executor']}, {doc['seconds']:.1f} s; "
+                  f"jobs done {doc['jobs_done']}, failed {doc['jobs_failed']}; steps run now {doc['steps_run_now']}")
+    steps = Table(title="steps")
+    for column in ("job", "step", "state", "seconds", "detail"):
+        steps.add_column(column)
+    verdicts = Table(title="jobs")
+    for column in ("job", "validate verdict", "published"):
+        verdicts.add_column(column)
+    for row in step_rows(doc):
+        steps.add_row(*row)
+    for j in doc["jobs"]:
+        verdicts.add_row(j["name"], j["validate_verdict"] or "-", j["published"] or "-")
+    output.table(steps)
+    output.table(verdicts)
 
 
 def _run_locked(jobs: list[Job], jobs_file: Path, out: Path, inputs: dict[str, Any], executor: Executor,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
@@ -21,6 +21,9 @@ from ._options import (
     out_option,
 )
 
+if TYPE_CHECKING:
+    from rich.table import Table
+
 BENCH_EXAMPLES = """\b
 Examples:
   port bench ./my-klein-ft --device cuda --size 1024 --steps 4
@@ -32,6 +35,23 @@ Examples:
   port bench ./my-klein-ft      (CPU: the no-offload row with peak RSS; offload rows need an accelerator)
 """
 
+
+def bench_table(doc: dict) -> tuple[Table, list[str]]:
+    """The speed / memory table for a terminal (each change against the first row in its value's cell, so that the
+    model card's rows fit 80 columns as a table), and its notes."""
+    from rich.table import Table
+
+    from porting.pipeline.bench import table_cells
+
+    header, rows, notes = table_cells(doc, compact=True)
+    st = doc["settings"]
+    table = Table(title=f"{doc['pipeline']} on {doc['device']} ({doc['device_name']}), {doc['dtype']}, "
+                        f"{st['width']}x{st['height']}, {st['steps']} step(s), median of {st['runs']}")
+    for col in header:
+        table.add_column(col)
+    for row in rows:
+        table.add_row(*row)
+    return table, notes
 
 
 def bench(
@@ -70,9 +90,7 @@ def bench(
     quiet: QuietOpt = False,
 ) -> None:
     """Measure a pipeline folder under each offload mode and task: the speed/memory table of a model card."""
-    from rich.table import Table
-
-    from porting.pipeline.bench import DEFAULT_PROMPT, Row, parse_list, table_cells
+    from porting.pipeline.bench import DEFAULT_PROMPT, Row, parse_list
     from porting.pipeline.bench import bench as run_bench
 
     output = _output.use(json_mode=json_, quiet=quiet, heavy=True)
@@ -81,7 +99,7 @@ def bench(
         name = f"{row.model}: " if row.model else ""
         if row.status == "ok":
             output.status(f"{name}{row.task}/{row.mode}: {row.it_per_s} it/s, {row.s_per_image} s/image")
-        else:
+        elif row.status != "skipped":  # a skip's reason is said once, under the table, with the modes it skips
             output.status(f"{name}{row.task}/{row.mode}: {row.status} ({row.reason})")
 
     result = run_bench(folder, transformer=transformer, device=device, dtype=dtype.value if dtype else None,
@@ -91,14 +109,7 @@ def bench(
                        on_row=on_row, svdq_compute=svdq_compute.value, text_encoder=text_encoder, card=card)
     doc = result.doc
     if not output.json_mode:
-        header, rows, notes = table_cells(doc)
-        st = doc["settings"]
-        table = Table(title=f"{doc['pipeline']} on {doc['device']} ({doc['device_name']}), {doc['dtype']}, "
-                            f"{st['width']}x{st['height']}, {st['steps']} step(s), median of {st['runs']}")
-        for col in header:
-            table.add_column(col)
-        for row in rows:
-            table.add_row(*row)
+        table, notes = bench_table(doc)
         output.table(table)
         for note in notes:
             output.note(note)

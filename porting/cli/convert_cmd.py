@@ -124,13 +124,32 @@ def svdq_rows(extra: dict, svdq: dict) -> list[tuple[str, str]]:
                        f"dequantized error {100 * r['worst_rel_l2']:.3g} % ({r['worst_key'] or 'not reread'})")]
 
 
+def _svdq_title(doc: dict) -> str:
+    group = 64 if doc["precision"] == "int4" else 16
+    rank = doc.get("stored_rank", doc["rank"])
+    return (f"SVDQuant {doc['precision']} rank {rank}: weight error (relative L2) vs plain {doc['precision']} "
+            f"g{group} rounding")
+
+
+def svdq_summary(doc: dict) -> str:
+    """The error table in one line: the range over layer kinds, the worst kind, plain rounding's range."""
+    rows = doc["quality"]
+    if not rows:
+        return f"{_svdq_title(doc)}: no layer was quantized"
+    ours = sorted((row["rel_error"], kind) for kind, row in rows.items())
+    plain = sorted(row["plain_rel_error"] for row in rows.values())
+    group = 64 if doc["precision"] == "int4" else 16
+    return (f"SVDQuant {doc['precision']} rank {doc.get('stored_rank', doc['rank'])} weight error (relative L2): "
+            f"{100 * ours[0][0]:.2f}-{100 * ours[-1][0]:.2f} % over {len(rows)} layer kinds (worst "
+            f"{ours[-1][1]}); plain {doc['precision']} g{group} rounding {100 * plain[0]:.2f}-{100 * plain[-1]:.2f} "
+            "%; --verbose prints each kind")
+
+
 def svdq_table(doc: dict) -> Table:
     """Per layer kind: the file's weight error and plain 4-bit rounding's (same group size, no branch)."""
     from rich.table import Table
 
-    group = 64 if doc["precision"] == "int4" else 16
-    table = Table(title=f"SVDQuant {doc['precision']} rank {doc['rank']}: weight error (relative L2) vs plain "
-                        f"{doc['precision']} g{group} rounding")
+    table = Table(title=_svdq_title(doc))
     for column in ("weights", "layer", "tensors", "SVDQuant", "plain 4-bit"):
         table.add_column(column)
     for kind, row in doc["quality"].items():
@@ -171,6 +190,8 @@ def convert(
                                                             "BFL (diffusion_model.*.lora_A) or kohya keys.")] = None,
     materialise: Annotated[bool, typer.Option("--materialise", help="Adapters: write the exact delta of modules "
                                               "that have no exact factors in the target naming.")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="--quantize svdq-*: the weight error of each "
+                                          "layer kind as a table (default: a one-line summary).")] = False,
     force: ForceOpt = False,
     workspace: WorkspaceOpt = None,
     json_: JsonOpt = False,
@@ -185,7 +206,7 @@ def convert(
     kind = convert_kind(source.kind, quantized)
     check_applicable("convert", kind, convert_given(
         lora_style=lora_style.value if lora_style else None, materialise=materialise, rank=rank, calibrate=calibrate,
-        device=device, to=to.value, dtype=dtype.value, quantize=quantized),
+        device=device, to=to.value, dtype=dtype.value, quantize=quantized, verbose=verbose),
         src=src, quantize=quantized, out="--dry-run" if dry_run else "--out DIR")
     if kind == "adapter":
         style = lora_style.value if lora_style else None
@@ -210,7 +231,7 @@ def convert(
             result = _convert_quantized(job, quantize.value)
         else:
             result = _convert_plain(job)
-    _report(output, result, recipe, to)
+    _report(output, result, recipe, to, verbose)
 
 
 def _open(src: Path, workspace: Optional[Path], out: Optional[Path], config: Optional[Path],
@@ -267,9 +288,10 @@ def _convert_svdq(job: _Job, quantize: str, rank: int, calibrate: Optional[Path]
     result = run_convert(job.source, None, to="diffusers", config=job.config, strict=job.strict, dry_run=True,
                          on_notice=job.on_notice)
     from porting.engine.svdq_convert import PRECISIONS
-    from porting.tensors.quant.svdq.layout import file_name
+    from porting.tensors.quant.svdq.layout import file_name, padded
 
-    result.extra.update(quantize_to=f"Nunchaku SVDQuant ({quantize}, rank {rank})",
+    stored = "" if padded(rank) == rank else f", stored as rank {padded(rank)}"
+    result.extra.update(quantize_to=f"Nunchaku SVDQuant ({quantize}, rank {rank}{stored})",
                         planned_files=[file_name(PRECISIONS[quantize], rank, job.source.path)])
     return result
 
@@ -292,7 +314,8 @@ def _convert_quantized(job: _Job, quantize: str) -> ConvertResult:
     return result
 
 
-def _report(output: _output.Output, result: ConvertResult, recipe: Any, to: Direction) -> None:
+def _report(output: _output.Output, result: ConvertResult, recipe: Any, to: Direction, verbose: bool = False
+            ) -> None:
     """Record the step in a recipe's workspace, print the document or the tables, the plan's problems and a hint."""
     if recipe is not None and result.out:
         from porting.hub.workspace import record_step
@@ -300,8 +323,10 @@ def _report(output: _output.Output, result: ConvertResult, recipe: Any, to: Dire
     output.document(result.to_dict())
     if not output.json_mode:  # the tables (and rich) only for a reader
         output.table(summary_table(result))
-        if result.extra.get("svdq"):
+        if result.extra.get("svdq") and verbose:
             output.table(svdq_table(result.extra["svdq"]))
+        elif result.extra.get("svdq"):
+            output.result(svdq_summary(result.extra["svdq"]))
     if not result.plan.ok:
         for row in result.plan.problems()[:20]:
             output.warning(f"{row['kind']}: {row['key']}")

@@ -97,18 +97,45 @@ def _prune_reports(workdir: Path, removed: list[str]) -> None:
             shutil.rmtree(folder, ignore_errors=True)
 
 
+def _a_demo_folder(workdir: Path) -> bool:
+    """Whether `workdir` is a demo's work folder (its record, sealed on this machine, says `port demo` made it) whose
+    entries that flux-port cannot prove it wrote all lie outside what the demo replaces: those (an image `port
+    generate` wrote, a file of the user's) are kept as they are. One in the way (an edited demo.png, a file put in
+    base/) is refused, named, before anything changes."""
+    from porting.outputs import UnsafeOutputError
+    from porting.ownership import foreign_entries, read_record
+    from porting.reports import REPORTS
+
+    if workdir.is_symlink() or not workdir.is_dir():
+        return False
+    record = read_record(workdir)
+    foreign = foreign_entries(workdir) if record is not None and record.verb == "demo" else None
+    if foreign is None:
+        return False
+    in_the_way = [f for f in foreign if f.split("/")[0] in DEMO_ENTRIES and f.split("/")[0] != REPORTS]
+    if in_the_way:
+        shown = ", ".join(repr(f) for f in in_the_way[:5]) + (
+            f" and {len(in_the_way) - 5} more" if len(in_the_way) > 5 else "")
+        raise UnsafeOutputError(
+            f"{workdir}: a new demo would replace {shown}, which flux-port did not write (or was changed since); "
+            "nothing was changed.",
+            hint=f"Move {in_the_way[0]} out of {workdir}, or run the demo elsewhere: port demo --workdir OTHER.")
+    return True
+
+
 def prepare_workdir(workdir: Path) -> None:
-    """Start a new work folder, or clear what an earlier demo wrote in this one; never touch a folder holding anything
-    else (every file in it must be one flux-port recorded writing, at the size it wrote it). What other verbs wrote
-    in it (reports of `port validate` / `compare` / `bench`, another verb's `--out`) is kept as it is; when such an
-    output sits inside an entry the demo replaces, the demo refuses, naming it."""
+    """Start a new work folder, or clear what an earlier demo wrote in this one; never touch a folder an earlier demo
+    did not make. What other verbs wrote in it (reports of `port validate` / `compare` / `bench`, another verb's
+    `--out`, an image of `port generate`) and any other file beside the demo's own entries is kept as it is; when
+    such an output sits inside an entry the demo replaces, the demo refuses, naming it."""
     from porting.outputs import UnsafeOutputError, check_replaceable, check_writable_parent
     from porting.ownership import write_record
     from porting.reports import REPORTS
 
     check_writable_parent(workdir, option="--workdir")
     if workdir.exists() or workdir.is_symlink():
-        check_replaceable(workdir, what="demo work folder", owner_verbs={"demo"}, option="--workdir")
+        if not _a_demo_folder(workdir):
+            check_replaceable(workdir, what="demo work folder", owner_verbs={"demo"}, option="--workdir")
         owned = _owned(workdir)
         tops = [name for name in DEMO_ENTRIES if name in owned or any(k.startswith(f"{name}/") for k in owned)]
         kept = others_inside(workdir, [t for t in tops if t != REPORTS])

@@ -105,6 +105,7 @@ def generate(
     On a CPU the defaults fit the machine: float32 compute and 16x16 latent patches (256 px for FLUX VAEs; both
     overridable), and a run whose first step says it would pass a minute prints its estimate first."""
     out = _output.use(json_mode=json_, quiet=quiet, heavy=True)
+    from porting import progress
     from porting.pipeline.generate import generate as run_generate
     from porting.progress import StepProgress
     from porting.seeds import check_seed
@@ -115,7 +116,9 @@ def generate(
     def on_step(done: int, total: int, seconds: float) -> None:
         nonlocal bar
         if bar is None:
-            bar = StepProgress(None if out.quiet else out.err, "denoising step", total)
+            # made when the first step has finished: its time counts as elapsed (the first line said 0.0 s)
+            bar = StepProgress(None if out.quiet else out.err, "denoising step", total,
+                               since=progress.clock() - seconds)
             bar.start()
             bar.timed(seconds)
         bar.advance(f"{seconds:.2f} s")

@@ -182,11 +182,13 @@ def convert_svdquant(src: SourceLike, out: str | Path, quantize: str, rank: int 
         checked = reread(staging / name, family, layout, quality, again, quality.biases)
         size = (staging / name).stat().st_size
         kinds = quality.by_kind()
-        extra = {"quantized_to": f"{writer.NAME} {precision}, rank {rank}", "file": name,
+        stored = L.padded(rank)
+        asked = "" if stored == rank else f" (--rank {rank} padded to a multiple of 16)"
+        extra = {"quantized_to": f"{writer.NAME} {precision}, rank {stored}{asked}", "file": name,
                  "file_sha256": _sha256(staging / name),
                  "stored_kinds": {k: v for k, v in _layer_counts(layout).items()}, "reread": checked,
-                 "svdq": {"precision": precision, "rank": rank, "smoothing": smoothing, "quality": kinds,
-                          "file_bytes": size, "bf16_bytes": plan.output_bytes}}
+                 "svdq": {"precision": precision, "rank": rank, "stored_rank": stored, "smoothing": smoothing,
+                          "quality": kinds, "file_bytes": size, "bf16_bytes": plan.output_bytes}}
         manifest = {"tool": "flux-port", "version": __version__, "source": str(source.path.resolve()),
                     "source_naming": detection.naming_label, "table": family, "to": "nunchaku",
                     "variant": detection.variant, "files": [name], "config": detection.config, **extra}

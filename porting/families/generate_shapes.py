@@ -44,7 +44,7 @@ def _cost(expr: str) -> tuple[int, int]:
     return len(terms), sum(int(term.split("*")[0]) if "*" in term else 1 for term in terms)
 
 
-def _dim(value: int, probes: list[tuple[Mapping[str, Any], int]], terms: tuple[str, ...]) -> str | int:
+def dim_expression(value: int, probes: list[tuple[Mapping[str, Any], int]], terms: tuple[str, ...]) -> str | int:
     """The one expression that gives this dim at every probe (a constant when no size does)."""
     first_sizes, _ = probes[0]
     candidates = [e for e in _expressions(value, first_sizes, terms)
@@ -89,7 +89,7 @@ def generate(family: Family) -> str:
         rank = {len(s) for _, s in seen}
         if len(rank) != 1:
             raise ValueError(f"{key}: rank differs between configs")
-        dims = [_dim(seen[0][1][i], [(s, shape[i]) for s, shape in seen], family.shape_terms)
+        dims = [dim_expression(seen[0][1][i], [(s, shape[i]) for s, shape in seen], family.shape_terms)
                 for i in range(rank.pop())]
         rendered = ", ".join(f'"{d}"' if isinstance(d, str) else str(d) for d in dims)
         lines += ["[[tensor]]", f'key = "{key}"', f"shape = [{rendered}]"] + ([f'when = "{when}"'] if when else [])

@@ -221,7 +221,9 @@ def _check_rank(ckpt: Checkpoint, m: ModuleAdapter, path: Path) -> None:
                                 "written.", hint="The adapter is damaged; export it again from the trainer.")
 
 
-FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # what an adapter's factors and differences are stored in
+# what an adapter's factors and differences are stored in; fp8 factors (some trainers save them to halve the file)
+# are read upcast to float32 like the others
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2")
 
 
 def _check_numbers(ckpt: Checkpoint, m: ModuleAdapter, path: Path) -> None:
@@ -237,7 +239,8 @@ def _check_numbers(ckpt: Checkpoint, m: ModuleAdapter, path: Path) -> None:
         if info.dtype not in FLOAT_DTYPES:
             raise InputError(f"{path}: {m.kind} factor {key!r} is stored as {info.dtype}; adapter factors are "
                              f"floating-point ({', '.join(FLOAT_DTYPES)}). Nothing was written.",
-                             hint="An integer or boolean factor is not a trained weight; export the adapter again.")
+                             hint=f"{info.dtype} is not a dtype trainers store factors in; export the adapter "
+                                  "again in bf16, fp16 or fp32.")
     if m.kind in ("lokr", "loha"):
         _check_halves(ckpt, m, path)
     if m.kind == "lora":

@@ -27,7 +27,7 @@ from porting import __version__, charts
 from porting.errors import InputError, PortError
 from porting.finite import dumps
 from porting.outputs import atomic_folder, check_output
-from porting.progress import estimate_line
+from porting.progress import duration, estimate_line
 from porting.reports import REPORTS, prepare_run_folder, run_folder
 
 from . import pipeload
@@ -222,23 +222,31 @@ def _pct(x: float | None) -> str:
     return "" if x is None else f"{x * 100:+.1f}%"
 
 
-def table_cells(doc: dict[str, Any]) -> tuple[list[str], list[list[str]], list[str]]:
-    """(header, one row of cells per task and offload mode, notes): the speed/memory table."""
+def table_cells(doc: dict[str, Any], compact: bool = False) -> tuple[list[str], list[list[str]], list[str]]:
+    """(header, one row of cells per task and offload mode, notes): the speed/memory table. `compact` (a terminal's
+    80 columns): each change against the first row in brackets in its value's cell, not a column of its own."""
     accelerator = doc["device"] != "cpu"
     models = any(r.get("model") for r in doc["rows"])
-    header = ["model"] * models + ["task", "offload", "peak reserved (allocated)" if accelerator else "peak RSS",
-                                   "vs first", "it/s", "vs first", "s/image", "load s"]
+    peak_name = "peak reserved (allocated)" if accelerator else "peak RSS"
+    header = ["model"] * models + ["task", "offload", *([f"{peak_name} (vs first)", "it/s (vs first)"] if compact
+                                                        else [peak_name, "vs first", "it/s", "vs first"]),
+                                   "s/image", "load s"]
     rows = []
     for r in doc["rows"]:
         load = "" if r["load_s"] is None else f"{r['load_s']:.1f}"
         lead = [r.get("model", "")] * models
         if r["status"] != "ok":
-            rows.append([*lead, r["task"], r["mode"], r["status"].upper(), "", "", "", "", load])
+            rows.append([*lead, r["task"], r["mode"], r["status"].upper(), *[""] * (2 if compact else 4), load])
             continue
         m, vs = r["memory"], r["vs_first"]
         peak = _gib(m["peak_bytes"]) + (f" ({_gib(m['allocated_bytes'])})" if m.get("allocated_bytes") else "")
-        rows.append([*lead, r["task"], r["mode"], peak, _pct(vs.get("peak_memory")), f"{r['it_per_s']:.3g}",
-                     _pct(vs.get("it_per_s")), f"{r['s_per_image']:.3g}", load])
+        speed = f"{r['it_per_s']:.3g}"
+        if compact:
+            changes = [f"{peak} ({_pct(vs.get('peak_memory'))})" if vs.get("peak_memory") is not None else peak,
+                       f"{speed} ({_pct(vs.get('it_per_s'))})" if vs.get("it_per_s") is not None else speed]
+        else:
+            changes = [peak, _pct(vs.get("peak_memory")), speed, _pct(vs.get("it_per_s"))]
+        rows.append([*lead, r["task"], r["mode"], *changes, f"{r['s_per_image']:.3g}", load])
     by_reason: dict[str, list[str]] = {}
     for r in doc["rows"]:
         if r["status"] != "ok" and r["reason"]:
@@ -327,6 +335,22 @@ def card_settings(s: _Settings, card: bool) -> list[_Settings]:
             for label, tr, te in rows]
 
 
+class RunProgress:
+    """Each finished run (warm-up or timed) said with the count, the time since the first run began and the rest at
+    the pace so far: `t2i/none run 2 done (5/16 runs; 12 s elapsed, about 26 s left)`."""
+
+    def __init__(self, say: Callable[[str], None], total: int) -> None:
+        self.say, self.total, self.done = say, total, 0
+        self.since = progress_clock()
+
+    def __call__(self, what: str) -> None:
+        self.done += 1
+        elapsed = progress_clock() - self.since
+        left = (f", about {duration(elapsed / self.done * (self.total - self.done))} left"
+                if self.done < self.total else "")
+        self.say(f"  {what} done ({self.done}/{self.total} runs; {duration(elapsed)} elapsed{left})")
+
+
 def _check_choices(modes: Sequence[str], tasks: Sequence[str], runs: int, warmup: int) -> tuple[list[str], list[str]]:
     """The offload modes and tasks, each once in the order given; refuses unknown ones and empty lists."""
     modes, tasks = list(dict.fromkeys(modes)), list(dict.fromkeys(tasks))
@@ -354,7 +378,8 @@ def _call_kwargs(pipe: Any, accepted: Any, guidance_scale: float | None) -> dict
 
 
 def _bench_mode(mode: str, tasks: list[str], s: _Settings, memory: _Memory, pipeline_name: str,
-                say: Callable[[str], None], emit: Callable[[Row], None], on_step: Callable[[float], None]) -> str:
+                say: Callable[[str], None], emit: Callable[[Row], None], on_step: Callable[[float], None],
+                ran: Callable[[str], None]) -> str:
     """Load the pipeline under one offload mode and time each task; returns the pipeline's class name."""
     dev = s.dev
     if mode != "none" and dev.type == "cpu":
@@ -388,7 +413,7 @@ def _bench_mode(mode: str, tasks: list[str], s: _Settings, memory: _Memory, pipe
             totals, denoise, mem = _run_task(
                 pipe, task, memory, prompt=s.edit_prompt if task == "edit" else s.prompt, image=s.reference,
                 width=s.width, height=s.height, steps=s.steps, runs=s.runs, warmup=s.warmup, kwargs=kwargs,
-                on_run=lambda what: say(f"  {task}/{mode} {what} done"), on_step=on_step)
+                on_run=lambda what: ran(f"{task}/{mode} {what}"), on_step=on_step)
         except Exception as e:
             if not _is_oom(e):
                 raise
@@ -492,7 +517,9 @@ def bench(folder: str | Path, *, transformer: str | Path | None = None, device: 
         if on_row:
             on_row(row)
 
-    pipeline_name = _bench_configs(configs, modes, tasks, memory, str(index.get("_class_name")), say, emit, on_step)
+    ran = RunProgress(say, (warmup + runs) * len(tasks) * len(runnable) * len(configs))
+    pipeline_name = _bench_configs(configs, modes, tasks, memory, str(index.get("_class_name")), say, emit, on_step,
+                                   ran)
     doc = _document(settings, rows, transformer_dir=transformer_dir, weights=weights, pipeline_name=pipeline_name,
                     memory=memory, image=image, source=source)
     prepare_run_folder(out)
@@ -504,7 +531,8 @@ def bench(folder: str | Path, *, transformer: str | Path | None = None, device: 
 
 
 def _bench_configs(configs: list[_Settings], modes: list[str], tasks: list[str], memory: _Memory, pipeline_name: str,
-                   say: Callable[[str], None], emit: Callable[[Row], None], on_step: Callable[[float], None]) -> str:
+                   say: Callable[[str], None], emit: Callable[[Row], None], on_step: Callable[[float], None],
+                   ran: Callable[[str], None]) -> str:
     """Every offload mode of every configuration (one, or the model card's rows), each row labelled with its
     configuration; returns the pipeline's class name."""
     for config in configs:
@@ -515,7 +543,7 @@ def _bench_configs(configs: list[_Settings], modes: list[str], tasks: list[str],
             emit(replace(row, model=label))
 
         for mode in modes:
-            pipeline_name = _bench_mode(mode, tasks, config, memory, pipeline_name, say, labelled, on_step)
+            pipeline_name = _bench_mode(mode, tasks, config, memory, pipeline_name, say, labelled, on_step, ran)
     return pipeline_name
 
 

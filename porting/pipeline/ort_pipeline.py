@@ -27,13 +27,19 @@ NUMPY_DTYPES = {"tensor(float)": torch.float32, "tensor(float16)": torch.float16
 
 
 class OrtTransformer(nn.Module):
+    """`dtype` is the pipeline's (its torch components'): the pipeline makes its latents in the transformer's dtype
+    and hands them to the VAE, so an fp16 graph among fp32 components is fed fp16 and answers in the dtype it was
+    given (an fp16 latent reaching an fp32 VAE fails at its first convolution)."""
+
     def __init__(self, folder: Path, config: dict[str, Any], provider: str = "CPUExecutionProvider",
-                 settings: SessionSettings | None = None, file: str | None = None) -> None:
+                 settings: SessionSettings | None = None, file: str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.session = open_session(folder, provider, file, settings)
         self.input_names = [i.name for i in self.session.get_inputs()]
         first = self.session.get_inputs()[0]
-        self._dtype = NUMPY_DTYPES.get(first.type, torch.float32)
+        self.graph_dtype = NUMPY_DTYPES.get(first.type, torch.float32)
+        self._dtype = dtype or self.graph_dtype
         self.config = SimpleNamespace(**config)
         self.provider = provider
         self.register_buffer("_anchor", torch.zeros((), dtype=self._dtype), persistent=False)  # .to() has a target
@@ -63,10 +69,10 @@ class OrtTransformer(nn.Module):
             value = given.get(name)
             if value is None:
                 raise PortError(f"the exported transformer needs {name!r}, which the pipeline did not pass.")
-            value = value.to(self._dtype) if value.is_floating_point() else value
+            value = value.to(self.graph_dtype) if value.is_floating_point() else value
             feed[name] = value.detach().cpu().contiguous().numpy()
         (out,) = self.session.run(None, feed)
-        return (torch.from_numpy(out).to(hidden_states.device),)
+        return (torch.from_numpy(out).to(hidden_states.device, hidden_states.dtype),)
 
 
 def export_source(folder: Path) -> Path | None:
@@ -132,7 +138,7 @@ def load_onnx_pipeline(folder: Path, dtype: torch.dtype, provider: str = "CPUExe
     config = {k: v for k, v in read_config(source / "transformer" / "config.json", "the transformer's config")
               .items() if not k.startswith("_")}
     transformer = OrtTransformer(Path(folder) / "transformer", config, provider, settings,
-                                 graph_for_size(Path(folder), size))
+                                 graph_for_size(Path(folder), size), dtype=dtype)
     level = diffusers_logging.get_verbosity()
     diffusers_logging.set_verbosity_error()  # "expected <transformer class>" is the point of the seam
     try:

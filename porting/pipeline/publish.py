@@ -125,6 +125,8 @@ def publish(base: str | Path, transformer: str | Path, out: str | Path, *, repor
                          hint="Convert the fine-tune first: port convert FILE --out DIR --strict.")
     say(f"hashing the transformer weights in {transformer}")
     weights, cfg, convert_manifest = transformer_identity(transformer)
+    if found_report:  # the newest report of these weights, in a reports/ folder other transformers share
+        report = latest_report(transformer.parent / REPORTS, weights)
     variant = variant or infer_variant(base_index, cfg)
     notices = check_consistency(base, base_index, cfg, variant)
     carried = check_adapters([Path(a) for a in adapters], cfg)  # converted adapters placed under adapters/NAME/

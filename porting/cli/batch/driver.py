@@ -344,10 +344,9 @@ def summary(runs: list[JobRun], jobs_file: Path, out: Path, executor: str, secon
             "steps_run_now": sum(len(r.ran) for r in runs), "jobs": jobs}
 
 
-def markdown(doc: dict[str, Any]) -> str:
-    lines = ["# port batch", "", f"jobs file `{doc['jobs_file']}`, executor {doc['executor']}, "
-             f"{doc['seconds']:.1f} s; jobs done {doc['jobs_done']}, failed {doc['jobs_failed']}; steps run now "
-             f"{doc['steps_run_now']}.", "", "| job | step | state | seconds | detail |", "|---|---|---|---|---|"]
+def step_rows(doc: dict[str, Any]) -> list[list[str]]:
+    """(job, step, state, seconds, detail) of every step: batch.md's table and the terminal's."""
+    rows = []
     for j in doc["jobs"]:
         for s in j["steps"]:
             detail = s.get("error") or s.get("verdict") or s.get("note") or s.get("reason") or ""
@@ -355,7 +354,15 @@ def markdown(doc: dict[str, Any]) -> str:
                 detail = f"exit {s['exit_code']}: {detail}"
             secs = f"{s['seconds']:.1f}" if s.get("seconds") is not None else ""
             state = s["state"] + ("" if s.get("ran_now", True) else " (journal)")
-            lines.append(f"| {j['name']} | {s['step']} | {state} | {secs} | {str(detail).replace('|', '/')} |")
+            rows.append([j["name"], s["step"], state, secs, str(detail)])
+    return rows
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    lines = ["# port batch", "", f"jobs file `{doc['jobs_file']}`, executor {doc['executor']}, "
+             f"{doc['seconds']:.1f} s; jobs done {doc['jobs_done']}, failed {doc['jobs_failed']}; steps run now "
+             f"{doc['steps_run_now']}.", "", "| job | step | state | seconds | detail |", "|---|---|---|---|---|"]
+    lines += ["| " + " | ".join(cell.replace("|", "/") for cell in row) + " |" for row in step_rows(doc)]
     lines += ["", "| job | validate verdict | published |", "|---|---|---|"]
     for j in doc["jobs"]:
         lines.append(f"| {j['name']} | {j['validate_verdict'] or '-'} | {j['published'] or '-'} |")

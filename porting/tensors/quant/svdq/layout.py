@@ -181,11 +181,12 @@ def _entry_layers(base: str, entry: Mapping[str, Any], biases: bool, shapes: Map
 
 
 def file_name(precision: str, rank: int, source: Path) -> str:
-    """Nunchaku's file naming: svdq-{int4|fp4}_r{rank}-{model}.safetensors."""
+    """Nunchaku's file naming: svdq-{int4|fp4}_r{rank}-{model}.safetensors, with the rank stored (padded to 16):
+    the one the loaders read, and the one merge puts in the name when the branch grows."""
     stem = source.name[: -len(".safetensors")] if source.name.endswith(".safetensors") else source.name
     stem = re.sub(r"^svdq-(int4|fp4)_r\d+-", "", stem)  # requantizing an SVDQuant file: one prefix, not two
     stem = re.sub(r"[^A-Za-z0-9._-]+", "-", stem).strip("-.") or "model"
-    return f"svdq-{'int4' if precision == 'int4' else 'fp4'}_r{rank}-{stem}.safetensors"
+    return f"svdq-{'int4' if precision == 'int4' else 'fp4'}_r{padded(rank)}-{stem}.safetensors"
 
 
 def quantization_config(precision: str, rank: int) -> dict[str, Any]:
