@@ -22,6 +22,7 @@ from ._options import (
     JsonOpt,
     OptionalOutDirOpt,
     QuietOpt,
+    SvdqLayout,
     WorkspaceOpt,
     check_applicable,
     convert_given,
@@ -167,6 +168,11 @@ def convert(
                             "transformer folder, in on a few prompts; its per-channel input maxima set the "
                             "smoothing (default: data-free).")] = None,
     device: Annotated[str, typer.Option("--device", help="--calibrate: where the bf16 model runs.")] = "cpu",
+    layout: Annotated[Optional[SvdqLayout], typer.Option(
+        "--layout", help="SVDQuant's file layout. With --quantize svdq-*: nunchaku (default; one file, Nunchaku's "
+                         "and ComfyUI-nunchaku's loaders) or diffusers (a transformer folder diffusers loads with its "
+                         "Nunchaku Lite quantizer). Without --quantize, on an SVDQuant model: moves it into the other "
+                         "layout without requantizing, where that is exact.")] = None,
     lora_style: Annotated[Optional[LoraStyle], typer.Option("--lora-style", help="Adapters with --to original: "
                                                             "BFL (diffusion_model.*.lora_A) or kohya keys.")] = None,
     materialise: Annotated[bool, typer.Option("--materialise", help="Adapters: write the exact delta of modules "
@@ -183,9 +189,12 @@ def convert(
     src = source.path
     quantized = quantize.value if quantize is not None else None
     kind = convert_kind(source.kind, quantized)
+    if kind == "weights" and layout is not None and _is_svdq(source):
+        kind = "relayout"
     check_applicable("convert", kind, convert_given(
         lora_style=lora_style.value if lora_style else None, materialise=materialise, rank=rank, calibrate=calibrate,
-        device=device, to=to.value, dtype=dtype.value, quantize=quantized),
+        device=device, to=to.value, dtype=dtype.value, quantize=quantized,
+        layout=layout.value if layout is not None else None),
         src=src, quantize=quantized, out="--dry-run" if dry_run else "--out DIR")
     if kind == "adapter":
         style = lora_style.value if lora_style else None
@@ -201,11 +210,19 @@ def convert(
         from porting.engine.svdq_convert import check_rank
 
         check_rank(32 if rank is None else rank)
+    if kind == "relayout" and out is None:
+        raise PortError("port convert --layout needs --out DIR.")
     with output.bytes_progress("converting") as (on_start, on_bytes):
         job = _Job(source, out, to, dtype, config, max_shard_size, strict, dry_run, force, on_start, on_bytes,
                    output.warning)
-        if kind == "svdq":
-            result = _convert_svdq(job, quantize.value, 32 if rank is None else rank, calibrate, device)
+        if kind == "relayout":
+            from porting.engine.svdq_relayout import relayout
+
+            assert layout is not None and out is not None
+            result = relayout(source, out, layout.value, force=force, on_start=on_start, on_bytes=on_bytes)
+        elif kind == "svdq":
+            result = _convert_svdq(job, quantize.value, 32 if rank is None else rank, calibrate, device,
+                                   layout.value if layout is not None else "nunchaku")
         elif kind == "quantized":
             result = _convert_quantized(job, quantize.value)
         else:
@@ -253,15 +270,25 @@ def _convert_plain(job: _Job) -> ConvertResult:
                        on_start=job.on_start, on_bytes=job.on_bytes, on_notice=job.on_notice)
 
 
-def _convert_svdq(job: _Job, quantize: str, rank: int, calibrate: Optional[Path], device: str) -> ConvertResult:
-    """One Nunchaku SVDQuant file, or (a dry run) the plan of the diffusers weights and the file it would be."""
+def _is_svdq(source: Source) -> bool:
+    """An SVDQuant model (Nunchaku's file or diffusers' Nunchaku folder), from its headers."""
+    from porting.tensors.quant.svdq.reader import svdq_info
+
+    return svdq_info(source.view) is not None
+
+
+def _convert_svdq(job: _Job, quantize: str, rank: int, calibrate: Optional[Path], device: str,
+                  layout: str = "nunchaku") -> ConvertResult:
+    """One Nunchaku SVDQuant file (or diffusers' Nunchaku folder), or (a dry run) the plan of the diffusers weights
+    and the file it would be."""
     if not job.dry_run:
         from porting.engine.svdq_convert import convert_svdquant
         from porting.pipeline.calibrate import Calibration
 
         return convert_svdquant(job.source, job.out, quantize, rank=rank, config=job.config, strict=job.strict,
                                 force=job.force, on_start=job.on_start, on_bytes=job.on_bytes,
-                                calibrate=None if calibrate is None else Calibration(calibrate, device))
+                                calibrate=None if calibrate is None else Calibration(calibrate, device),
+                                layout=layout)
     from porting.engine.convert import convert as run_convert
 
     result = run_convert(job.source, None, to="diffusers", config=job.config, strict=job.strict, dry_run=True,
