@@ -158,3 +158,14 @@ def test_merge_into_a_diffusers_layout_folder(own, tmp_path, capsys):
     for key in a:
         assert torch.allclose(a[key].float(), b[key].float(), rtol=0, atol=float(b[key].float().abs().max()) * 2**-7)
     assert check_with_diffusers([merged], tmp_path)[str(merged)]["errors"] == []
+
+
+def test_layout_refusal_and_inspect_import_no_torch(tmp_path, tiny2_file):
+    """--layout where it does not apply is refused from the headers, before torch; inspecting diffusers' layout
+    reads its config and headers only."""
+    from .test_cli_startup import _loaded_after
+
+    loaded = _loaded_after(["convert", str(tiny2_file), "--layout", "diffusers", "--out", str(tmp_path / "o")])
+    assert loaded["heavy"] == [] and not (tmp_path / "o").exists()
+    lite = write_lite_folder(tmp_path, "flux2", "int4")
+    assert _loaded_after(["inspect", str(lite.path), "--json"])["heavy"] == []
