@@ -169,3 +169,39 @@ def test_layout_refusal_and_inspect_import_no_torch(tmp_path, tiny2_file):
     assert loaded["heavy"] == [] and not (tmp_path / "o").exists()
     lite = write_lite_folder(tmp_path, "flux2", "int4")
     assert _loaded_after(["inspect", str(lite.path), "--json"])["heavy"] == []
+
+
+def _verdicts(capsys, path: Path) -> dict[str, dict]:
+    run = run_port(capsys, "inspect", path, "--json")
+    assert run.code == 0, run.err
+    return {v["runtime"]: v for v in json.loads(run.out)["compatibility"]}
+
+
+def test_inspect_names_who_loads_a_4bit_model(own, tmp_path, capsys):
+    """Nunchaku's FLUX.1 loaders, tonera's FLUX.2 runtime, ComfyUI-nunchaku and diffusers' Nunchaku Lite, each
+    with a verdict and, where it needs one, the command that converts; the command given works."""
+    klein = _verdicts(capsys, own["flux2", "int4"]["nunchaku"])
+    assert klein["Nunchaku FLUX.2 (tonera's runtime)"]["status"] == "loads as is"
+    assert klein["ComfyUI-nunchaku"]["status"] == "loads as is"
+    assert klein["Nunchaku FLUX.1 (v1 / v2 loaders)"]["status"] == "not at all"
+    lite = klein["diffusers Nunchaku Lite"]
+    assert lite["status"] == "after port convert" and "--layout diffusers" in lite["command"]
+    folder = _verdicts(capsys, own["flux2", "int4"]["diffusers"])
+    assert folder["diffusers Nunchaku Lite"]["status"] == "loads as is"
+    for runtime in ("Nunchaku FLUX.2 (tonera's runtime)", "ComfyUI-nunchaku"):
+        assert folder[runtime]["status"] == "after port convert" and "--layout nunchaku" in folder[runtime]["command"]
+    flux1 = _verdicts(capsys, own["flux1", "nvfp4"]["nunchaku"])
+    assert flux1["Nunchaku FLUX.1 (v1 / v2 loaders)"]["status"] == "loads as is"
+    assert flux1["Nunchaku FLUX.2 (tonera's runtime)"]["status"] == "not at all"
+    alias = write_svdq_file(tmp_path / "alias", "flux2", "int4", spelling="alias")
+    tonera = _verdicts(capsys, alias.path)["Nunchaku FLUX.2 (tonera's runtime)"]
+    assert tonera["status"] == "after port convert" and "module names" in tonera["detail"]
+    plain = tmp_path / "plain.safetensors"
+    save_state(plain, reference_model(TINY2, seed=1).state_dict(), torch.bfloat16)
+    assert "diffusers Nunchaku Lite" not in _verdicts(capsys, plain)  # asked of SVDQuant models only
+    # the command inspect gives, run as given (its --out made absolute here)
+    argv = lite["command"].split()[1:]
+    argv[argv.index("--out") + 1] = str(tmp_path / "as-given")
+    run = run_port(capsys, *argv)
+    assert run.code == 0, run.err
+    assert _verdicts(capsys, tmp_path / "as-given")["diffusers Nunchaku Lite"]["status"] == "loads as is"
