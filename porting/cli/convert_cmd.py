@@ -188,9 +188,7 @@ def convert(
     recipe, source, out, config = _open(src, workspace, out, config, output)
     src = source.path
     quantized = quantize.value if quantize is not None else None
-    kind = convert_kind(source.kind, quantized)
-    if kind == "weights" and layout is not None and _is_svdq(source):
-        kind = "relayout"
+    kind = _kind(source, quantized, layout)
     check_applicable("convert", kind, convert_given(
         lora_style=lora_style.value if lora_style else None, materialise=materialise, rank=rank, calibrate=calibrate,
         device=device, to=to.value, dtype=dtype.value, quantize=quantized,
@@ -199,27 +197,20 @@ def convert(
     if kind == "adapter":
         style = lora_style.value if lora_style else None
         return _adapter.convert(output, source, out, to.value, style, materialise, config, dry_run, force)
-    if out is None and not (dry_run and kind != "awq"):
-        raise PortError("port convert needs --out DIR" + ("." if kind == "awq" else
+    if out is None and not (dry_run and kind not in ("awq", "relayout")):
+        raise PortError("port convert needs --out DIR" + ("." if kind in ("awq", "relayout") else
                                                            " (or --dry-run to only print the plan)."))
     if kind in ("text_encoder", "awq"):
         from . import _text_encoder
 
         return _text_encoder.convert(output, source, out, quantized, strict, force, dry_run)
     if kind == "svdq":
-        from porting.engine.svdq_convert import check_rank
-
-        check_rank(32 if rank is None else rank)
-    if kind == "relayout" and out is None:
-        raise PortError("port convert --layout needs --out DIR.")
+        _check_rank(rank)
     with output.bytes_progress("converting") as (on_start, on_bytes):
         job = _Job(source, out, to, dtype, config, max_shard_size, strict, dry_run, force, on_start, on_bytes,
                    output.warning)
         if kind == "relayout":
-            from porting.engine.svdq_relayout import relayout
-
-            assert layout is not None and out is not None
-            result = relayout(source, out, layout.value, force=force, on_start=on_start, on_bytes=on_bytes)
+            result = _relayout(job, layout.value if layout is not None else "")
         elif kind == "svdq":
             result = _convert_svdq(job, quantize.value, 32 if rank is None else rank, calibrate, device,
                                    layout.value if layout is not None else "nunchaku")
@@ -268,6 +259,26 @@ def _convert_plain(job: _Job) -> ConvertResult:
     return run_convert(job.source, job.out, to=job.to.value, dtype=job.dtype.value, config=job.config,
                        max_shard_size=job.max_shard_size, strict=job.strict, dry_run=job.dry_run, force=job.force,
                        on_start=job.on_start, on_bytes=job.on_bytes, on_notice=job.on_notice)
+
+
+def _check_rank(rank: Optional[int]) -> None:
+    from porting.engine.svdq_convert import check_rank
+
+    check_rank(32 if rank is None else rank)
+
+
+def _kind(source: Source, quantized: Optional[str], layout: Optional[SvdqLayout]) -> str:
+    """`convert_kind`, and `relayout` for --layout on an SVDQuant model without --quantize."""
+    kind = convert_kind(source.kind, quantized)
+    return "relayout" if kind == "weights" and layout is not None and _is_svdq(source) else kind
+
+
+def _relayout(job: _Job, layout: str) -> ConvertResult:
+    """The SVDQuant model moved into `layout` (svdq_relayout)."""
+    from porting.engine.svdq_relayout import relayout
+
+    assert job.out is not None
+    return relayout(job.source, job.out, layout, force=job.force, on_start=job.on_start, on_bytes=job.on_bytes)
 
 
 def _is_svdq(source: Source) -> bool:
