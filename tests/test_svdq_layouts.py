@@ -101,6 +101,8 @@ def test_diffusers_accepts_flux_ports_folders(own, tmp_path):
         assert got["errors"] == [] and got["replaced"] > 0, (folder, got["errors"][:3])
     config = json.loads((own["flux2", "int4"]["diffusers"] / "config.json").read_text())
     qc = config["quantization_config"]
+    # klein's joined layers carry both pieces' branches: rank 32 asked, 64 in diffusers' layout, 32 again back
+    assert qc["svdq_w4a4"]["rank"] == 64 and own["flux2", "int4"]["to-nunchaku"].name.startswith("svdq-int4_r32-")
     assert qc["quant_method"] == "nunchaku_lite" and "single_transformer_blocks.0.attn.to_qkv_mlp_proj" in \
         qc["svdq_w4a4"]["targets"] and "transformer_blocks.0.attn.to_q" in qc["svdq_w4a4"]["targets"]
 
@@ -157,7 +159,13 @@ def test_merge_into_a_diffusers_layout_folder(own, tmp_path, capsys):
     assert set(a) == set(b)
     for key in a:
         assert torch.allclose(a[key].float(), b[key].float(), rtol=0, atol=float(b[key].float().abs().max()) * 2**-7)
-    assert check_with_diffusers([merged], tmp_path)[str(merged)]["errors"] == []
+    run = run_port(capsys, "merge", paths["diffusers"], adapter, "--requantize", "--out", tmp_path / "requantized")
+    assert run.code == 0, run.err
+    configs = [json.loads((folder / "config.json").read_text())["quantization_config"]["svdq_w4a4"]
+               for folder in (paths["diffusers"], tmp_path / "requantized")]
+    assert configs[1]["rank"] == configs[0]["rank"]  # the rank asked for, not the joined layers' sum again
+    verdicts = check_with_diffusers([merged, tmp_path / "requantized"], tmp_path)
+    assert all(v["errors"] == [] for v in verdicts.values()), verdicts
 
 
 def test_layout_refusal_and_inspect_import_no_torch(tmp_path, tiny2_file):

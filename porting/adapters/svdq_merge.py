@@ -408,7 +408,10 @@ def requantize_svdq(source: Source, placement: Placement, merged: list[dict[str,
                 self.cache[key] = t
             return self.cache[key]
 
-    result = svdq_convert.convert_svdquant(source, out, f"svdq-{info.precision}", rank=info.rank, force=force,
+    # the rank flux-port's writer was asked for where it recorded one: diffusers' layout stores joined layers at the
+    # sum of their pieces' ranks, which requantizing would double again
+    rank = int((info.written_by or {}).get("rank_asked") or info.rank)
+    result = svdq_convert.convert_svdquant(source, out, f"svdq-{info.precision}", rank=rank, force=force,
                                            on_start=on_start, on_bytes=on_bytes, tensors=Folded,
                                            extra_meta={"merged_adapters": merged}, verb="merge", layout=info.layout)
     result.extra["merged_adapters"] = merged

@@ -115,7 +115,7 @@ def _nunchaku_layer(job: Relayout, lp: L.LayerPlan, lite: dict[str, Any]) -> X.L
                              f"{'AWQ W4A16' if lp.kind == 'awq' else 'SVDQuant W4A4'} in Nunchaku's layout")
         lg = job.unpacked(layer.prefix)
         lg = X.rows(lg, *s.rows) if s.rows else lg
-        pieces.append(X.columns(lg, *s.cols) if s.cols else lg)
+        pieces.append(X.compact(X.columns(lg, *s.cols) if s.cols else lg))  # a cut piece drops the others' rank
     return X.join_rows(pieces, lp.name)
 
 
@@ -238,19 +238,21 @@ def relayout(src: SourceLike, out: str | Path, layout: str, force: bool = False,
     out = Path(out)
     check_output(out, force=force, verb="convert", inputs={"source": path})
     job = Relayout(ckpt, info)
+    # what flux-port's writer recorded (rank asked, smoothing) is kept, with the move added
+    made = {**(info.written_by or {}), "tool": "flux-port", "version": __version__, "relayout_from": info.layout}
     if layout == "diffusers":
         tensors, qc = _to_lite(job)
         config = {**(ckpt.config or {}), "_class_name": detection.table.diffusers_class, "quantization_config": qc}
         rank, name = qc.get("svdq_w4a4", {}).get("rank", 0), table()["lite"]["weights_file"]
         entries = [Entry(k, tuple(t.shape), TORCH_TO_ST[t.dtype]) for k, t in tensors.items()]
-        metadata = {"format": "pt"}
+        metadata = {"format": "pt", "flux_port": json.dumps(made), **{
+            k: v for k, v in (ckpt.metadata or {}).items() if k in ("flux_port_merged", "merged_adapters")}}
     else:
         file_layout, tensors, rank = _to_nunchaku(job)
         entries = [Entry(k, s, d) for k, s, d in file_layout.entries(info.precision, rank)]
         name = L.file_name(info.precision, rank, path)
         config = {**(ckpt.config or {}), "_class_name": detection.table.diffusers_class}
-        metadata = L.metadata(info.family, config, info.precision, rank, {"flux_port": {
-            "tool": "flux-port", "version": __version__, "relayout_from": info.layout}})
+        metadata = L.metadata(info.family, config, info.precision, rank, {"flux_port": made})
     total = sum(e.nbytes for e in entries)
     if on_start:
         on_start(total)

@@ -149,6 +149,8 @@ def read(ckpt: Checkpoint) -> SvdqFile:
         info.targets[f"{target}.weight"] = Target(f"{target}.weight", "weight", "rows", piece)
         if "bias" in parts:
             info.targets[f"{target}.bias"] = Target(f"{target}.bias", "bias", "rows", piece)
+    info.written_by = R._metadata_object(ckpt, "flux_port")
+    info.merged = R._metadata_list(ckpt, "flux_port_merged") + R._metadata_list(ckpt, "merged_adapters")
     info.plain_linears = sum(1 for k, t in ckpt.tensors.items()
                              if k not in info.consumed and k.endswith(".weight") and len(t.shape) == 2)
     return info
