@@ -15,8 +15,9 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
@@ -38,6 +39,7 @@ from porting.tensors.writer import Entry, write_shards
 from .convert import MANIFEST, ConvertResult, plan_source, weights_source
 
 LAYOUTS = ("diffusers", "nunchaku")
+KEEP_LAYERS = 4  # unpacked source layers kept: the pieces of one target are adjacent
 ROLES_LITE = {"qweight": "qweight", "wscales": "wscales", "wzeros": "wzeros", "wtscale": "wtscale",
               "wcscales": "wcscales", "smooth": "smooth_factor", "lora_down": "proj_down", "lora_up": "proj_up",
               "bias": "bias"}
@@ -48,13 +50,39 @@ class Relayout:
 
     def __init__(self, ckpt: Checkpoint, info: SvdqFile) -> None:
         self.ckpt, self.info = ckpt, info
-        self._unpacked: dict[str, X.Logical] = {}
+        self._unpacked: OrderedDict[str, X.Logical] = OrderedDict()  # the few recent layers (pieces are adjacent)
         self.requantized: list[dict[str, Any]] = []
+        self.branches: dict[str, X.Branch] = {}  # stored key of `lora_down` -> the branch, packed at the end
+        # a layer quantized again gets the rank flux-port's writer was asked for, where it recorded one
+        self.rank = int((info.written_by or {}).get("rank_asked") or info.rank or 32)
 
     def unpacked(self, prefix: str) -> X.Logical:
         if prefix not in self._unpacked:
             self._unpacked[prefix] = X.unpack(self.info.layers[prefix])
+            while len(self._unpacked) > KEEP_LAYERS:
+                self._unpacked.popitem(last=False)
         return self._unpacked[prefix]
+
+    def rank_of_all(self) -> int:
+        """The layout's one rank: the largest branch, padded to 16."""
+        return L.padded(max((d.shape[0] for d, _ in self.branches.values()), default=0))
+
+    def store(self, out: dict[str, torch.Tensor], prefix: str, names: Mapping[str, str],
+              packed: tuple[dict[str, torch.Tensor], X.Branch | None]) -> None:
+        body, branch = packed
+        out.update({prefix + names[role]: t for role, t in body.items()})
+        if branch is not None:
+            self.branches[prefix + names["lora_down"]] = branch
+
+    def branches_packed(self, out: dict[str, torch.Tensor], names: Mapping[str, str]) -> int:
+        """Every branch padded to the layout's one rank, into `out`; that rank."""
+        rank = self.rank_of_all()
+        down, up = names["lora_down"], names["lora_up"]
+        for key, branch in self.branches.items():
+            parts = X.pack_branch(branch, rank)
+            out[key] = parts["lora_down"]
+            out[key[: -len(down)] + up] = parts["lora_up"]
+        return rank
 
     def requantize(self, name: str, weight: torch.Tensor, pieces: list[int], why: str, awq: bool = False
                    ) -> X.Logical:
@@ -63,7 +91,7 @@ class Relayout:
             q = quantize_awq(weight.clone())
             lg = X.Logical("awq", "int4", q.codes, q.scales, q.zeros)
         else:
-            parts = quantize_w4a4(weight.clone(), self.info.precision, max(self.info.rank, 1), pieces)
+            parts = quantize_w4a4(weight.clone(), self.info.precision, self.rank, pieces)
             q, lg = parts, X.from_parts(parts, self.info.precision, pieces)
         err = rel(float(q.errors.quantized.sum()), float(q.errors.norm.sum()))
         self.requantized.append({"layer": name, "why": why, "rel_error": err})
@@ -72,32 +100,33 @@ class Relayout:
 
 def _to_lite(job: Relayout) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     info, ckpt = job.info, job.ckpt
-    done: dict[str, X.Logical] = {}
+    out: dict[str, torch.Tensor] = {}
+    kinds: dict[str, str] = {}
     for key, target in info.targets.items():
         if target.role != "weight":
             continue
         module = key[: -len(".weight")]
         pieces = [X.rows(job.unpacked(p.layer.prefix), *p.rows) for p in target.pieces]
         try:
-            done[module] = (X.join_columns if target.join == "columns" else X.join_rows)(pieces, module)
+            lg = (X.join_columns if target.join == "columns" else X.join_rows)(pieces, module)
+            packed = X.pack(lg, ("wtscale", "wcscales"))
         except X.NotExact as e:
-            done[module] = job.requantize(module, ckpt.read(key), [target.shape[0]], str(e))
-    rank = L.padded(max((lg.rank for lg in done.values() if lg.kind == "w4a4"), default=0))
-    out: dict[str, torch.Tensor] = {}
-    for module, lg in done.items():
-        for role, t in X.pack(lg, rank, ("wtscale", "wcscales")).items():
-            out[f"{module}.{ROLES_LITE[role]}"] = t
+            lg = job.requantize(module, ckpt.read(key), [target.shape[0]], str(e))
+            packed = X.pack(lg, ("wtscale", "wcscales"))
+        job.store(out, module + ".", ROLES_LITE, packed)
+        kinds[module] = lg.kind
         if f"{module}.bias" in info.targets:  # the bias the model adds; an SVDQuant layer's in the vector order
             b = ckpt.read(f"{module}.bias").to(torch.bfloat16)
             out[f"{module}.bias"] = X.P.pack_vector(b) if lg.kind == "w4a4" else b
+    rank = job.branches_packed(out, ROLES_LITE)
     for key, t in ckpt.tensors.items():
         if not t.computed:
             out[key] = ckpt.read(key)
     lite = table()["lite"]
     group = 16 if info.precision == "nvfp4" else 64
     qc: dict[str, Any] = {"quant_method": lite["quant_method"], "compute_dtype": lite["compute_dtype"]}
-    svdq = [m for m, lg in done.items() if lg.kind == "w4a4"]
-    awq = [m for m, lg in done.items() if lg.kind == "awq"]
+    svdq = [m for m, kind in kinds.items() if kind == "w4a4"]
+    awq = [m for m, kind in kinds.items() if kind == "awq"]
     if svdq:
         qc["svdq_w4a4"] = {"precision": info.precision, "group_size": group, "rank": rank, "targets": svdq}
     if awq:
@@ -133,23 +162,24 @@ def _bias(ckpt: Checkpoint, lp: L.LayerPlan) -> torch.Tensor:
                       ckpt.read(s.key).float()[slice(*s.rows) if s.rows else slice(None)] for s in lp.bias])
 
 
-def _nunchaku_parts(job: Relayout, lp: L.LayerPlan, lg: X.Logical, rank: int) -> dict[str, torch.Tensor]:
+def _nunchaku_parts(job: Relayout, lp: L.LayerPlan, lg: X.Logical
+                    ) -> tuple[dict[str, torch.Tensor], X.Branch | None]:
     roles = ("wcscales",) if len(lp.pieces) > 1 else ("wtscale",)
-    parts = X.pack(lg, rank, roles, lp.awq_splits)
+    parts, branch = X.pack(lg, roles, lp.awq_splits)
     if lp.kind == "awq":
         s = lp.awq_splits
         b = _bias(job.ckpt, lp).to(torch.bfloat16).view(s, lp.n // s)
         delta = torch.zeros(s, 1, dtype=torch.bfloat16)
         delta[1] = delta[s - 2] = 1  # Nunchaku runs adaLN with scale_shift 0: +1 on the scale slots, in bf16
         parts["bias"] = (b + delta).t().reshape(lp.n).contiguous()
-        return parts
+        return parts, None
     parts["smooth_orig"] = parts["smooth"].clone()
     if lp.bias:
         b = _bias(job.ckpt, lp)
         if lp.gelu_shift and job.info.precision == "int4":  # the kernel adds the shift back (decode.py)
             b = b - GELU_SHIFT * X.residual_rowsum(lg)
         parts["bias"] = X.P.pack_vector(b.to(torch.bfloat16))
-    return parts
+    return parts, branch
 
 
 def _to_nunchaku(job: Relayout) -> tuple[L.FileLayout, dict[str, torch.Tensor], int]:
@@ -157,20 +187,18 @@ def _to_nunchaku(job: Relayout) -> tuple[L.FileLayout, dict[str, torch.Tensor], 
     shapes = {k: tuple(t.shape) for k, t in ckpt.tensors.items()}
     layout = L.plan_file(info.family, ckpt.config or {}, shapes, str(ckpt.path))
     lite = {prefix[:-1]: layer for prefix, layer in info.layers.items()}
-    done: dict[str, X.Logical] = {}
+    out: dict[str, torch.Tensor] = {}
     for lp in layout.layers:
         try:
             lg = _nunchaku_layer(job, lp, lite)
             if lg.precision == "nvfp4" and len(lp.pieces) == 1 and not bool((lg.rows == lg.rows[0]).all()):
                 raise X.NotExact(f"{lp.name}: its nvfp4 row scales differ and Nunchaku stores one per-tensor scale")
+            parts = _nunchaku_parts(job, lp, lg)
         except X.NotExact as e:
             lg = job.requantize(lp.name, _weight(ckpt, lp), list(lp.pieces), str(e), awq=lp.kind == "awq")
-        done[lp.name] = lg
-    rank = L.padded(max((lg.rank for lg in done.values() if lg.kind == "w4a4"), default=0))
-    out: dict[str, torch.Tensor] = {}
-    for lp in layout.layers:
-        for role, t in _nunchaku_parts(job, lp, done[lp.name], rank).items():
-            out[f"{lp.name}.{layout.part_names[role]}"] = t
+            parts = _nunchaku_parts(job, lp, lg)
+        job.store(out, lp.name + ".", layout.part_names, parts)
+    rank = job.branches_packed(out, layout.part_names)
     for stored, key, _ in layout.plain:
         out[stored] = ckpt.read(key).to(torch.bfloat16)
     return layout, out, rank

@@ -191,14 +191,19 @@ def bf16_exact(t: torch.Tensor, what: str) -> torch.Tensor:
     return out
 
 
-def pack(lg: Logical, rank: int, scale_roles: tuple[str, ...], awq_splits: int = 1) -> dict[str, torch.Tensor]:
-    """The stored tensors by role (no bias) with every branch padded to `rank`; `scale_roles`: which of wtscale /
-    wcscales the layout stores for this layer (nvfp4)."""
+Branch = tuple[torch.Tensor, torch.Tensor]  # D (r, k), U (n, r)
+
+
+def pack(lg: Logical, scale_roles: tuple[str, ...], awq_splits: int = 1) -> tuple[dict[str, torch.Tensor],
+                                                                                  Branch | None]:
+    """The stored tensors by role but the bias and the branch, and the branch (None: AWQ), which `pack_branch`
+    packs once the layout's one rank is known; `scale_roles`: which of wtscale / wcscales the layout stores for
+    this layer (nvfp4)."""
     if lg.kind == "awq":
         s = max(awq_splits, 1)
         return {"qweight": P.pack_awq_codes(P.interleave_rows(lg.codes, s)),
                 "wscales": P.interleave_rows(lg.scales, s).t().contiguous(),
-                "wzeros": P.interleave_rows(lg.zeros, s).t().contiguous()}
+                "wzeros": P.interleave_rows(lg.zeros, s).t().contiguous()}, None
     out = {"qweight": P.pack_codes(lg.codes)}
     if lg.precision == "nvfp4":
         out["wscales"] = P.pack_micro_scales(lg.scales)
@@ -206,10 +211,14 @@ def pack(lg: Logical, rank: int, scale_roles: tuple[str, ...], awq_splits: int =
     else:
         out["wscales"] = P.pack_scales(lg.scales)
     out["smooth"] = P.pack_vector(lg.smooth)
-    down, up = _branches([lg])[0]
-    out["lora_down"] = P.pack_lowrank(P.pad_rank(down, rank, 0).to(torch.bfloat16), True)
-    out["lora_up"] = P.pack_lowrank(P.pad_rank(up, rank, 1).to(torch.bfloat16), False)
-    return out
+    return out, _branches([lg])[0]
+
+
+def pack_branch(branch: Branch, rank: int) -> dict[str, torch.Tensor]:
+    """`lora_down` and `lora_up` padded with zeros to `rank`."""
+    down, up = branch
+    return {"lora_down": P.pack_lowrank(P.pad_rank(down, rank, 0).to(torch.bfloat16), True),
+            "lora_up": P.pack_lowrank(P.pad_rank(up, rank, 1).to(torch.bfloat16), False)}
 
 
 def _row_scales(rows: torch.Tensor, roles: tuple[str, ...]) -> dict[str, torch.Tensor]:
@@ -228,4 +237,4 @@ def _row_scales(rows: torch.Tensor, roles: tuple[str, ...]) -> dict[str, torch.T
 
 
 __all__ = ["NotExact", "Logical", "unpack", "from_parts", "compact", "rows", "columns", "join_rows", "join_columns",
-           "residual_rowsum", "bf16_exact", "pack"]
+           "residual_rowsum", "bf16_exact", "pack", "pack_branch", "Branch"]
