@@ -29,6 +29,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
+@pytest.mark.slow  # a child interpreter importing diffusers; test_svdq_layouts judges the same folders in its run
 def test_diffusers_accepts_the_helper_folders(lite, tmp_path):
     """The helper's folders are the layout diffusers loads (the premise of every test below)."""
     verdicts = check_with_diffusers([fx.path for fx in lite.values()], tmp_path)
