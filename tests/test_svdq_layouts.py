@@ -101,16 +101,42 @@ def test_diffusers_accepts_flux_ports_folders(own, tmp_path):
     folder flux-port writes in its layout; and on the helper's independent folders, the control."""
     folders = [own[case][name] for case in CASES for name in ("diffusers", "to-diffusers") if name in own[case]]
     control = [write_lite_folder(tmp_path / "control", *case).path for case in CASES]
-    verdicts = check_with_diffusers(folders + control, tmp_path)
+    faults = _faulty_copies(own["flux2", "nvfp4"]["to-diffusers"], tmp_path / "faults")
+    verdicts = check_with_diffusers(folders + control + list(faults), tmp_path)
     for folder in folders + control:
         got = verdicts[str(folder)]
         assert got["errors"] == [] and got["replaced"] > 0, (folder, got["errors"][:3])
+    for folder, phrase in faults.items():  # the check is not vacuous: each injected fault is caught
+        assert any(phrase in e for e in verdicts[str(folder)]["errors"]), (phrase, verdicts[str(folder)])
     config = json.loads((own["flux2", "int4"]["to-diffusers"] / "config.json").read_text())
     qc = config["quantization_config"]
     # klein's joined layers carry both pieces' branches: rank 32 asked, 64 in diffusers' layout, 32 again back
     assert qc["svdq_w4a4"]["rank"] == 64 and own["flux2", "int4"]["to-nunchaku"].name.startswith("svdq-int4_r32-")
     assert qc["quant_method"] == "nunchaku_lite" and "single_transformer_blocks.0.attn.to_qkv_mlp_proj" in \
         qc["svdq_w4a4"]["targets"] and "transformer_blocks.0.attn.to_q" in qc["svdq_w4a4"]["targets"]
+
+
+def _faulty_copies(folder: Path, root: Path) -> dict[Path, str]:
+    """Copies of a good folder with one fault each -> what diffusers' check must say."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    layer = "transformer_blocks.0.attn.to_k"
+    edits = {"missing": (lambda t: t.pop(f"{layer}.wcscales"), "Missing keys"),
+             "unexpected": (lambda t: t.update({f"{layer}.smooth_factor_orig": t[f"{layer}.smooth_factor"].clone()}),
+                            "Unexpected keys"),
+             "dtype": (lambda t: t.update({f"{layer}.smooth_factor": t[f"{layer}.smooth_factor"].half()}),
+                       f"{layer}.smooth_factor: stored torch.float16")}
+    out = {}
+    for name, (edit, phrase) in edits.items():
+        copy = root / name
+        shutil.copytree(folder, copy)
+        tensors = load_file(copy / "diffusion_pytorch_model.safetensors")
+        edit(tensors)
+        save_file(tensors, copy / "diffusion_pytorch_model.safetensors")
+        out[copy] = phrase
+    return out
 
 
 def test_another_writers_layers_are_requantized_by_name(tmp_path, capsys):

@@ -45,6 +45,7 @@ Examples:
   port convert klein-fp8_scaled.safetensors --out ./transformer      (dequantized to bf16)
   port convert ./transformer --to original --quantize gguf-q8_0 --out ./gguf
   port convert ft.safetensors --quantize svdq-int4 --rank 32 --out ./nunchaku   (data-free Nunchaku SVDQuant)
+  port convert ./nunchaku/svdq-int4_r32-ft.safetensors --layout diffusers --out ./lite   (diffusers' Nunchaku)
   port convert flux2-klein-9b-true-v1          (a recipe fetched with port fetch: finetune/ -> transformer/)
   port convert my-lora.safetensors --out ./lora            (an adapter: diffusers / peft naming)
   port convert ./lora/pytorch_lora_weights.safetensors --to original --lora-style kohya --out ./comfy
