@@ -35,6 +35,8 @@ class Facts:
     title: str = ""  # the family as users name it (FLUX.2)
     single_file_strips_prefix: bool = True  # the family's declaration (`Family.single_file_strips_prefix`)
     variant: str = ""  # the mapping table's variant name (klein-4B, FLUX.2-dev, FLUX.1-dev, ...; custom)
+    svdq: Mapping[str, Any] | None = None  # an SVDQuant model's header facts (layout, spelling, precision, ...)
+    comfy_config: bool = False  # header metadata `comfy_config` (ComfyUI-nunchaku's FLUX.1 loader needs it)
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,10 @@ def _out_name(f: Facts, what: str) -> str:
 
 def diffusers_from_pretrained(f: Facts) -> Verdict:
     name = "diffusers from_pretrained"
+    if f.svdq is not None and f.svdq.get("layout") == "diffusers":
+        return Verdict(name, AFTER, "diffusers' Nunchaku layout: from_pretrained loads it only on a CUDA GPU with "
+                       "the Hub's kernels (the diffusers Nunchaku Lite row); convert writes the bf16 folder any device "
+                       "loads", _diffusers_folder(f))
     if f.naming == "diffusers" and f.has_config and f.quantized is None:
         return Verdict(name, AS_IS, "a diffusers model folder with its config.json")
     why = {True: f"{f.quantized} weights", False: "original (BFL) naming" if f.naming == "original"
@@ -156,17 +162,120 @@ RUNTIMES: tuple[Callable[[Facts], Verdict], ...] = (
     diffusers_from_pretrained, diffusers_from_single_file, comfyui_core, comfyui_gguf, bfl_reference)
 
 
+# --- the 4-bit SVDQuant runtimes (asked of SVDQuant models only) ---------------------------------------------------
+# Nunchaku's own layout (one file, header metadata `config` / `quantization_config`) and diffusers' own (a folder,
+# `quantization_config.quant_method` "nunchaku_lite" in config.json); svdquant.md sections 1 and 5,
+# nunchaku-dialects.md section 2.
+
+def _relayout(f: Facts, layout: str) -> str:
+    return (f"port convert {shlex.quote(str(f.path))} --layout {layout} "
+            f"--out {shlex.quote(_out_name(f, layout))}")
+
+
+def _svdq_quantize(f: Facts, layout: str = "nunchaku") -> str:
+    extra = " --layout diffusers" if layout == "diffusers" else ""
+    return (f"port convert {shlex.quote(str(f.path))} --quantize svdq-int4{extra} "
+            f"--out {shlex.quote(_out_name(f, 'svdq'))}")
+
+
+def _rewritten(f: Facts) -> str:
+    """Nunchaku's file written anew by flux-port (module names, comfy_config, one file): a round trip through
+    diffusers' layout, exact for its layers."""
+    return (f"{_relayout(f, 'diffusers')} && port convert {shlex.quote(_out_name(f, 'diffusers'))} --layout nunchaku "
+            f"--out {shlex.quote(_out_name(f, 'nunchaku'))}")
+
+
+def _svdq_layout(f: Facts) -> str | None:
+    return None if f.svdq is None else f.svdq.get("layout")
+
+
+def nunchaku_flux1(f: Facts) -> Verdict:
+    name = "Nunchaku FLUX.1 (v1 / v2 loaders)"
+    if f.family != "flux1":
+        return Verdict(name, NEVER, f"NunchakuFluxTransformer2dModel builds FLUX.1 only; this is {f.title or f.family}")
+    if _svdq_layout(f) == "diffusers":
+        return Verdict(name, AFTER, "diffusers' Nunchaku layout (unfused modules, config.json targets); Nunchaku "
+                       "loads its own single file", _relayout(f, "nunchaku"))
+    if _svdq_layout(f) is None:
+        return Verdict(name, AFTER, "it loads 4-bit SVDQuant files", _svdq_quantize(f))
+    if f.files > 1:
+        return Verdict(name, UNKNOWN, "the older split folder: v1's legacy loader reads it; v2's was not read for it")
+    return Verdict(name, AS_IS, "one file in deepcompressor's names: v2's from_pretrained renames them "
+                   "(convert_flux_state_dict), v1 loads them as they are")
+
+
+def tonera_flux2(f: Facts) -> Verdict:
+    name = "Nunchaku FLUX.2 (tonera's runtime)"
+    if f.family != "flux2":
+        return Verdict(name, NEVER, "NunchakuFlux2Transformer2DModel builds FLUX.2 only; this is "
+                       f"{f.title or f.family}")
+    layout = _svdq_layout(f)
+    if layout == "diffusers":
+        return Verdict(name, AFTER, "diffusers' Nunchaku layout; tonera's loader takes Nunchaku's single file",
+                       _relayout(f, "nunchaku"))
+    if layout is None:
+        return Verdict(name, AFTER, "it loads 4-bit SVDQuant files", _svdq_quantize(f))
+    if (f.svdq or {}).get("spelling") != "module":
+        return Verdict(name, AFTER, "deepcompressor-style layer names: its strict loader takes the module names "
+                       "(attn.to_qkv.proj_down, ...); a round trip through diffusers' layout writes them",
+                       _rewritten(f))
+    return Verdict(name, AS_IS, "one file in the runtime's module names (its loader is strict)")
+
+
+def comfyui_nunchaku(f: Facts) -> Verdict:
+    name = "ComfyUI-nunchaku"
+    layout = _svdq_layout(f)
+    if f.family not in ("flux1", "flux2"):
+        return Verdict(name, UNKNOWN, f"its DiT loaders were read for FLUX.1 and FLUX.2, not {f.title or f.family}")
+    if layout == "diffusers":
+        return Verdict(name, AFTER, "diffusers' Nunchaku layout; its DiT loaders read Nunchaku's single file",
+                       _relayout(f, "nunchaku"))
+    if layout is None:
+        return Verdict(name, AFTER, "it loads 4-bit SVDQuant files", _svdq_quantize(f))
+    if f.files > 1:
+        return Verdict(name, AFTER, "its loaders read one file", _rewritten(f))
+    if f.family == "flux1" and not f.comfy_config:
+        return Verdict(name, AFTER, "NunchakuFluxDiTLoader needs header metadata comfy_config, which this file has "
+                       "not; flux-port writes it", _rewritten(f))
+    how = "comfy_config" if f.family == "flux1" else "comfy_config, or its config when that is absent"
+    return Verdict(name, AS_IS, f"one file; the DiT loader builds its model from {how}")
+
+
+def diffusers_nunchaku_lite(f: Facts) -> Verdict:
+    name = "diffusers Nunchaku Lite"
+    layout = _svdq_layout(f)
+    if layout == "diffusers":
+        return Verdict(name, AS_IS, "from_pretrained on a CUDA GPU (not Hopper; nvfp4 needs Blackwell), its kernels "
+                       "fetched from the Hub (DIFFUSERS_TRUST_REMOTE_KERNELS=1)")
+    if layout is None:
+        return Verdict(name, AFTER, "it loads diffusers folders quantized in its own Nunchaku layout",
+                       _svdq_quantize(f, "diffusers"))
+    return Verdict(name, AFTER, "Nunchaku's own layout (fused / split layers, no targets in a config.json); "
+                   "moved into diffusers' layout without requantizing", _relayout(f, "diffusers"))
+
+
+SVDQ_RUNTIMES: tuple[Callable[[Facts], Verdict], ...] = (
+    nunchaku_flux1, tonera_flux2, comfyui_nunchaku, diffusers_nunchaku_lite)
+
+
 def facts_of(path: Path, ckpt: Any, detection: Any) -> Facts:
     return Facts(path=Path(path), family=detection.table.name, naming=detection.naming, prefix=detection.prefix,
                  respelled=len(detection.respelled), files=len(ckpt.files),
                  has_config=ckpt.config is not None, container=ckpt.container,
                  quantized=ckpt.quantization.label if ckpt.quantization else None,
                  title=detection.family.title, single_file_strips_prefix=detection.family.single_file_strips_prefix,
-                 variant=detection.variant)
+                 variant=detection.variant, svdq=_svdq_details(ckpt),
+                 comfy_config="comfy_config" in (ckpt.metadata or {}))
+
+
+def _svdq_details(ckpt: Any) -> Mapping[str, Any] | None:
+    details = ckpt.quantization.details if ckpt.quantization else None
+    return details if details and details.get("layout") in ("nunchaku", "diffusers") else None
 
 
 def runtimes(facts: Facts) -> list[Verdict]:
-    return [judge(facts) for judge in RUNTIMES]
+    """Every runtime's verdict; the 4-bit SVDQuant runtimes for SVDQuant models only."""
+    return [judge(facts) for judge in RUNTIMES + (SVDQ_RUNTIMES if facts.svdq is not None else ())]
 
 
 # --- companions in a base folder ---------------------------------------------------------------------------------

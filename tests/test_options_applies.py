@@ -62,6 +62,11 @@ def test_convert_kind_follows_quantize(quantize: str | None, kind: str) -> None:
     ("weights", {"verbose": True}, UsageError, ["--verbose applies to --quantize svdq"]),
     ("weights", {"lora_style": "kohya"}, UsageError, ["--lora-style kohya: m.safetensors is transformer weights",
                                                       "applies to adapters only"]),
+    ("weights", {"layout": "diffusers"}, UsageError, ["--layout diffusers: m.safetensors is not an SVDQuant model"]),
+    ("adapter", {"layout": "nunchaku"}, UsageError, ["--layout nunchaku: m.safetensors is not an SVDQuant model"]),
+    ("relayout", {"layout": "diffusers", "to": "original"}, UsageError, ["--to original: --layout moves the packed"]),
+    ("relayout", {"layout": "diffusers", "dtype": "fp16"}, UsageError, ["--dtype: --layout moves the packed"]),
+    ("relayout", {"layout": "diffusers", "rank": 16}, UsageError, ["--rank applies to --quantize svdq"]),
 ])
 def test_convert_refusals(kind: str, given: dict, error: type, phrases: list[str]) -> None:
     quantize = given.get("quantize") or {"svdq": "svdq-int4", "quantized": "gguf-q8_0"}.get(kind)
@@ -73,7 +78,9 @@ def test_convert_refusals(kind: str, given: dict, error: type, phrases: list[str
 
 
 @pytest.mark.parametrize("kind, given", [("weights", {"to": "original", "dtype": "fp16"}),
-                                         ("svdq", {"rank": 16, "calibrate": "base", "device": "cuda"}),
+                                         ("svdq", {"rank": 16, "calibrate": "base", "device": "cuda",
+                                                   "layout": "diffusers"}),
+                                         ("relayout", {"layout": "nunchaku"}),
                                          ("quantized", {"to": "original", "dtype": "bf16"}),
                                          ("adapter", {"lora_style": "bfl", "materialise": True, "to": "original"})])
 def test_convert_options_where_they_apply_pass(kind: str, given: dict) -> None:

@@ -112,7 +112,8 @@ def test_the_registry_gives_the_lists_once_written_by_hand():
     assert registry.metadata_keys() == {"_quantization_metadata"}
     assert [m.name for m in registry.refused()] == ["AWQ / GPTQ (packed int4 with zero points)"]
     assert [m.name for m in registry.declared()] == ["ComfyUI mixed precision", "ComfyUI scaled fp8",
-                                                     "Nunchaku SVDQuant", awq_w4a16.NAME]
+                                                     "Nunchaku SVDQuant", "Nunchaku Lite (diffusers)",
+                                                     awq_w4a16.NAME]
     assert [m.name for m in registry.by_sidecars()] == ["BFL-scheme quantized",
                                                         "ModelOpt int8 (per-channel weight_scale)"]
     refused = registry.refused_formats()

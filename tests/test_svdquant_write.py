@@ -165,7 +165,7 @@ def _meant(source: Path, family: str, precision: str) -> dict[str, torch.Tensor]
     """The weights the writer means, from the quantizer's logical output decoded here (not by the reader)."""
     from porting.engine.convert import plan_source, weights_source
     from porting.engine.svdq_convert import PlanTensors
-    from porting.tensors.export.svdquant import _bias, _weight
+    from porting.tensors.export.svdquant import _bias, _Shared, _weight, shared_amax, shared_smoothing
     from porting.tensors.quant.svdq import layout as L
     from porting.tensors.quant.svdq.quantize import quantize_awq, quantize_w4a4
 
@@ -175,14 +175,23 @@ def _meant(source: Path, family: str, precision: str) -> dict[str, torch.Tensor]
     layout = L.plan_file(family, detection.config, shapes, "test")
     tensors = PlanTensors(ckpt, plan)
     out: dict[str, torch.Tensor] = {}
+    # the factors the writer shares between the layers made of one diffusers linear (its rows: one smoothing; its
+    # columns: one nvfp4 per-tensor scale), so that they join back into that linear exactly
+    shared = _Shared({})
     for layer in layout.layers:
+        if len(layer.weight) == 1 and layer.weight[0].cols is not None:
+            shared.siblings.setdefault(layer.weight[0].key, []).append(layer)
+    for layer in layout.layers:
+        smooth = shared_smoothing(layer, tensors, None, shared.smooths)
+        amax = (shared_amax(layer, shared.siblings.get(layer.weight[0].key, []), tensors, 32, None, shared.amax,
+                            "test") if precision == "nvfp4" else None)
         w = _weight(layer, tensors, "test")
         if layer.kind == "awq":
             q = quantize_awq(w)
             g = q.codes.float().view(layer.n, -1, 64) * q.scales.float()[..., None] + q.zeros.float()[..., None]
             eff = g.view(layer.n, layer.k)
         else:
-            q = quantize_w4a4(w, precision, 32, list(layer.pieces))
+            q = quantize_w4a4(w, precision, 32, list(layer.pieces), smooth=smooth, amax=amax)
             if precision == "int4":
                 c = q.codes.to(torch.int16)
                 vals = torch.where(c >= 8, c - 16, c).float().view(layer.n, -1, 64) * q.scales.float()[..., None]

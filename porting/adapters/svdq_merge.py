@@ -44,7 +44,7 @@ from porting.tensors.quant.svdq.decode import SvdqDecoder, UnpackedLayer
 from porting.tensors.quant.svdq.header import SvdqFile, SvdqLayer, Target
 from porting.tensors.quant.svdq.layout import padded
 from porting.tensors.quant.svdq.quantize import FULL_SVD_MAX, quantize_awq, top_singular
-from porting.tensors.quant.svdq.reader import svdq_info
+from porting.tensors.quant.svdq.reader import svdq_info, table
 from porting.tensors.reader import TensorInfo, read_stored
 from porting.tensors.writer import Entry, Segments, write_shards
 
@@ -260,12 +260,15 @@ def _check_copied_branches(info: SvdqFile) -> None:
                     check_tensor(factor, repr(layer.parts[role].name), layer.parts[role].file)
 
 
-def _merged_metadata(metadata: dict[str, str] | None, total: int, merged: list[dict[str, Any]]) -> dict[str, str]:
-    """The base's header metadata with the merged rank and this merge appended to the record of merged adapters."""
+def _merged_metadata(metadata: dict[str, str] | None, total: int | None, merged: list[dict[str, Any]]
+                     ) -> dict[str, str]:
+    """The base's header metadata with the merged rank (None: the rank is in config.json) and this merge appended
+    to the record of merged adapters."""
     meta = dict(metadata or {})
-    qc = json.loads(meta.get("quantization_config", "{}"))
-    qc["rank"] = total
-    meta["quantization_config"] = json.dumps(qc)
+    if total is not None:
+        qc = json.loads(meta.get("quantization_config", "{}"))
+        qc["rank"] = total
+        meta["quantization_config"] = json.dumps(qc)
     history = json.loads(meta.get("flux_port_merged", "[]"))
     meta["flux_port_merged"] = json.dumps(history + [{k: v for k, v in a.items() if k != "adapter"}
                                                      | {"adapter": Path(a["adapter"]).name} for a in merged])
@@ -320,7 +323,9 @@ def merge_into_svdq(source: Source, read: list[tuple[Adapter, float]], placement
     stored: dict[str, TensorInfo] = ckpt.stored_tensors
     merge = _plan_merge(info, stored, placement, delta_of, max_error)
     src_file = next(iter(stored.values())).file
-    name = merged_name(src_file.name, merge.total) if src_file.name.endswith(".safetensors") else "merged.safetensors"
+    lite = info.layout == "diffusers"  # diffusers' Nunchaku folder: its weights file and config.json, rank in it
+    name = (table()["lite"]["weights_file"] if lite else merged_name(src_file.name, merge.total)
+            if src_file.name.endswith(".safetensors") else "merged.safetensors")
     extra: dict[str, Any] = {"svdq_merge": {
         "base_rank": merge.base_rank, "rank": merge.total,
         "layers_extended": len([e for e in merge.layers.values() if e.layer.kind == "w4a4"]),
@@ -332,7 +337,7 @@ def merge_into_svdq(source: Source, read: list[tuple[Adapter, float]], placement
     inputs = {"base": source.path, "adapter": [a.path for a, _ in read]}
     check_output(out, force=force, verb="merge", inputs=inputs)
     _check_copied_branches(info)
-    meta = _merged_metadata(ckpt.metadata, merge.total, merged)
+    meta = _merged_metadata(ckpt.metadata, None if lite else merge.total, merged)
     lowrank = {layer.parts[role].name for layer in info.layers.values() for role in ("lora_down", "lora_up")
                if role in layer.parts}
     order = sorted(stored.values(), key=lambda t: (str(t.file), t.start))
@@ -344,6 +349,10 @@ def merge_into_svdq(source: Source, read: list[tuple[Adapter, float]], placement
         # the hasher keeps the file's identity, so validate reads no tensor
         write_shards(staging, name[: -len(".safetensors")], entries, _merged_tensors(merge, order, placement),
                      max_shard_bytes=2**62, metadata=meta, hasher=WeightsHasher())
+        if lite:
+            raw = json.loads((Path(source.path) / "config.json").read_text())
+            raw["quantization_config"]["svdq_w4a4"]["rank"] = merge.total
+            (staging / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
         manifest = {"tool": "flux-port", "version": __version__, "base": str(source.path.resolve()),
                     "table": detection.table.name, "to": "nunchaku", "files": [name], "merged_adapters": merged,
                     **extra}
@@ -399,9 +408,12 @@ def requantize_svdq(source: Source, placement: Placement, merged: list[dict[str,
                 self.cache[key] = t
             return self.cache[key]
 
-    result = svdq_convert.convert_svdquant(source, out, f"svdq-{info.precision}", rank=info.rank, force=force,
+    # the rank flux-port's writer was asked for where it recorded one: diffusers' layout stores joined layers at the
+    # sum of their pieces' ranks, which requantizing would double again
+    rank = int((info.written_by or {}).get("rank_asked") or info.rank)
+    result = svdq_convert.convert_svdquant(source, out, f"svdq-{info.precision}", rank=rank, force=force,
                                            on_start=on_start, on_bytes=on_bytes, tensors=Folded,
-                                           extra_meta={"merged_adapters": merged}, verb="merge")
+                                           extra_meta={"merged_adapters": merged}, verb="merge", layout=info.layout)
     result.extra["merged_adapters"] = merged
     return result
 

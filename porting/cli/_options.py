@@ -60,6 +60,12 @@ SvdqComputeOpt = Annotated[SvdqCompute, typer.Option(
                            "full-precision inputs by the dequantized weights.")]
 
 
+class SvdqLayout(str, Enum):
+    """Which file layout an SVDQuant model is written in: Nunchaku's single file, or diffusers' own folder."""
+    diffusers = "diffusers"
+    nunchaku = "nunchaku"
+
+
 class Direction(str, Enum):
     diffusers = "diffusers"
     original = "original"
@@ -181,6 +187,9 @@ _SVDQ_ONLY = Refusal("{flag} applies to --quantize svdq-int4 / svdq-nvfp4 only."
 _ADAPTERS_ONLY = Refusal("{flag}: {src} is transformer weights, not an adapter; {flag} applies to adapters only.",
                          "Leave {flag} out to convert the weights.")
 _TEXT_ENCODER_NAMES = Refusal("--to applies to transformer weights; a text encoder keeps transformers' names.")
+_RELAYOUT_KEEPS = Refusal("{flag}: --layout moves the packed layers as they are, in the layout's own names; {flag} "
+                          "does not apply.", "Convert to bf16 first (port convert {src} --out DIR), or leave {flag} "
+                                             "out.")
 _SVDQ_BASES = Refusal("{flag} applies to Nunchaku SVDQuant bases; {src} is not one.", "Leave the option out.")
 
 # verb -> option (as the verb names it in `given`) -> the kinds of input it applies to (`Applies`: what it says
@@ -208,18 +217,22 @@ APPLIES: dict[str, dict[str, Applies]] = {
         "--rank": Applies(frozenset({"svdq"}), _SVDQ_ONLY),
         "--calibrate": Applies(frozenset({"svdq"}), _SVDQ_ONLY),
         "--verbose": Applies(frozenset({"svdq"}), _SVDQ_ONLY),
+        "--layout": Applies(frozenset({"svdq", "relayout"}), Refusal(
+            "{flag}: {src} is not an SVDQuant model (Nunchaku's file or diffusers' Nunchaku folder); --layout "
+            "applies to one, or to --quantize svdq-int4 / svdq-nvfp4.",
+            "port convert {src} --quantize svdq-int4 {flag} {out}")),
         "--device": Applies(frozenset({"svdq"}), _SVDQ_ONLY, needs={"svdq": ("--calibrate", Refusal(
             "--device says where --calibrate runs the model; without --calibrate nothing runs."))}),
         "--to original": Applies(frozenset({"adapter", "weights", "quantized"}), Refusal(
             "--quantize {quantize} writes Nunchaku's own layer names; --to does not apply.",
             "port convert {src} --quantize {quantize} --out DIR"), per_kind={
-            "text_encoder": _TEXT_ENCODER_NAMES, "awq": _TEXT_ENCODER_NAMES}),
+            "text_encoder": _TEXT_ENCODER_NAMES, "awq": _TEXT_ENCODER_NAMES, "relayout": _RELAYOUT_KEEPS}),
         "--dtype": Applies(frozenset({"weights", "quantized"}), Refusal(
             "--quantize {quantize} writes 4-bit layers and bf16 for the rest; --dtype does not apply."), per_kind={
             "adapter": Refusal("--dtype applies to weights; a converted adapter keeps its factors' dtype.",
                                usage=False),
             "text_encoder": Refusal("--dtype: a text encoder is written in bf16 (its 4-bit layers dequantized); "
-                                    "--dtype does not apply.")}),
+                                    "--dtype does not apply."), "relayout": _RELAYOUT_KEEPS}),
     },
     "inspect": {
         "--strength": Applies(frozenset({"adapter"}), Refusal(
@@ -256,7 +269,8 @@ def convert_kind(source_kind: str, quantize: Optional[str]) -> str:
 
 def convert_given(*, lora_style: Optional[str] = None, materialise: bool = False, rank: Optional[int] = None,
                   calibrate: Any = None, device: str = "cpu", to: str = "diffusers", dtype: str = "keep",
-                  quantize: Optional[str] = None, verbose: bool = False) -> dict[str, Optional[str]]:
+                  quantize: Optional[str] = None, verbose: bool = False,
+                  layout: Optional[str] = None) -> dict[str, Optional[str]]:
     """`port convert`'s options as `check_applicable` takes them: each shown as given, None when left at its
     default."""
     return {"--lora-style": None if lora_style is None else f"--lora-style {lora_style}",
@@ -267,4 +281,5 @@ def convert_given(*, lora_style: Optional[str] = None, materialise: bool = False
             "--device": "--device" if device != "cpu" else None,
             "--to original": "--to original" if to == "original" else None,
             "--dtype": "--dtype" if dtype != "keep" else None,
-            "--quantize": None if quantize is None else f"--quantize {quantize}"}
+            "--quantize": None if quantize is None else f"--quantize {quantize}",
+            "--layout": None if layout is None else f"--layout {layout}"}

@@ -22,6 +22,7 @@ from ._options import (
     JsonOpt,
     OptionalOutDirOpt,
     QuietOpt,
+    SvdqLayout,
     WorkspaceOpt,
     check_applicable,
     convert_given,
@@ -44,6 +45,7 @@ Examples:
   port convert klein-fp8_scaled.safetensors --out ./transformer      (dequantized to bf16)
   port convert ./transformer --to original --quantize gguf-q8_0 --out ./gguf
   port convert ft.safetensors --quantize svdq-int4 --rank 32 --out ./nunchaku   (data-free Nunchaku SVDQuant)
+  port convert ./nunchaku/svdq-int4_r32-ft.safetensors --layout diffusers --out ./lite   (diffusers' Nunchaku)
   port convert flux2-klein-9b-true-v1          (a recipe fetched with port fetch: finetune/ -> transformer/)
   port convert my-lora.safetensors --out ./lora            (an adapter: diffusers / peft naming)
   port convert ./lora/pytorch_lora_weights.safetensors --to original --lora-style kohya --out ./comfy
@@ -186,6 +188,11 @@ def convert(
                             "transformer folder, in on a few prompts; its per-channel input maxima set the "
                             "smoothing (default: data-free).")] = None,
     device: Annotated[str, typer.Option("--device", help="--calibrate: where the bf16 model runs.")] = "cpu",
+    layout: Annotated[Optional[SvdqLayout], typer.Option(
+        "--layout", help="SVDQuant's file layout. With --quantize svdq-*: nunchaku (default; one file, Nunchaku's "
+                         "and ComfyUI-nunchaku's loaders) or diffusers (a transformer folder diffusers loads with its "
+                         "Nunchaku Lite quantizer). Without --quantize, on an SVDQuant model: moves it into the other "
+                         "layout without requantizing, where that is exact.")] = None,
     lora_style: Annotated[Optional[LoraStyle], typer.Option("--lora-style", help="Adapters with --to original: "
                                                             "BFL (diffusion_model.*.lora_A) or kohya keys.")] = None,
     materialise: Annotated[bool, typer.Option("--materialise", help="Adapters: write the exact delta of modules "
@@ -203,30 +210,32 @@ def convert(
     recipe, source, out, config = _open(src, workspace, out, config, output)
     src = source.path
     quantized = quantize.value if quantize is not None else None
-    kind = convert_kind(source.kind, quantized)
+    kind = _kind(source, quantized, layout)
     check_applicable("convert", kind, convert_given(
         lora_style=lora_style.value if lora_style else None, materialise=materialise, rank=rank, calibrate=calibrate,
-        device=device, to=to.value, dtype=dtype.value, quantize=quantized, verbose=verbose),
+        device=device, to=to.value, dtype=dtype.value, quantize=quantized, verbose=verbose,
+        layout=layout.value if layout is not None else None),
         src=src, quantize=quantized, out="--dry-run" if dry_run else "--out DIR")
     if kind == "adapter":
         style = lora_style.value if lora_style else None
         return _adapter.convert(output, source, out, to.value, style, materialise, config, dry_run, force)
-    if out is None and not (dry_run and kind != "awq"):
-        raise PortError("port convert needs --out DIR" + ("." if kind == "awq" else
+    if out is None and not (dry_run and kind not in ("awq", "relayout")):
+        raise PortError("port convert needs --out DIR" + ("." if kind in ("awq", "relayout") else
                                                            " (or --dry-run to only print the plan)."))
     if kind in ("text_encoder", "awq"):
         from . import _text_encoder
 
         return _text_encoder.convert(output, source, out, quantized, strict, force, dry_run)
     if kind == "svdq":
-        from porting.engine.svdq_convert import check_rank
-
-        check_rank(32 if rank is None else rank)
+        _check_rank(rank)
     with output.bytes_progress("converting") as (on_start, on_bytes):
         job = _Job(source, out, to, dtype, config, max_shard_size, strict, dry_run, force, on_start, on_bytes,
                    output.warning)
-        if kind == "svdq":
-            result = _convert_svdq(job, quantize.value, 32 if rank is None else rank, calibrate, device)
+        if kind == "relayout":
+            result = _relayout(job, layout.value if layout is not None else "")
+        elif kind == "svdq":
+            result = _convert_svdq(job, quantize.value, 32 if rank is None else rank, calibrate, device,
+                                   layout.value if layout is not None else "nunchaku")
         elif kind == "quantized":
             result = _convert_quantized(job, quantize.value)
         else:
@@ -274,15 +283,45 @@ def _convert_plain(job: _Job) -> ConvertResult:
                        on_start=job.on_start, on_bytes=job.on_bytes, on_notice=job.on_notice)
 
 
-def _convert_svdq(job: _Job, quantize: str, rank: int, calibrate: Optional[Path], device: str) -> ConvertResult:
-    """One Nunchaku SVDQuant file, or (a dry run) the plan of the diffusers weights and the file it would be."""
+def _check_rank(rank: Optional[int]) -> None:
+    from porting.engine.svdq_convert import check_rank
+
+    check_rank(32 if rank is None else rank)
+
+
+def _kind(source: Source, quantized: Optional[str], layout: Optional[SvdqLayout]) -> str:
+    """`convert_kind`, and `relayout` for --layout on an SVDQuant model without --quantize."""
+    kind = convert_kind(source.kind, quantized)
+    return "relayout" if kind == "weights" and layout is not None and _is_svdq(source) else kind
+
+
+def _relayout(job: _Job, layout: str) -> ConvertResult:
+    """The SVDQuant model moved into `layout` (svdq_relayout)."""
+    from porting.engine.svdq_relayout import relayout
+
+    assert job.out is not None
+    return relayout(job.source, job.out, layout, force=job.force, on_start=job.on_start, on_bytes=job.on_bytes)
+
+
+def _is_svdq(source: Source) -> bool:
+    """An SVDQuant model (Nunchaku's file or diffusers' Nunchaku folder), from its headers."""
+    from porting.tensors.quant.svdq.reader import svdq_info
+
+    return svdq_info(source.view) is not None
+
+
+def _convert_svdq(job: _Job, quantize: str, rank: int, calibrate: Optional[Path], device: str,
+                  layout: str = "nunchaku") -> ConvertResult:
+    """One Nunchaku SVDQuant file (or diffusers' Nunchaku folder), or (a dry run) the plan of the diffusers weights
+    and the file it would be."""
     if not job.dry_run:
         from porting.engine.svdq_convert import convert_svdquant
         from porting.pipeline.calibrate import Calibration
 
         return convert_svdquant(job.source, job.out, quantize, rank=rank, config=job.config, strict=job.strict,
                                 force=job.force, on_start=job.on_start, on_bytes=job.on_bytes,
-                                calibrate=None if calibrate is None else Calibration(calibrate, device))
+                                calibrate=None if calibrate is None else Calibration(calibrate, device),
+                                layout=layout)
     from porting.engine.convert import convert as run_convert
 
     result = run_convert(job.source, None, to="diffusers", config=job.config, strict=job.strict, dry_run=True,

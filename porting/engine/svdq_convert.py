@@ -135,10 +135,14 @@ def convert_svdquant(src: SourceLike, out: str | Path, quantize: str, rank: int 
                      on_start: Callable[[int], None] | None = None, on_bytes: Callable[[int], None] | None = None,
                      tables: Mapping[str, MappingTable] | None = None, tensors: type[PlanTensors] = PlanTensors,
                      extra_meta: Mapping[str, Any] | None = None, verb: str = "convert",
-                     calibrate: Calibrator | None = None) -> ConvertResult:
+                     calibrate: Calibrator | None = None, layout: str = "nunchaku") -> ConvertResult:
     """`tensors`: what hands the diffusers weights to the writer (merge --requantize folds deltas in on the way;
     those are used once, so its values are then not reread); `extra_meta` goes into the header metadata;
-    `calibrate`: what runs the source in a base pipeline for calibrated smoothing (pipeline.calibrate.Calibration)."""
+    `calibrate`: what runs the source in a base pipeline for calibrated smoothing (pipeline.calibrate.Calibration);
+    `layout` "diffusers": the file written is then moved, exactly, into diffusers' own Nunchaku folder."""
+    if layout == "diffusers":
+        return _diffusers_layout(src, out, quantize, rank, config, strict, force, on_start, on_bytes, tables,
+                                 tensors, extra_meta, verb, calibrate)
     precision = PRECISIONS[quantize]
     check_rank(rank)
     started = time.perf_counter()
@@ -197,6 +201,35 @@ def convert_svdquant(src: SourceLike, out: str | Path, quantize: str, rank: int 
         on_bytes(plan.output_bytes)
     quant = ckpt.quantization.to_dict() if ckpt.quantization else None
     return ConvertResult(plan, out, [name], None, time.perf_counter() - started, quantization=quant, extra=extra)
+
+
+def _diffusers_layout(src: SourceLike, out: str | Path, quantize: str, rank: int, config: str | Path | None,
+                      strict: bool, force: bool, on_start: Callable[[int], None] | None,
+                      on_bytes: Callable[[int], None] | None, tables: Mapping[str, MappingTable] | None,
+                      tensors: type[PlanTensors], extra_meta: Mapping[str, Any] | None, verb: str,
+                      calibrate: Calibrator | None) -> ConvertResult:
+    """Nunchaku's file written next to `out`, then moved into diffusers' layout (`svdq_relayout`): its layers are
+    joined exactly (the writer shares one smoothing between pieces that read the same input)."""
+    import tempfile
+
+    from .svdq_relayout import relayout
+
+    out = Path(out)
+    check_output(out, force=force, verb=verb, inputs={"source": getattr(src, "path", src)})
+    with tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=out.absolute().parent) as tmp:
+        result = convert_svdquant(src, Path(tmp) / "nunchaku", quantize, rank, config, strict, False, on_start, None,
+                                  tables, tensors, extra_meta, verb, calibrate)
+        moved = relayout(Path(tmp) / "nunchaku" / result.files[0], out, "diffusers", force=force)
+    if moved.extra["layout"]["requantized"]:
+        raise CheckFailed(f"{out}: layer {moved.extra['layout']['requantized'][0]['layer']} of flux-port's own file "
+                          "did not join exactly into diffusers' layout.",
+                          hint="This is a flux-port bug; please report it with the command line.")
+    if on_bytes:
+        on_bytes(result.plan.output_bytes)
+    result.out, result.files = out, moved.files
+    result.extra.update(file=moved.files[0], layout=moved.extra["layout"],
+                        quantized_to=result.extra["quantized_to"] + " in diffusers' Nunchaku layout")
+    return result
 
 
 def _layer_counts(layout: L.FileLayout) -> dict[str, int]:

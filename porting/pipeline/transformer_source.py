@@ -101,9 +101,23 @@ def _svdq_config(path: Path, source: Any) -> dict[str, Any]:
 
 
 def _may_be_svdq_folder(path: Path) -> bool:
+    if _lite_folder(path):
+        return True
     names = [p.name for p in path.glob("*.safetensors")]
     return bool(names) and not any(n.startswith("diffusion_pytorch_model") for n in names) \
         and not any(path.glob("*.safetensors.index.json"))
+
+
+def _lite_folder(path: Path) -> bool:
+    """A diffusers folder in diffusers' own Nunchaku layout (its weights packed: run as an SVDQuant source)."""
+    import json
+
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    qc = config.get("quantization_config") if isinstance(config, dict) else None
+    return isinstance(qc, dict) and qc.get("quant_method") == "nunchaku_lite"
 
 
 def transformer_source(path: str | Path) -> TransformerSource:

@@ -48,7 +48,7 @@ def load_svdq_transformer(path: Any, dtype: torch.dtype, compute: str = "w4a4") 
     info = svdq_info(ckpt)
     if info is None:
         raise InputError(f"{path}: not a Nunchaku SVDQuant file.")
-    config = dict(ckpt.config or {})
+    config = {k: v for k, v in (ckpt.config or {}).items() if k != "quantization_config"}  # the layers say it
     if not config:
         raise InputError(f"{path}: an SVDQuant file without a model config (header metadata 'config', or a "
                          "config.json next to it); the transformer's sizes cannot be known.",

@@ -21,7 +21,7 @@ from porting.finite import check_tensor
 from porting.tensors.quant.svdq import tiles as pack
 from porting.tensors.quant.svdq.header import GELU_SHIFT
 from porting.tensors.quant.svdq.layout import FileLayout, LayerPlan, Slice, padded
-from porting.tensors.quant.svdq.quantize import quantize_awq, quantize_w4a4, rel
+from porting.tensors.quant.svdq.quantize import quantize_awq, quantize_w4a4, rel, residual_amax, smoothing
 
 from ..identity import WeightsHasher
 from ..writer import Entry, write_shards
@@ -122,10 +122,51 @@ def input_maxima(layer: LayerPlan, maxima: Mapping[str, torch.Tensor]) -> torch.
     return x[first.cols[0]:first.cols[1]] if first.cols else x
 
 
+@dataclass
+class _Shared:
+    """What layers made of one diffusers linear share: its smoothing (rows), its nvfp4 amax (columns)."""
+
+    siblings: dict[str, list[LayerPlan]]  # diffusers key -> the layers made of its columns
+    smooths: dict[str, torch.Tensor] = field(default_factory=dict)
+    amax: dict[str, float] = field(default_factory=dict)
+
+
+def shared_smoothing(layer: LayerPlan, tensors: TensorSource, maxima: Mapping[str, torch.Tensor] | None,
+                     cache: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """One smoothing for every layer made of rows of one diffusers linear (FLUX.2's single-block qkv_proj and
+    mlp_fc1 of `to_qkv_mlp_proj`: they read the same input), computed from the whole linear, so the layers join
+    back into that linear exactly (diffusers' layout, `quant/svdq/relayout.py`); None for any other layer."""
+    if len(layer.weight) != 1 or layer.weight[0].rows is None:
+        return None
+    key = layer.weight[0].key
+    if key not in cache:
+        whole = tensors.get(key)
+        x = maxima[key[: -len(".weight")]] if maxima else None
+        cache[key] = smoothing(whole, x)
+    return cache[key]
+
+
+def shared_amax(layer: LayerPlan, siblings: list[LayerPlan], tensors: TensorSource, rank: int,
+                maxima: Mapping[str, torch.Tensor] | None, cache: dict[str, float], where: str) -> float | None:
+    """nvfp4: one per-tensor scale for every layer made of columns of one diffusers linear (the single block's
+    out_proj and mlp_fc2), the largest value any of them may round (`quantize.residual_amax`); None otherwise."""
+    if len(layer.weight) != 1 or layer.weight[0].cols is None:
+        return None
+    key = layer.weight[0].key
+    if key not in cache:
+        cache[key] = max(residual_amax(_weight(s, tensors, where), rank, x_max=input_maxima(s, maxima) if maxima
+                                       else None) for s in siblings)
+    return cache[key]
+
+
 def _w4a4(layer: LayerPlan, precision: str, rank: int, tensors: TensorSource, quality: Quality, where: str,
-          maxima: Mapping[str, torch.Tensor] | None) -> Iterator[torch.Tensor]:
+          maxima: Mapping[str, torch.Tensor] | None, shared: _Shared) -> Iterator[torch.Tensor]:
+    smooth = shared_smoothing(layer, tensors, maxima, shared.smooths)
+    amax = (shared_amax(layer, shared.siblings.get(layer.weight[0].key, []), tensors, rank, maxima, shared.amax,
+                        where) if precision == "nvfp4" else None)
     w = _weight(layer, tensors, where)
-    q = quantize_w4a4(w, precision, rank, list(layer.pieces), x_max=input_maxima(layer, maxima) if maxima else None)
+    q = quantize_w4a4(w, precision, rank, list(layer.pieces), x_max=input_maxima(layer, maxima) if maxima else None,
+                      smooth=smooth, amax=amax)
     del w
     _record(layer, q.errors, quality, "w4a4")
     yield pack.pack_codes(q.codes)
@@ -189,6 +230,11 @@ def write(path: Path, layout: FileLayout, precision: str, rank: int, tensors: Te
     specs = layout.entries(precision, rank)
     entries = [Entry(key, shape, dtype) for key, shape, dtype in specs]
     quality = Quality()
+    siblings: dict[str, list[LayerPlan]] = {}
+    for layer in layout.layers:
+        if len(layer.weight) == 1 and layer.weight[0].cols is not None:
+            siblings.setdefault(layer.weight[0].key, []).append(layer)
+    shared = _Shared(siblings)
     last: dict[str, int] = {}
     for i, layer in enumerate(layout.layers):
         for key in layer.sources:
@@ -204,7 +250,7 @@ def write(path: Path, layout: FileLayout, precision: str, rank: int, tensors: Te
             if layer.kind == "awq":
                 yield from _awq(layer, tensors, quality, where)
             else:
-                yield from _w4a4(layer, precision, rank, tensors, quality, where, maxima)
+                yield from _w4a4(layer, precision, rank, tensors, quality, where, maxima, shared)
             for key in layer.sources:
                 if last[key] == i:
                     tensors.release(key)

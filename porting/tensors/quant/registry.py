@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from . import awq_w4a16, bfl_scheme, comfy_mixed, comfy_scaled_fp8, modelopt_int8
 from .base import Layout
+from .svdq import lite as svdq_lite
 from .svdq import reader as svdq
 
 # recognised and refused: packed int4 with zero points has no exact way to plain weights here
@@ -22,6 +23,7 @@ LAYOUTS: list[Layout] = [
     comfy_mixed.LAYOUT,
     comfy_scaled_fp8.LAYOUT,
     svdq.LAYOUT,
+    svdq_lite.LAYOUT,
     awq_w4a16.LAYOUT,
     bfl_scheme.LAYOUT,
     modelopt_int8.LAYOUT,

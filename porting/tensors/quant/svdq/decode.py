@@ -118,6 +118,8 @@ def _awq_bias(layer: SvdqLayer) -> torch.Tensor:
     s = layer.awq_splits
     if "bias" not in layer.parts:
         return torch.zeros(layer.n)
+    if s <= 1:  # diffusers' layout: a plain linear, rows in order, the model adds the 1 itself
+        return read_stored(layer.parts["bias"]).float().reshape(layer.n)
     b = read_stored(layer.parts["bias"]).float().reshape(layer.n // s, s).clone()
     for slot in {1, s - 2}:  # the scale slots (one slot when s = 3): Nunchaku runs adaLN with scale_shift 0
         b[:, slot] -= 1

@@ -77,6 +77,7 @@ class SvdqFile:
     dropped: list[str] = field(default_factory=list)
     config: dict | None = None
     spelling: str = ""
+    layout: str = "nunchaku"  # "nunchaku" (Nunchaku's own file) | "diffusers" (diffusers' Nunchaku Lite folder)
     plain_linears: int = 0  # 2-D weights stored in 16 bits (embedders, modulation, final layer)
     written_by: dict | None = None  # flux-port's own record in the metadata: how the file was quantized
     merged: list = field(default_factory=list)  # adapters `port merge` appended to the branch (or folded in)

@@ -165,33 +165,44 @@ def plain_error(w: torch.Tensor, precision: str) -> torch.Tensor:
 
 
 def quantize_w4a4(w: torch.Tensor, precision: str, rank: int, pieces: list[int], seed: int = 0,
-                  x_max: torch.Tensor | None = None) -> W4A4Parts:
+                  x_max: torch.Tensor | None = None, smooth: torch.Tensor | None = None,
+                  amax: float | None = None) -> W4A4Parts:
     """SVDQuant of W (n, k) float32; `pieces`: the row counts of the fused tensors it is made of; `x_max`: calibrated
-    input maxima (None: data-free smoothing).
+    input maxima (None: data-free smoothing); `smooth`: the smoothing factors to use (bf16), shared with the other
+    layers reading the same input (they then join into one layer exactly); `amax` (nvfp4): the largest value the
+    per-tensor scale must cover, shared with the layers reading the other columns of one linear (`residual_amax`).
 
     A layer whose weights have no low-rank structure to take out (i.i.d.-like values: the residual is then no
     smaller, only more peaked, and rounds worse) would come out worse than plain rounding; it is stored with s = 1
-    and a zero branch instead, which is plain rounding exactly. `w` is used as scratch."""
+    and a zero branch instead, which is plain rounding exactly (with a shared `smooth`: that s and a zero branch,
+    when that rounds better). `w` is used as scratch."""
     n, k = w.shape
     norm = row_norms(w)
     plain = plain_error(w, precision)
-    s = smoothing(w, x_max)
+    s = smoothing(w, x_max) if smooth is None else smooth
     w.mul_(s.float())  # W·diag(s)
     u, d = top_singular(w, rank, seed)
     up, down = u.to(torch.bfloat16), (d / s.float()).to(torch.bfloat16)
-    rounded = _round(w, precision, pieces, s, up, down)
+    rounded = _round(w, precision, pieces, s, up, down, amax)
     if rounded[-1].sum() > plain.sum():
         for a in _bands(n, k):  # w holds R·diag(1/s): W again
             w[a:a + BAND // k].addmm_(up[a:a + BAND // k].float(), down.float())
-        s = torch.ones(k, dtype=torch.bfloat16)
+        if smooth is None:
+            s = torch.ones(k, dtype=torch.bfloat16)
+        else:
+            w.mul_(s.float())  # W·diag(s) again, for the same s
+        kept = (up, down, rounded)
         up, down = torch.zeros_like(up), torch.zeros_like(down)
-        rounded = _round(w, precision, pieces, s, up, down)
+        rounded = _round(w, precision, pieces, s, up, down, amax)
+        if smooth is not None and rounded[-1].sum() > kept[2][-1].sum():
+            up, down, rounded = kept
     codes, scales, tensor_scales, rowsum, err = rounded
     return W4A4Parts(codes, scales, tensor_scales, s, up, down, rowsum, LayerErrors(err, plain, norm))
 
 
 def _round(w: torch.Tensor, precision: str, pieces: list[int], s: torch.Tensor, up: torch.Tensor,
-           down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+           down: torch.Tensor, amax: float | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """Round the residual R = W·diag(s) - U·D·diag(s) (`w` holds W·diag(s), and R·diag(1/s) afterwards):
     (codes, scales, nvfp4 per-piece tensor scales, row sums of R·diag(1/s), per-row squared error against W)."""
     n, k = w.shape
@@ -202,7 +213,8 @@ def _round(w: torch.Tensor, precision: str, pieces: list[int], s: torch.Tensor, 
         for a in _bands(n, k):  # the residual first: the per-tensor scale needs its largest value
             w[a:a + BAND // k].sub_(up[a:a + BAND // k].float() @ d_smoothed)
         starts = [sum(pieces[:i]) for i in range(len(pieces))]
-        tensor_scales = torch.cat([nvfp4_tensor_scale(w[a:a + m].abs().max().item()) for a, m in zip(starts, pieces)])
+        tensor_scales = torch.cat([nvfp4_tensor_scale(w[a:a + m].abs().max().item() if amax is None else amax)
+                                   for a, m in zip(starts, pieces)])
         row_scale = torch.cat([tensor_scales[i:i + 1].float().expand(m) for i, m in enumerate(pieces)])
     codes = torch.empty(n, k, dtype=torch.uint8)
     group = 16 if precision == "nvfp4" else 64
@@ -238,9 +250,22 @@ def quantize_awq(w: torch.Tensor, group: int = 64) -> AwqParts:
                                                                                 row_norms(w)))
 
 
+def residual_amax(w: torch.Tensor, rank: int, seed: int = 0, x_max: torch.Tensor | None = None) -> float:
+    """The largest value `quantize_w4a4` may round for W (n, k) float32: of the residual W·diag(s) - U·D·diag(s),
+    and of W itself (what it rounds when it falls back to plain rounding). Layers that read the columns of one
+    linear take the largest over all of them as their nvfp4 per-tensor scale, so they join into that linear
+    exactly (one scale per row there)."""
+    s = smoothing(w, x_max).float()
+    ws = w * s
+    u, d = top_singular(ws, rank, seed)
+    up, down = u.to(torch.bfloat16).float(), (d / s).to(torch.bfloat16).float()
+    return max(float((ws - up @ (down * s)).abs().max()), float(w.abs().max()))
+
+
 def rel(err2: float, norm2: float) -> float:
     return math.sqrt(err2 / norm2) if norm2 > 0 else math.sqrt(err2)
 
 
 __all__ = ["ALPHA", "LayerErrors", "W4A4Parts", "AwqParts", "smoothing", "top_singular", "round_int4",
-           "round_nvfp4", "nvfp4_tensor_scale", "plain_error", "quantize_w4a4", "quantize_awq", "rel"]
+           "round_nvfp4", "nvfp4_tensor_scale", "plain_error", "quantize_w4a4", "quantize_awq", "residual_amax",
+           "rel"]

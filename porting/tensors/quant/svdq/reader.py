@@ -39,10 +39,19 @@ def table() -> dict[str, Any]:
 
 
 def claims(ckpt: Checkpoint) -> bool:
+    if lite_config(ckpt) is not None:  # diffusers' own layout (svdq/lite.py): the same parts under other names
+        return False
     if _declared_method(ckpt) == "svdquant":
         return True
     endings = {k.rsplit(".", 1)[-1] for k in ckpt.tensors}
     return "qweight" in endings and "wscales" in endings
+
+
+def lite_config(ckpt: Checkpoint) -> dict | None:
+    """The `quantization_config` of a diffusers folder in diffusers' Nunchaku layout (`quant_method` "nunchaku_lite"
+    in its config.json), or None."""
+    qc = (ckpt.config or {}).get("quantization_config")
+    return qc if isinstance(qc, dict) and qc.get("quant_method") == table()["lite"]["quant_method"] else None
 
 
 def _declared_method(ckpt: Checkpoint) -> str | None:
@@ -367,7 +376,11 @@ def _all_zero(info: TensorInfo) -> bool:
 
 def view(ckpt: Checkpoint) -> Checkpoint:
     """The checkpoint as diffusers-named plain weights, computed from the packed layers on demand."""
-    info = read(ckpt)
+    return view_of(ckpt, read(ckpt), NAME)
+
+
+def view_of(ckpt: Checkpoint, info: SvdqFile, layout: str) -> Checkpoint:
+    """The checkpoint seen through `info` (what a header of `layout` says): computed weights, plain rest."""
     tensors: dict[str, TensorInfo] = {}
     targets_by_anchor: dict[str, list[Target]] = {}
     for target in info.targets.values():
@@ -383,7 +396,7 @@ def view(ckpt: Checkpoint) -> Checkpoint:
         name = info.renamed.get(key, key)
         tensors[name] = stored if name == key else TensorInfo(name, stored.dtype, stored.shape, stored.file,
                                                                stored.start, stored.nbytes)
-    quant = Quantization(f"{NAME} {info.precision}, rank {info.rank}, group {info.group_size}", info.counts(),
+    quant = Quantization(f"{layout} {info.precision}, rank {info.rank}, group {info.group_size}", info.counts(),
                          folded=sorted(info.consumed - set(info.dropped)), dropped=sorted(info.dropped),
                          dropped_why="zero biases of layers that have no bias in the model", notes=_notes(info),
                          details=describe(info))
@@ -431,7 +444,7 @@ def _notes(info: SvdqFile) -> list[str]:
 def describe(info: SvdqFile) -> dict[str, Any]:
     """The header's facts for `port inspect` and the manifest."""
     return {"precision": info.precision, "rank": info.rank, "group_size": info.group_size, "family": info.family,
-            "spelling": info.spelling, "layers": info.counts(), "w4a4_layers": sum(
+            "spelling": info.spelling, "layout": info.layout, "layers": info.counts(), "w4a4_layers": sum(
                 1 for layer in info.layers.values() if layer.kind == "w4a4"),
             "w4a16_layers": sum(1 for layer in info.layers.values() if layer.kind == "awq"),
             "smoothing_fused_layers": sum(1 for layer in info.layers.values() if layer.smoothing_fused),
@@ -447,5 +460,6 @@ LAYOUT = Layout(NAME, sidecars=("qweight", "wscales", "wzeros", "wtscale", "wcsc
                                 "smooth_factor_orig", "proj_down", "proj_up"),
                 markers=("qweight", "wscales"), recognise=claims, view=view)
 
-__all__ = ["NAME", "LAYOUT", "claims", "read", "view", "describe", "svdq_info", "SvdqFile", "SvdqLayer", "Target",
+__all__ = ["NAME", "LAYOUT", "claims", "read", "view", "view_of", "lite_config",
+           "describe", "svdq_info", "SvdqFile", "SvdqLayer", "Target",
            "Piece", "GELU_SHIFT"]
