@@ -160,6 +160,7 @@ def svdq_table(doc: dict) -> Table:
     return table  # the file size against bf16 is the conversion plan's `output size`
 
 
+# long: the signature is convert's table of 18 options (each with its help); the body is 35 lines
 def convert(
     src: Annotated[Path, typer.Argument(help="Checkpoint: .safetensors file, sharded folder, diffusers folder, or a "
                                         "recipe name in the workspace.")],
