@@ -14,7 +14,7 @@ from typing import Any, Callable, Protocol
 from rich.console import Console
 
 from porting import errors, known_digests
-from porting.errors import CheckFailed, DiskSpaceError, InputError, NetworkError, PortError
+from porting.errors import CheckFailed, DiskSpaceError, InputError, NetworkError, PortError, add_secret
 from porting.hub.recipes import Recipe
 from porting.hub.workspace import recipe_paths, record_step
 from porting.outputs import UnsafeOutputError
@@ -250,13 +250,12 @@ def _execute(runs: list[PartRun], opts: FetchOptions, ui: Reporter,
 
 
 def _scrubbed(err: PortError, secrets: list[str]) -> PortError:
-    """Make sure no token can reach the terminal through a message that quotes a server or client."""
+    """Make sure no token can reach the terminal through a message that quotes a server or client: the tokens the
+    clients found (a login file's) become secrets of this run (errors.redact), and the error's texts are redacted."""
     for secret in secrets:
-        if secret and len(secret) >= 4:
-            err.message = err.message.replace(secret, "***")
-            err.hint = err.hint.replace(secret, "***") if err.hint else err.hint
-            err.details = err.details.replace(secret, "***") if err.details else err.details
-    err.args = (err.message,)
+        add_secret(secret)
+    for name in ("message", "hint", "details"):
+        setattr(err, name, getattr(err, name))  # redacted as set, now with these secrets too
     return err
 
 
