@@ -262,10 +262,9 @@ def convert(src: SourceLike, out: str | Path | None, to: Naming = "diffusers", d
     if on_start:
         on_start(plan.output_bytes)
     with atomic_folder(out, force=force, verb="convert", inputs=read_paths, on_notice=on_notice) as staging:
-        digests: dict[str, str] = {}
         files = write_shards(staging, stem, entries, (tensors or iter_tensors)(ckpt, plan), limit,
                              metadata={"format": "pt"}, on_bytes=on_bytes, hasher=hasher,
-                             known=tensor_digests(source.stamps), digests=digests)
+                             known=tensor_digests(source.stamps))
         if to == "diffusers":
             cfg = {**detection.config, "_class_name": detection.table.diffusers_class}
             cfg["_diffusers_version"] = importlib.metadata.version("diffusers")  # the version, without the import
@@ -274,7 +273,7 @@ def convert(src: SourceLike, out: str | Path | None, to: Naming = "diffusers", d
             "tool": "flux-port", "version": __version__, "format_version": 1, "source": str(source.path.resolve()),
             "source_naming": detection.naming_label, "table": detection.table.name, "to": to,
             "variant": detection.variant, "dtype": dtype, "tensors": len(entries), "files": files,
-            "weights_sha256": hasher.hexdigest(), "files_sha256": digests, "config": detection.config,
+            "weights_sha256": hasher.hexdigest(), "config": detection.config,
             **(manifest_extra or {}),
         }
         if quant:

@@ -31,6 +31,7 @@ class WeightsHasher:
 
     def __init__(self) -> None:
         self._lines: dict[str, str] = {}
+        self._digests: dict[str, str] = {}
         self._lock = threading.Lock()
 
     def update(self, key: str, tensor: torch.Tensor, dtype: str) -> None:
@@ -40,6 +41,11 @@ class WeightsHasher:
         """Record a tensor whose bytes were hashed elsewhere (e.g. by the writer, piece by piece)."""
         with self._lock:
             self._lines[key] = f"{key}|{dtype}|{list(shape)}|{digest}\n"
+            self._digests[key] = digest
+
+    def digest(self, key: str) -> str | None:
+        """The sha256 of tensor `key`'s bytes, once added."""
+        return self._digests.get(key)
 
     def hexdigest(self) -> str:
         h = hashlib.sha256()

@@ -224,8 +224,9 @@ def run_part(run: PartRun, opts: FetchOptions, ui: Reporter) -> PartRun:
 
 
 def _remember(dest: Path, sha256: str | None, tensors: dict[Range, str]) -> None:
-    """Per-tensor digests go to the one digest store (porting.known_digests), where convert finds them."""
-    if sha256 and tensors:
+    """The file's sha256 and its per-tensor digests go to the one digest store (porting.known_digests), where
+    convert, publish and push find them."""
+    if sha256:
         known_digests.remember(dest, sha256, tensors=tensors)
 
 
