@@ -239,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             runs["diffusers"].append({"wall": wall, "sync": timed_sync(), "rss": rss})
             shutil.rmtree(out)
+        floor = hash_floor(src, port) if args.warm and runs["cp"] else None  # while the source is still there
     finally:
         if args.fetched:
             (src.parent / "fetch-manifest.json").unlink(missing_ok=True)
@@ -247,9 +248,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.workdir is None and not args.keep:
             shutil.rmtree(work, ignore_errors=True)
 
-    floor = None
-    if args.warm and runs["cp"]:
-        floor = hash_floor(src, port)
     _report(runs, size, TARGET_WARM_RATIO[args.fetched] if args.warm else TARGET_RATIO[args.model], floor)
     return 0
 
