@@ -226,6 +226,21 @@ def shards_record(weights_sha256: str, names: Sequence[str]) -> dict[str, object
     return {"sha256": weights_sha256, "files": sorted(names), "write": os.urandom(16).hex()}
 
 
+def weights_of(files: Sequence[Path], compute: Callable[[], str]) -> str:
+    """The weights identity of the tensors in `files`: recorded (`known_weights`), else `compute()`d and recorded
+    for the set, as a convert that took it would have (not for a file that changed while it was computed)."""
+    known = known_weights(files)
+    if known is not None:
+        return known
+    before = {Path(f): _stat(f) for f in files}
+    identity = compute()
+    if len({Path(f).parent for f in files}) == 1 and all(before.values()):
+        weights = shards_record(identity, [Path(f).name for f in files])
+        for f, st in before.items():
+            remember(f, weights=weights, expect=st)
+    return identity
+
+
 def known_weights(files: Sequence[Path]) -> str | None:
     """The weights identity of the tensors in `files`, when they are exactly a set of shards written together
     and each is unchanged since; None otherwise (the caller hashes the tensors)."""

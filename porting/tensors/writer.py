@@ -295,9 +295,10 @@ class _SideHashes:
     or is about to) on two threads: tensors are hashed in parallel while later ones are copied. A range whose
     digest is `known` (port fetch took it while verifying the file) is not read again."""
 
-    def __init__(self, hasher: WeightsHasher | None, known: KnownDigests | None = None) -> None:
+    def __init__(self, hasher: WeightsHasher | None, known: KnownDigests | None = None, defer: bool = False) -> None:
         self.hasher = hasher
         self.known = known or {}
+        self.defer = defer  # a copied tensor whose digest is not known is not hashed here (hasher.defer)
         self.pool = ThreadPoolExecutor(2, thread_name_prefix="flux-port-hash") if hasher else None
         self.local = threading.local()
         self.opened: list[_Sources] = []
@@ -315,6 +316,9 @@ class _SideHashes:
             if digest is not None:
                 self.hasher.add(e.key, e.dtype, e.shape, digest)
                 return
+        if self.defer:
+            self.hasher.defer(e.key)
+            return
         while self.pending and self.bytes_pending + item.nbytes > HASH_BEHIND:
             if before_waiting is not None:
                 before_waiting()
@@ -520,7 +524,8 @@ def write_shards(folder: Path, stem: str, entries: list[Entry],
                  tensors: Iterable[torch.Tensor | Segments | Chunks | Filled],
                  max_shard_bytes: int, metadata: dict[str, str] | None = None,
                  on_bytes: Callable[[int], None] | None = None,
-                 hasher: WeightsHasher | None = None, known: KnownDigests | None = None) -> list[str]:
+                 hasher: WeightsHasher | None = None, known: KnownDigests | None = None,
+                 defer: bool = False) -> list[str]:
     """Write `tensors` (yielded in the order of `entries`) as one file or shards plus the standard index.
 
     An item is a tensor (written from memory), `Segments` (byte ranges of source files, copied), `Chunks` (row
@@ -529,10 +534,11 @@ def write_shards(folder: Path, stem: str, entries: list[Entry],
     With `hasher` (the weights identity), `Segments` are copied file to file by the kernel while two side threads
     hash the same source ranges (from the page cache), except the whole tensors whose digest is `known` (source
     file -> (start, length) -> sha256: port fetch took it); tensors in memory are computed on a second thread while
-    this one writes the last pieces and a third hashes them. Each shard's record (`porting.known_digests`) then holds
-    the weights identity of the set and each tensor's sha256 by its byte range in the shard. No file's own sha256 is
-    taken here: the first verb that certifies the file takes it (publish, push), so a convert costs what the copy
-    costs, plus the tensors' hashes where fetch left none.
+    this one writes the last pieces and a third hashes them. With `defer`, a copied tensor whose digest is not known
+    is not hashed (the hasher is then not `complete`: the weights identity is left to the first verb that certifies
+    the weights, validate). Each shard's record (`porting.known_digests`) holds each tensor's sha256 by its byte
+    range in the shard, and the weights identity of the set when complete. No file's own sha256 is taken here: the
+    first verb that certifies the file takes it (publish, push), so a convert costs what the copy costs.
     """
     shards = plan_shards(entries, max_shard_bytes)
     names = shard_names(stem, len(shards))
@@ -541,7 +547,7 @@ def write_shards(folder: Path, stem: str, entries: list[Entry],
     pool: list[mmap.mmap] = []
     stream = prefetched(_pieces(entries, tensors, budget, pool), depth=64)
     hashing = ThreadPoolExecutor(1, thread_name_prefix="flux-port-hash")
-    copier, side = _Copier(on_bytes), _SideHashes(hasher, known)
+    copier, side = _Copier(on_bytes), _SideHashes(hasher, known, defer)
     run = _ShardRun(copier, side, hashing, budget, pool, hasher, on_bytes)
     written: dict[str, tuple[os.stat_result, int]] = {}  # each shard as closed, and where its data starts
     try:
@@ -575,8 +581,9 @@ def write_shards(folder: Path, stem: str, entries: list[Entry],
 
 def _remember_shards(folder: Path, shards: Iterable[tuple[str, list[Entry]]],
                      written: Mapping[str, tuple[os.stat_result, int]], hasher: WeightsHasher) -> None:
-    """Each shard's record: the weights identity of the set, and each tensor's sha256 by its byte range in it."""
-    weights = shards_record(hasher.hexdigest(), list(written))
+    """Each shard's record: the weights identity of the set (when every tensor's digest was taken), and each
+    tensor's sha256 by its byte range in it."""
+    weights = shards_record(hasher.hexdigest(), list(written)) if hasher.complete else None
     for name, shard in shards:
         st, offset = written[name]
         tensors: dict[tuple[int, int], str] = {}
