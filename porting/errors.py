@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -17,16 +19,77 @@ EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143  # 128 + SIGTERM
 
 
+# --- credentials: never echoed ------------------------------------------------------------------------------------
+# An argument may hold a credential (a token pasted into --push, a URL with `user:token@`); whatever flux-port shows
+# or writes of it goes through `redact`: every error's text (PortError below), every line, table and JSON document
+# the CLI prints (cli/_output.py) and every JSON file written through `finite.dumps` (reports, journals, manifests).
+REDACTED = "***"
+TOKEN_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "MODELSCOPE_API_TOKEN")
+_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^\s/?#@'\"\\<>]+@")  # scheme://user:token@host
+_TOKEN_SHAPES = re.compile(r"\b(?:hf_|api_(?:org_)?)[A-Za-z0-9]{30,}\b")  # Hugging Face user / org tokens
+_SECRET_QUERY = re.compile(r"(?i)([?&](?:access_token|token|api_key|apikey|key|sig|signature|password|secret)=)"
+                           r"[^&\s'\"#]+")
+_BEARER = re.compile(r"(?i)\b(bearer\s+)[A-Za-z0-9._~+/=-]{8,}")
+_extra_secrets: set[str] = set()
+
+
+def add_secret(value: str | None) -> None:
+    """Treat `value` (a token a client found in a login file, say) as a secret for the rest of this process."""
+    if value and len(value) >= 8:
+        _extra_secrets.add(value)
+
+
+def _secrets() -> list[str]:
+    values = {os.environ.get(k) or "" for k in TOKEN_ENV} | _extra_secrets
+    return sorted((v for v in values if len(v) >= 8), key=len, reverse=True)
+
+
+def redact(text: str) -> str:
+    """`text` with every credential it may hold replaced by `***`: a URL's `user:password@`, the value of the token
+    variables (HF_TOKEN, HUGGING_FACE_HUB_TOKEN, MODELSCOPE_API_TOKEN) and of tokens seen this run, Hugging Face
+    token shapes (`hf_...`), `token=` / `sig=` query values and `Bearer` headers."""
+    if not text:
+        return text
+    for secret in _secrets():
+        text = text.replace(secret, REDACTED)
+    text = _USERINFO.sub(lambda m: f"{m.group(1)}{REDACTED}@", text)
+    text = _TOKEN_SHAPES.sub(REDACTED, text)
+    text = _SECRET_QUERY.sub(lambda m: m.group(1) + REDACTED, text)
+    return _BEARER.sub(lambda m: m.group(1) + REDACTED, text)
+
+
+def holds_secret(text: str) -> bool:
+    return redact(text) != text
+
+
+def redact_doc(doc: Any) -> Any:
+    """`doc` (JSON-like) with every string, keys included, passed through `redact`."""
+    if isinstance(doc, str):
+        return redact(doc)
+    if isinstance(doc, dict):
+        return {redact(k) if isinstance(k, str) else k: redact_doc(v) for k, v in doc.items()}
+    if isinstance(doc, (list, tuple)):
+        return [redact_doc(v) for v in doc]
+    return doc
+
+
 class PortError(Exception):
-    """Base error: a message for the user, an optional next step, and an exit code."""
+    """Base error: a message for the user, an optional next step, and an exit code. Its texts are redacted as they
+    are set (`redact`): no error carries a credential to a terminal, a --json document or a journal."""
 
     exit_code = EXIT_USAGE
 
     def __init__(self, message: str, hint: str | None = None, details: str | None = None):
-        super().__init__(message)
         self.message = message
         self.hint = hint
         self.details = details
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in ("message", "hint", "details") and isinstance(value, str):
+            value = redact(value)
+            if name == "message":
+                self.args = (value,)
+        super().__setattr__(name, value)
 
 
 class UsageError(PortError):

@@ -16,7 +16,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
-from porting.errors import CheckFailed
+from porting.errors import CheckFailed, redact
 
 if TYPE_CHECKING:
     import torch
@@ -124,11 +124,12 @@ NOTE_KEY = "null_means_not_finite"  # lists the fields whose value was NaN or In
 def dumps(doc: Any, replaced: list[str] | None = None, **kwargs: Any) -> str:
     """`json.dumps` that never writes a NaN / Infinity literal: non-finite floats become null, and a document
     (a dict) that had any says so under `null_means_not_finite` (their paths, also appended to `replaced`);
-    `allow_nan=False` makes anything left over an error instead of invalid JSON."""
+    `allow_nan=False` makes anything left over an error instead of invalid JSON. No credential is written
+    (`errors.redact` over the text: a JSON string escapes no character a credential is made of)."""
     found: list[str] = []
     clean = json_ready(doc, replaced=found)
     if found and isinstance(clean, dict):
         clean[NOTE_KEY] = found
     if replaced is not None:
         replaced.extend(found)
-    return json.dumps(clean, allow_nan=False, **kwargs)
+    return redact(json.dumps(clean, allow_nan=False, **kwargs))

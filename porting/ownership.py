@@ -368,16 +368,6 @@ def same_file_facts(facts: object, st: os.stat_result) -> bool:
         ("device", st.st_dev), ("inode", st.st_ino), ("size", st.st_size), ("mtime_ns", st.st_mtime_ns)))
 
 
-def recorded_sha256(st: os.stat_result) -> str | None:
-    """The sha256 a flux-port run recorded when it wrote `st`'s file (port fetch, port generate), while the file
-    is still as it was written; None otherwise."""
-    doc = read_state_record(_FILES, st)
-    facts = doc.get("file") if doc else None
-    if same_file_facts(facts, st) and isinstance(facts.get("sha256"), str):  # type: ignore[union-attr]
-        return str(facts["sha256"])  # type: ignore[index]
-    return None
-
-
 def file_is_flux_ports(path: Path) -> bool:
     """Whether the plain file `path` is, byte for byte and inode for inode, one this machine's flux-port wrote."""
     try:

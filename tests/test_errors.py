@@ -295,5 +295,6 @@ def test_json_mode_prints_one_json_document(tmp_path, capsys, src, argv):
     else:
         assert run.code == 0, run.err
     if "--out" in argv and run.code == 0:
-        assert doc["files"] == ["diffusion_pytorch_model.safetensors"] and len(doc["weights_sha256"]) == 64
+        assert doc["files"] == ["diffusion_pytorch_model.safetensors"]
+        assert "weights_sha256" in doc  # null: port convert leaves the identity to validate (split tensors)
 

@@ -1,5 +1,8 @@
-"""The identity rides along (issue 33): every file flux-port's writer writes is hashed as it lands and the digest is
-kept, sealed, by inode; validate, publish and publish --push take it from there instead of reading the bytes again.
+"""What flux-port knows of a file is kept, sealed, by inode, and is a hint: convert records the weights identity of
+the shards it writes and each tensor's digest (taken from fetch's records, or hashed from the source), never the
+file's own sha256, which the first verb that certifies the file takes (publish, push) and records for the others.
+A record describes the file by device, inode, size, modification time and change time: an edit in place that puts
+size and modification time back is still seen.
 
 Oracles: hashlib over the file's bytes on disk, the weights identity recomputed tensor by tensor
 (`hash_checkpoint`), and the bytes a process actually read (`rchar` of /proc/self/io).
@@ -78,38 +81,103 @@ def convert_case(case: str, src: Path, out: Path, capsys: pytest.CaptureFixture)
 CASES = ["copy, shards", "fp16", "to original", "merge"]
 
 
+def tensor_ranges(f: Path) -> dict[tuple[int, int], str]:
+    """Oracle: each tensor's byte range in the file (from its header, read here) and the sha256 of those bytes."""
+    raw = f.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    return {(8 + n + a, b - a): hashlib.sha256(raw[8 + n + a:8 + n + b]).hexdigest()
+            for k, v in header.items() if k != "__metadata__" for a, b in [v["data_offsets"]]}
+
+
 @pytest.mark.parametrize("case", CASES)
-def test_every_written_file_is_known_with_its_true_digest(case: str, finetune: Path, tmp_path: Path, state: Path,
-                                                          capsys: pytest.CaptureFixture) -> None:
+def test_every_written_shard_records_its_weights_and_tensors_not_its_file_digest(
+        case: str, finetune: Path, tmp_path: Path, state: Path, capsys: pytest.CaptureFixture) -> None:
+    from porting.known_digests import known_tensor_digests
+
     out = tmp_path / "out"
     convert_case(case, finetune, out, capsys)
     files = shards(out)
     assert len(files) >= (3 if case.endswith("shards") else 1)
-    for f in files:
-        assert known_sha256(f) == sha256(f), f
     assert known_weights(files) == hash_checkpoint(open_source(out).view)
     manifest = json.loads((out / "flux-port.json").read_text())
-    assert known_weights(files) == manifest["weights_sha256"]
-    assert manifest["files_sha256"] == {f.name: sha256(f) for f in files}
+    assert known_weights(files) == manifest["weights_sha256"] and "files_sha256" not in manifest
+    for f in files:
+        assert known_sha256(f) is None, f  # left to the first verb that certifies the file
+        assert known_tensor_digests(f) == tensor_ranges(f)
+        assert file_sha256(f) == sha256(f) and known_sha256(f) == sha256(f)  # taken once, then kept
+    assert known_weights(files) == manifest["weights_sha256"]  # beside the weights identity, not instead of it
 
 
-def test_identity_of_unchanged_shards_reads_no_tensor(finetune: Path, tmp_path: Path, state: Path) -> None:
+def test_identity_of_unchanged_shards_reads_no_tensor_and_each_file_is_hashed_once(finetune: Path, tmp_path: Path,
+                                                                                   state: Path) -> None:
     out = tmp_path / "out"
     convert(finetune, out, max_shard_size="80KB")
     size = sum(f.stat().st_size for f in shards(out))
     headers = sum(8 + int.from_bytes(f.read_bytes()[:8], "little") for f in shards(out))
     before = bytes_read()
     weights = open_source(out).weights_sha256
-    digests = [file_sha256(f) for f in shards(out)]
     read = bytes_read() - before
     assert read - headers < 32 * 1024, f"read {read} bytes, {headers} of them headers"  # and the sealed records
-    assert weights == hash_checkpoint(open_source(out).view) and digests == [sha256(f) for f in shards(out)]
+    before = bytes_read()
+    digests = [file_sha256(f) for f in shards(out)]  # the first certifying verb reads each byte once
+    assert size <= bytes_read() - before < size + 64 * 1024
+    before = bytes_read()
+    again = [file_sha256(f) for f in shards(out)]
+    assert bytes_read() - before < 32 * 1024  # and records it for the others
+    assert again == digests == [sha256(f) for f in shards(out)]
+    assert weights == hash_checkpoint(open_source(out).view)
 
     fresh = tmp_path / "other-state"  # the control: without the records, the same calls read every byte
     os.environ["FLUX_PORT_STATE_DIR"] = str(fresh)
     before = bytes_read()
     assert open_source(out).weights_sha256 == weights
     assert bytes_read() - before > size * 0.9
+
+
+def test_convert_after_fetch_reads_each_byte_once(finetune: Path, tmp_path: Path, state: Path) -> None:
+    """Warm convert: with the per-tensor digests port fetch records, convert reads each source byte once, the kernel's
+    copy (`copy_file_range` counts in rchar), and hashes only the tensors it splits; it reads nothing of what it
+    wrote back (no file sha256 is taken), which cost one more pass over the output before."""
+    from porting.known_digests import known_tensor_digests, remember
+
+    src = tmp_path / "fetched.safetensors"
+    src.write_bytes(finetune.read_bytes())
+    remember(src, sha256(src), tensors=tensor_ranges(src))  # what port fetch records when it verifies a download
+    convert(src, tmp_path / "warm-up")  # the lazy imports of a first convert read files too
+    size = src.stat().st_size
+    before = bytes_read()
+    result = convert(src, tmp_path / "out")
+    read = bytes_read() - before
+    assert size <= read < size * 1.5, f"convert read {read} bytes of a {size}-byte checkpoint"
+    out = shards(tmp_path / "out")
+    assert result.weights_sha256 == hash_checkpoint(open_source(tmp_path / "out").view) == known_weights(out)
+    assert known_tensor_digests(out[0]) == tensor_ranges(out[0])
+
+
+def test_an_edit_in_place_that_puts_size_and_mtime_back_is_seen(finetune: Path, tmp_path: Path,
+                                                                state: Path) -> None:
+    """The change time is the kernel's: `touch -d` cannot set it back, so the records no longer describe the file."""
+    out = tmp_path / "out"
+    convert(finetune, out)
+    f = shards(out)[0]
+    file_sha256(f)
+    edit_in_place_keeping_size_and_mtime(f)
+    assert known_sha256(f) is None and known_weights([f]) is None
+    assert file_sha256(f) == sha256(f)
+
+
+def edit_in_place_keeping_size_and_mtime(victim: Path) -> None:
+    """The last byte of the last tensor flipped in place (the same inode: a hard link shares the edit), then the
+    modification time put back to the nanosecond."""
+    st = victim.stat()
+    with open(victim, "r+b") as fh:
+        fh.seek(st.st_size - 1)
+        last = fh.read(1)
+        fh.seek(st.st_size - 1)
+        fh.write(bytes([last[0] ^ 0x01]))
+    os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (victim.stat().st_size, victim.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
 
 
 def test_a_changed_shard_is_hashed_again_and_publish_refuses_it(finetune: Path, tmp_path: Path, state: Path) -> None:
@@ -131,6 +199,7 @@ def test_a_touched_shard_is_not_trusted(finetune: Path, tmp_path: Path, state: P
     out = tmp_path / "out"
     convert(finetune, out)
     f = shards(out)[0]
+    file_sha256(f)
     st = f.stat()
     os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
     assert known_sha256(f) is None and known_weights([f]) is None
@@ -142,7 +211,7 @@ def test_records_sealed_under_another_key_prove_nothing(finetune: Path, tmp_path
     out = tmp_path / "out"
     convert(finetune, out)
     f = shards(out)[0]
-    assert known_sha256(f) == sha256(f)
+    assert file_sha256(f) == sha256(f) and known_sha256(f) == sha256(f) and known_weights([f]) is not None
     other = tmp_path / "other-state"
     monkeypatch.setenv("FLUX_PORT_STATE_DIR", str(other))
     assert known_sha256(f) is None  # a new key
@@ -164,11 +233,11 @@ def test_records_of_another_set_do_not_name_these_weights(finetune: Path, tmp_pa
     assert known_weights(files + shards(other)) is None  # two folders
 
 
-def test_publish_takes_the_transformer_digests_without_reading_it(finetune: Path, tmp_path: Path,
-                                                                  state: Path) -> None:
-    """Publish after convert hashes no transformer byte: a same-size edit that puts the modification time back
-    (`touch -d`, the blind spot docs/publish.md names) goes unnoticed, which can only be if publish did not read it.
-    The same edit with the time left as the edit set it is caught."""
+def test_publish_hashes_the_transformer_once_and_refuses_an_edit_in_place(finetune: Path, tmp_path: Path,
+                                                                          state: Path) -> None:
+    """Publish after convert takes each transformer file's sha256 (once: a second publish reads none of it) and its
+    hard links keep the records. A same-size edit in place that puts the modification time back (`touch -d`) is
+    refused at the gate, as the weights changed since convert and validate: the records no longer describe it."""
     out = tmp_path / "transformer"
     result = convert(finetune, out, max_shard_size="80KB")
     base = build_demo_base(tmp_path / "base")
@@ -176,23 +245,18 @@ def test_publish_takes_the_transformer_digests_without_reading_it(finetune: Path
     pub = publish(base, out, tmp_path / "pub", report=report)
     manifest = json.loads((tmp_path / "pub" / "manifest.json").read_text())
     for f in shards(out):
-        assert manifest["files"][f"transformer/{f.name}"]["sha256"] == sha256(f)
-    assert pub.weights_sha256 == result.weights_sha256
+        assert manifest["files"][f"transformer/{f.name}"]["sha256"] == sha256(f) == known_sha256(f)
+    assert pub.weights_sha256 == result.weights_sha256 and known_weights(shards(out)) == result.weights_sha256
+    size = sum(f.stat().st_size for f in shards(out))
+    before = bytes_read()
+    publish(base, out, tmp_path / "pub", report=report, force=True)  # its old links go: the records stay
+    assert bytes_read() - before < size / 2
+    assert all(known_sha256(f) == sha256(f) for f in shards(out)) and known_weights(shards(out)) is not None
 
-    victim = shards(out)[0]
-    st = victim.stat()
-    data = bytearray(victim.read_bytes())
-    data[-1] ^= 0x01
-    with open(victim, "r+b") as fh:  # in place: the same inode, as the hard link in pub/ shares it
-        fh.write(data)
-    os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
-    again = publish(base, out, tmp_path / "pub2", report=report)
-    listed = json.loads((tmp_path / "pub2" / "manifest.json").read_text())["files"][f"transformer/{victim.name}"]
-    assert again.weights_sha256 == result.weights_sha256 and listed["sha256"] != sha256(victim)  # not read
-
-    os.utime(victim)  # the edit's own time: the records no longer describe the file
+    edit_in_place_keeping_size_and_mtime(shards(out)[0])
     with pytest.raises(CheckFailed, match="weights changed since port convert wrote them"):
-        publish(base, out, tmp_path / "pub3", report=report)
+        publish(base, out, tmp_path / "pub2", report=report)
+    assert not (tmp_path / "pub2").exists()
 
 
 def test_publish_copy_keeps_the_digest_of_what_it_copied(finetune: Path, tmp_path: Path, state: Path) -> None:
@@ -217,11 +281,7 @@ def test_push_uses_the_proven_digests_and_refuses_a_folder_that_changed(finetune
     assert weights and all(f.proven for f in weights)  # the LFS oid is taken from them, not hashed once more
 
     victim = weights[0].file
-    data = bytearray(victim.read_bytes())
-    data[-1] ^= 0x01
-    victim.write_bytes(data)
-    assert not local_identity(tmp_path / "pub")[0][weights[0].path].proven  # changed: hashed by the upload again
-    file_sha256(victim)  # something hashed the edited file since: its new digest is on record
+    edit_in_place_keeping_size_and_mtime(victim)  # not described by its record any more: hashed again, refused
     with pytest.raises(CheckFailed, match="changed after port publish wrote it; nothing was uploaded"):
         local_identity(tmp_path / "pub")
 
@@ -279,3 +339,58 @@ def test_a_file_changed_after_it_was_hashed_is_not_recorded(tmp_path: Path, stat
     assert known_sha256(f) is None
     remember(f, sha256(f), expect=f.stat())
     assert known_sha256(f) == sha256(f)
+
+
+def identity_oracle(files: list[Path]) -> str:
+    """The weights identity from the files' raw bytes and headers alone (no record, no flux-port reader)."""
+    from porting.tensors.identity import WeightsHasher
+
+    hasher = WeightsHasher()
+    for f in files:
+        raw = f.read_bytes()
+        n = int.from_bytes(raw[:8], "little")
+        for key, info in json.loads(raw[8:8 + n]).items():
+            if key != "__metadata__":
+                a, b = info["data_offsets"]
+                hasher.add(key, info["dtype"], tuple(info["shape"]), sha256_bytes(raw[8 + n + a:8 + n + b]))
+    return hasher.hexdigest()
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def test_port_convert_is_a_copy_and_leaves_the_identity_to_the_first_verb_that_names_the_weights(
+        finetune: Path, tmp_path: Path, state: Path, capsys: pytest.CaptureFixture) -> None:
+    """Warm `port convert` after a fetch reads each source byte once (the kernel's copy) and hashes nothing: the
+    tensors it splits have no recorded digest, so the weights identity is left to the first verb that names the
+    weights (validate, publish), which takes it, hashing only those tensors, and records it for the others. An
+    edit in place after that, size and modification time put back, is refused at publish's gate."""
+    from porting.known_digests import remember
+
+    src = tmp_path / "fetched.safetensors"
+    src.write_bytes(finetune.read_bytes())
+    remember(src, sha256(src), tensors=tensor_ranges(src))  # as port fetch leaves a verified download
+    assert run_cli(["convert", str(src), "--out", str(tmp_path / "warm-up"), "--json"], capsys)[0] == 0
+    size = src.stat().st_size
+    before = bytes_read()
+    code, out, err = run_cli(["convert", str(src), "--out", str(tmp_path / "out"), "--json"], capsys)
+    read = bytes_read() - before
+    assert code == 0, err
+    assert json.loads(out)["weights_sha256"] is None  # deferred: not taken by convert
+    assert size <= read < size * 1.15, f"port convert read {read} bytes of a {size}-byte checkpoint"
+    files = shards(tmp_path / "out")
+    assert known_weights(files) is None
+    identity = open_source(tmp_path / "out").weights_sha256  # what validate and publish do first
+    assert identity == identity_oracle(files) and known_weights(files) == identity
+    headers = sum(8 + int.from_bytes(f.read_bytes()[:8], "little") for f in files)
+    before = bytes_read()
+    assert open_source(tmp_path / "out").weights_sha256 == identity
+    assert bytes_read() - before - headers < 32 * 1024  # recorded for the others: no tensor read
+
+    base = build_demo_base(tmp_path / "base")
+    report = write_report(tmp_path / "reports", identity)
+    publish(base, tmp_path / "out", tmp_path / "pub", report=report)
+    edit_in_place_keeping_size_and_mtime(files[0])
+    with pytest.raises(CheckFailed, match="validated other weights"):
+        publish(base, tmp_path / "out", tmp_path / "pub2", report=report)

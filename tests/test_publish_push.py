@@ -411,3 +411,95 @@ def test_ctrl_c_during_the_upload_names_the_resume(cli, hubs, port, tmp_path):
     assert r.code == 130, r
     assert r.json["error"].startswith(f"Interrupted during the upload to hf:{REPO}") and "--force" in r.json["hint"]
     assert hubs.hf[REPO].commits == [] and (tmp_path / "pub" / "manifest.json").is_file()
+
+
+# --- an identity is never stale: a file edited in place, its size and modification time put back --------------
+
+def _edit_in_place(victim: Path) -> None:
+    """The last byte flipped in place (the same inode, so the published hard link shares it), then the modification
+    time put back to the nanosecond: what `make` and rsync would not notice."""
+    import os
+
+    st = victim.stat()
+    with open(victim, "r+b") as fh:
+        fh.seek(st.st_size - 1)
+        last = fh.read(1)
+        fh.seek(st.st_size - 1)
+        fh.write(bytes([last[0] ^ 0x01]))
+    os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def _own_port(port: dict, tmp_path: Path, monkeypatch) -> tuple[Path, Path, dict[str, str]]:
+    """A transformer converted here (its records in this test's state folder, which the CLI children share) and a
+    passing report for it; returns (transformer, report, the state variable for the children)."""
+    from porting.engine.convert import convert
+    from tests.tinyport import write_report
+
+    state = {"FLUX_PORT_STATE_DIR": str(tmp_path / "state")}
+    monkeypatch.setenv("FLUX_PORT_STATE_DIR", state["FLUX_PORT_STATE_DIR"])
+    result = convert(port["source"], tmp_path / "transformer", strict=True)
+    return tmp_path / "transformer", write_report(tmp_path / "reports", result.weights_sha256), state
+
+
+def _argv(port: dict, transformer: Path, report: Path, out: Path, *extra: str) -> list[str]:
+    return ["publish", "--base", str(port["base"]), "--transformer", str(transformer), "--report", str(report),
+            "--out", str(out), "--base-model", "black-forest-labs/FLUX.2-klein-4B", "--json", *extra]
+
+
+def test_an_edit_in_place_is_refused_at_the_gate_locally_and_on_push(cli, hubs, port, tmp_path, monkeypatch):
+    """After convert and validate, the weights edited in place with size and mtime kept: publish and publish --push
+    refuse at the gate (exit 1), nothing is written or sent; the records do not describe the file any more."""
+    transformer, report, state = _own_port(port, tmp_path, monkeypatch)
+    _edit_in_place(transformer / "diffusion_pytorch_model.safetensors")
+    env = client_env(tmp_path, hubs, HF_TOKEN=GOOD_TOKEN, **state)
+    local = cli.run(_argv(port, transformer, report, tmp_path / "pub"), env, tmp_path)
+    assert local.code == 1, local
+    assert "weights changed since port convert wrote them" in local.json["error"]
+    pushed = cli.run(_argv(port, transformer, report, tmp_path / "pub", "--push", REPO, "--send-token"), env,
+                     tmp_path)
+    assert pushed.code == 1, pushed
+    assert "weights changed since port convert wrote them" in pushed.json["error"]
+    assert "resumes the upload" not in (pushed.json["hint"] or "")
+    assert not (tmp_path / "pub").exists() and writes(hubs) == [] and REPO not in hubs.hf
+
+
+def _lie(files: list[Path]) -> None:
+    """Injected fault: each file's sealed record rewritten to describe the file as it is now, while keeping what it
+    said of the bytes before (a record that lies: what the change time check stops, short of a forged record)."""
+    import os
+
+    from porting.ownership import read_state_record, write_state_record
+
+    before = {f: read_state_record("digests", os.stat(f)) for f in files}
+    _edit_in_place(files[0])
+    for f, doc in before.items():
+        assert doc is not None
+        st = os.stat(f)
+        facts = {**doc["file"], "device": st.st_dev, "inode": st.st_ino, "size": st.st_size,
+                 "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns}
+        write_state_record("digests", st, {k: v for k, v in {**doc, "file": facts}.items() if k not in ("seal",
+                                                                                                       "tool")})
+
+
+def test_a_hub_refusing_a_recorded_digest_names_the_changed_file(cli, hubs, port, tmp_path, monkeypatch):
+    """The recorded sha256 is a hint handed to the hub as the LFS oid. A record that lies (the file changed in place
+    after it was hashed) makes the hub refuse the upload; flux-port hashes the file again and names the true cause,
+    exit 1 with no "--force resumes" (that would fail the same way forever), and drops the record, so the rerun is
+    refused at the gate."""
+    transformer, report, state = _own_port(port, tmp_path, monkeypatch)
+    env = client_env(tmp_path, hubs, HF_TOKEN=GOOD_TOKEN, **state)
+    first = cli.run(_argv(port, transformer, report, tmp_path / "pub"), env, tmp_path)
+    assert first.code == 0, first  # publish took each file's sha256 and recorded it
+    weights = transformer / "diffusion_pytorch_model.safetensors"
+    _lie([weights])
+    argv = _argv(port, transformer, report, tmp_path / "pub", "--push", REPO, "--send-token", "--force")
+    r = cli.run(argv, env, tmp_path)
+    assert r.code == 1, r
+    assert "diffusion_pytorch_model.safetensors: changed since it was validated and published" in r.json["error"]
+    assert hashlib.sha256(weights.read_bytes()).hexdigest() in r.json["error"]
+    assert "port validate" in r.json["hint"] and "resumes the upload" not in r.json["hint"]
+    assert hubs.hf[REPO].commits == []
+    again = cli.run(argv, env, tmp_path)
+    assert again.code == 1, again
+    assert "weights changed since port convert wrote them" in again.json["error"]
+    assert hubs.hf[REPO].commits == []

@@ -9,7 +9,9 @@ import pytest
 from porting.cli.app import main
 from porting.demo.tiny import TINY_FLUX2, write_random_checkpoint
 from porting.demo.tinypipe import build_demo_base
+from porting.inputs import open_source
 from porting.reports import latest_report
+from porting.tensors.identity import hash_checkpoint
 
 
 def _run(argv):
@@ -29,7 +31,9 @@ def test_convert_validate_publish_by_recipe_name(tmp_path, capsys):
     report = json.loads(latest_report(ws / "my-port" / "reports").read_text())  # reports/validate/<time>/
     assert report["verdict"] == "pass" and report["inputs"]["prompt"] == "a fox"
     record = json.loads((ws / "my-port" / "port.json").read_text())
-    assert record["convert"]["weights_sha256"] == record["validate"]["weights_sha256"]
+    transformer = ws / "my-port" / "transformer"  # convert leaves the identity to validate, which names these files
+    assert record["convert"]["weights_sha256"] is None
+    assert record["validate"]["weights_sha256"] == hash_checkpoint(open_source(transformer).view)
     assert _run(["publish", "my-port", "--workspace", str(ws), "--quiet"]) == 0
     assert (ws / "my-port" / "published" / "model_index.json").is_file()
 

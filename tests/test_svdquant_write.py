@@ -383,7 +383,8 @@ def test_calibrated_smoothing_uses_the_input_maxima(tmp_path, capsys, sources):
 @pytest.mark.parametrize("family,precision", CASES)
 def test_identity_is_kept_for_validate(written, family, precision):
     """The writer keeps the file's identity (over its stored, packed tensors) so validate need not read it: the
-    kept one equals the identity recomputed from the header and raw bytes."""
+    kept one equals the identity recomputed from the header and raw bytes. The file's own sha256, which the writer
+    does not take, is the one `port convert --quantize` takes for its manifest, recorded for publish and push."""
     import hashlib
     import struct
 

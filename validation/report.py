@@ -11,6 +11,7 @@ from typing import Any, Mapping
 from rich.table import Table
 
 from porting import charts
+from porting.errors import redact
 from porting.families.mapping import MappingTable
 from porting.outputs import atomic_folder
 from porting.reports import prepare_run_folder
@@ -48,9 +49,9 @@ class Report:
         """Write report.json and report.md as a new folder, replacing only a report folder validate wrote."""
         prepare_run_folder(folder)
         with atomic_folder(folder, verb="validate", replace="owned", inputs=inputs) as staging:
-            (staging / REPORT_JSON).write_text(json.dumps(_finite(self.data), indent=2) + "\n")
+            (staging / REPORT_JSON).write_text(redact(json.dumps(_finite(self.data), indent=2)) + "\n")
             drawn = charts.write_block_chart(self.data, staging / charts.BLOCKS_PNG, short_stage)
-            (staging / REPORT_MD).write_text(to_markdown(self.data, chart=charts.BLOCKS_PNG if drawn else None))
+            (staging / REPORT_MD).write_text(redact(to_markdown(self.data, chart=charts.BLOCKS_PNG if drawn else None)))
         return [folder / REPORT_JSON, folder / REPORT_MD] + ([folder / charts.BLOCKS_PNG] if drawn else [])
 
 

@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Iterator
 
+from porting.errors import redact
 from porting.finite import dumps
 from porting.text import for_console, longest_unit, printable, relative_paths, wrap_lines
 
@@ -49,7 +50,7 @@ class Output:
         """One message, through text.for_console: paths inside the current folder relative; wrapped at spaces (a
         long path after a `/`) to the width on a terminal (which cuts words at its edge) or when $COLUMNS sets one;
         piped with no $COLUMNS, one line, as grep and log readers want it."""
-        console.print(for_console(text, console), markup=False, soft_wrap=True)
+        console.print(for_console(redact(text), console), markup=False, soft_wrap=True)
 
     def result(self, text: str) -> None:
         """A line of data for humans (stdout); silent in --json."""
@@ -59,7 +60,7 @@ class Output:
     def document_text(self, text: str) -> None:
         """A document for humans on stdout (markdown): printed as it is, its lines neither wrapped nor rewritten."""
         if not self.json_mode:
-            self.out.print(printable(text), markup=False, soft_wrap=True)
+            self.out.print(printable(redact(text)), markup=False, soft_wrap=True)
 
     def table(self, table: Table) -> None:
         """Print `table` within the console's width: as is when every word fits its column, else vertically (one
@@ -73,10 +74,10 @@ class Output:
             # and newlines, and print them as plain text ('[b]' or ':abc:' in a path is not markup or emoji);
             # a cell made with cell() keeps its deliberate line breaks
             # a path inside the current folder is shown relative to it, as in messages
-            column._cells = [Text(relative_paths(printable(c, lines=False))) if isinstance(c, str) else c
-                             for c in column._cells]
+            column._cells = [Text(relative_paths(printable(redact(c), lines=False))) if isinstance(c, str)
+                             else _redacted(c) for c in column._cells]
         if isinstance(table.title, str):
-            table.title = Text(printable(table.title, lines=False))
+            table.title = Text(printable(redact(table.title), lines=False))
         width = self.out.width
         if not fits(self.out, table, width):  # rich's own layout cuts a word: widths that keep each whole, if any
             keep_words_whole(self.out, table, width)
@@ -168,6 +169,16 @@ def examples(text: str, width: int = 76) -> str:
             fitted.extend(textwrap.wrap(note, width, initial_indent=indent + "    ",
                                         subsequent_indent=indent + "     "))
     return "\n".join(fitted) + ("\n" if text.endswith("\n") else "")
+
+
+def _redacted(renderable: Any) -> Any:
+    """A cell made with cell() (rich Text) with any credential in it replaced, as every printed text is."""
+    plain = getattr(renderable, "plain", None)
+    if isinstance(plain, str) and redact(plain) != plain:
+        from rich.text import Text
+
+        return Text(redact(plain))
+    return renderable
 
 
 def cell(*lines: object) -> Text:

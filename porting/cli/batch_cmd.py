@@ -142,10 +142,11 @@ def _run_locked(jobs: list[Job], jobs_file: Path, out: Path, inputs: dict[str, A
         from porting.outputs import atomic_folder
 
         with atomic_folder(out / "_batch", verb="batch", replace="owned", inputs=inputs) as tmp:
+            from porting.errors import redact
             from porting.finite import dumps
 
             (tmp / "batch.json").write_text(dumps(doc, indent=2) + "\n", encoding="utf-8")
-            (tmp / "batch.md").write_text(markdown(doc), encoding="utf-8")
+            (tmp / "batch.md").write_text(redact(markdown(doc)), encoding="utf-8")
     finally:
         os.close(lock)
     return doc

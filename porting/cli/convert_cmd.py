@@ -281,7 +281,7 @@ def _convert_plain(job: _Job) -> ConvertResult:
 
     return run_convert(job.source, job.out, to=job.to.value, dtype=job.dtype.value, config=job.config,
                        max_shard_size=job.max_shard_size, strict=job.strict, dry_run=job.dry_run, force=job.force,
-                       on_start=job.on_start, on_bytes=job.on_bytes, on_notice=job.on_notice)
+                       on_start=job.on_start, on_bytes=job.on_bytes, on_notice=job.on_notice, identity=False)
 
 
 def _check_rank(rank: Optional[int]) -> None:

@@ -191,7 +191,8 @@ def _push(pusher: Any, out: Path, output: _output.Output) -> dict[str, Any]:
     try:
         return push_folder(pusher, out, say=output.status).to_dict()
     except PortError as err:
-        err.hint = f"{err.hint + ' ' if err.hint else ''}{_resume_hint(out)}"
+        if getattr(err, "resumable", True):  # a file changed since validation: no rerun uploads it
+            err.hint = f"{err.hint + ' ' if err.hint else ''}{_resume_hint(out)}"
         raise
     except KeyboardInterrupt:
         from porting.errors import Interrupted

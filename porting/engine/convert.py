@@ -224,7 +224,7 @@ def convert(src: SourceLike, out: str | Path | None, to: Naming = "diffusers", d
             tensors: Callable[[Checkpoint, Plan], Iterator[torch.Tensor | Segments]] | None = None,
             manifest_extra: Mapping[str, Any] | None = None,
             on_notice: Callable[[str], None] | None = None,
-            inputs: InputPaths | None = None) -> ConvertResult:
+            inputs: InputPaths | None = None, identity: bool = True) -> ConvertResult:
     """Convert a checkpoint; with `strict`, refuse any plan that does not account for every key and shape.
 
     `max_shard_size` None: diffusers output in 5 GB shards (what `save_pretrained` writes), original output as one
@@ -239,6 +239,11 @@ def convert(src: SourceLike, out: str | Path | None, to: Naming = "diffusers", d
     `tensors` replaces `iter_tensors` as the source of the target tensors (e.g. `port merge` adds adapter deltas on
     the way); `manifest_extra` adds fields to the manifest; `inputs` names further paths the caller reads (merge's
     adapters), which `out` must not be, contain or lie inside, like the source and `config`.
+
+    `identity` False (what `port convert` does): the weights identity is taken only where every tensor's sha256 is
+    at hand (port fetch recorded it, or the tensor is computed here); otherwise `weights_sha256` is None and the
+    identity is left to the first verb that certifies the weights (validate, publish), which records it for the
+    others, so a warm convert costs what its copy costs.
     """
     started = time.perf_counter()
     source = weights_source(src, config, tables)
@@ -262,19 +267,19 @@ def convert(src: SourceLike, out: str | Path | None, to: Naming = "diffusers", d
     if on_start:
         on_start(plan.output_bytes)
     with atomic_folder(out, force=force, verb="convert", inputs=read_paths, on_notice=on_notice) as staging:
-        digests: dict[str, str] = {}
         files = write_shards(staging, stem, entries, (tensors or iter_tensors)(ckpt, plan), limit,
                              metadata={"format": "pt"}, on_bytes=on_bytes, hasher=hasher,
-                             known=tensor_digests(source.stamps), digests=digests)
+                             known=tensor_digests(source.stamps), defer=not identity)
         if to == "diffusers":
             cfg = {**detection.config, "_class_name": detection.table.diffusers_class}
             cfg["_diffusers_version"] = importlib.metadata.version("diffusers")  # the version, without the import
             (staging / "config.json").write_text(dumps(cfg, indent=2, sort_keys=True) + "\n")
+        weights = hasher.hexdigest() if hasher.complete else None  # None: left to validate / publish
         manifest = {
             "tool": "flux-port", "version": __version__, "format_version": 1, "source": str(source.path.resolve()),
             "source_naming": detection.naming_label, "table": detection.table.name, "to": to,
             "variant": detection.variant, "dtype": dtype, "tensors": len(entries), "files": files,
-            "weights_sha256": hasher.hexdigest(), "files_sha256": digests, "config": detection.config,
+            "weights_sha256": weights, "config": detection.config,
             **(manifest_extra or {}),
         }
         if quant:
@@ -284,4 +289,4 @@ def convert(src: SourceLike, out: str | Path | None, to: Naming = "diffusers", d
             manifest["quantization"] = quant
         (staging / MANIFEST).write_text(dumps(manifest, indent=2) + "\n")
         source.check_unchanged()
-    return ConvertResult(plan, out, files, hasher.hexdigest(), time.perf_counter() - started, quantization=quant)
+    return ConvertResult(plan, out, files, weights, time.perf_counter() - started, quantization=quant)

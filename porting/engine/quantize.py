@@ -7,7 +7,6 @@ meant (the source weights in float32): the dequantized error is part of the resu
 
 from __future__ import annotations
 
-import hashlib
 import math
 import time
 from pathlib import Path
@@ -103,12 +102,11 @@ def write_manifest(staging: Path, manifest: dict[str, Any], ckpt: Checkpoint, so
 
 
 def _sha256(path: Path) -> str:
-    """The written file's sha256 (a quantized file has no plain weights to hash as convert does)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(2**22):
-            h.update(chunk)
-    return h.hexdigest()
+    """The written file's sha256, for the manifest (a quantized file has no plain weights to hash as convert does);
+    recorded, so that publish and push do not read the file again."""
+    from porting.known_digests import file_sha256
+
+    return file_sha256(path)
 
 
 def _rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:

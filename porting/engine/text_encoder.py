@@ -122,16 +122,15 @@ def convert_text_encoder(src: SourceLike, out: str | Path | None, strict: bool =
         on_start(result.output_bytes)
     hasher = WeightsHasher()
     with atomic_folder(out, force=force, verb="convert", inputs=read_paths) as staging:
-        digests: dict[str, str] = {}
         result.files = write_shards(staging, STEM, entries, _tensors(source, keys), SHARD, metadata={"format": "pt"},
-                                    on_bytes=on_bytes, hasher=hasher, digests=digests)
+                                    on_bytes=on_bytes, hasher=hasher)
         config = {**encoder.config, "architectures": [encoder.model_class], "torch_dtype": "bfloat16"}
         (staging / "config.json").write_text(dumps(config, indent=2, sort_keys=True) + "\n")
         quant = source.view.quantization.to_dict() if source.view.quantization else None
         manifest = {"tool": "flux-port", "version": __version__, "format_version": 1,
                     "source": str(source.path.resolve()), "kind": "text_encoder",
                     "architecture": encoder.model_class, "tensors": len(entries),
-                    "files": result.files, "weights_sha256": hasher.hexdigest(), "files_sha256": digests,
+                    "files": result.files, "weights_sha256": hasher.hexdigest(),
                     "dtype": "bf16", "dequantized_from": quant and quant["label"], "quantization": quant,
                     "quantized_layers": len(encoder.quantized), "group_size": encoder.group}
         (staging / MANIFEST).write_text(dumps(manifest, indent=2) + "\n")

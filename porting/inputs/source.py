@@ -106,10 +106,12 @@ class Source:
     @cached_property
     def weights_sha256(self) -> str:
         """The weights identity of the tensors as stored (what `port convert` records for the folder it writes),
-        read once per source; not read at all for shards still as flux-port's writer left them."""
-        from porting.known_digests import known_weights
+        read once per source and recorded (porting.known_digests: the first verb that names the weights, validate
+        say, records them for the others); not read at all for files still as when their identity was recorded.
+        Tensors whose sha256 is recorded (port fetch, convert) are not read either."""
+        from porting.known_digests import weights_of
 
-        return known_weights(self.view.files) or hash_checkpoint(self.view)
+        return weights_of(self.view.files, lambda: hash_checkpoint(self.view))
 
     def check_unchanged(self) -> None:
         """Refuse when a file changed since its header was read (replaced, rewritten, truncated)."""

@@ -23,6 +23,7 @@ from typing import Any, Callable, Sequence
 
 from porting.adapters.publishing import card_section, check_adapters
 from porting.errors import InputError, PortError
+from porting.known_digests import carry_over
 from porting.outputs import atomic_folder, check_output
 from porting.reports import REPORTS, latest_report
 
@@ -165,5 +166,8 @@ def publish(base: str | Path, transformer: str | Path, out: str | Path, *, repor
             "transformer": str(transformer.resolve()), "weights_sha256": weights,
             "validation": {"status": gate.status, "message": gate.message, "enforced": not skip_validation}},
             on_bytes)
+        linked = {rel: os.stat(staging / rel) for rel, f in files.items() if f["how"] == "hardlink"}
+    for rel, st in linked.items():  # a replaced folder's links to the same files were just removed (--force)
+        carry_over(st, out / rel)
     return PublishResult(out, variant, pipeline, weights, gate, skip_validation, files, notices,
                          time.perf_counter() - started)

@@ -11,7 +11,7 @@ from typing import Any
 from porting import __version__
 from porting._files import parse_json
 from porting.charts import BLOCKS_PNG
-from porting.errors import InputError, UsageError
+from porting.errors import InputError, UsageError, holds_secret
 from porting.paths import check_within, link_roots
 from porting.text import markdown_code as _code
 from porting.text import markdown_text as _md
@@ -71,7 +71,11 @@ REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-
 
 
 def check_base_model(value: str) -> str:
-    """--base-model is a Hub repo id (ORG/NAME) or a plain name; anything else would be injected into the card."""
+    """--base-model is a Hub repo id (ORG/NAME) or a plain name; anything else would be injected into the card,
+    and so would a credential (shown as ***)."""
+    if holds_secret(value):
+        raise UsageError(f"--base-model {value!r} holds a credential; the model card would publish it.",
+                         hint="Give the base's Hub repo id, e.g. black-forest-labs/FLUX.2-klein-4B.")
     if REPO_ID.match(value) or re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}$", value):
         return value
     raise UsageError(f"--base-model {value!r}: expected a Hub repo id such as black-forest-labs/FLUX.2-klein-4B.",

@@ -12,7 +12,7 @@ from typing import Any, Callable, Literal
 from porting import __version__
 from porting.adapters.publishing import adapter_sources
 from porting.errors import DiskSpaceError
-from porting.known_digests import file_sha256, known_sha256, remember
+from porting.known_digests import carry_over, file_sha256, known_sha256, remember
 from porting.paths import files_within, link_roots
 
 from .publish_inputs import base_components, refuse_pickles, variant_spec
@@ -84,12 +84,16 @@ def place_files(staging: Path, sources: list[tuple[Path, Path]], link: str,
                 hardlink: Callable[[Path, Path], None] = os.link,
                 on_bytes: Callable[[int], None] | None = None) -> dict[str, dict[str, Any]]:
     """Place every source under `staging`; returns {path in the folder: {"how": how it was placed}}. A copy of a
-    file flux-port hashed before, unchanged since, keeps its known digest."""
+    file flux-port hashed before, unchanged since, keeps its known digest; a hard link keeps the file's record
+    across the change of its change time that the link itself makes (known_digests.carry_over)."""
     files: dict[str, dict[str, Any]] = {}
     for src, rel in sources:
+        before = os.stat(src)
         known = known_sha256(src)
         how = link_file(src, staging / rel, link, hardlink)
-        if how == "copy" and known is not None and known_sha256(src) == known:  # the same bytes, unchanged
+        if how == "hardlink":
+            carry_over(before, staging / rel)
+        elif how == "copy" and known is not None and known_sha256(src) == known:  # the same bytes, unchanged
             remember(staging / rel, known)
         files[rel.as_posix()] = {"how": how}
         if on_bytes:

@@ -31,6 +31,8 @@ class WeightsHasher:
 
     def __init__(self) -> None:
         self._lines: dict[str, str] = {}
+        self._digests: dict[str, str] = {}
+        self.deferred: set[str] = set()  # tensors whose digest was left to a later verb: no identity here
         self._lock = threading.Lock()
 
     def update(self, key: str, tensor: torch.Tensor, dtype: str) -> None:
@@ -40,6 +42,20 @@ class WeightsHasher:
         """Record a tensor whose bytes were hashed elsewhere (e.g. by the writer, piece by piece)."""
         with self._lock:
             self._lines[key] = f"{key}|{dtype}|{list(shape)}|{digest}\n"
+            self._digests[key] = digest
+
+    def digest(self, key: str) -> str | None:
+        """The sha256 of tensor `key`'s bytes, once added."""
+        return self._digests.get(key)
+
+    def defer(self, key: str) -> None:
+        """Tensor `key`'s digest is not taken here (its bytes were copied and no digest of them is known)."""
+        with self._lock:
+            self.deferred.add(key)
+
+    @property
+    def complete(self) -> bool:
+        return not self.deferred
 
     def hexdigest(self) -> str:
         h = hashlib.sha256()
@@ -60,15 +76,27 @@ def hash_checkpoint(ckpt: _Readable, prefix: str = "") -> str:
     """The weights identity of a checkpoint's tensors (those under `prefix`, prefix removed).
 
     A stored tensor's bytes are hashed straight from its byte range (what `read` would return), two tensors at a
-    time on two threads and without torch; only computed (dequantized) tensors are read through the checkpoint.
+    time on two threads and without torch, unless its sha256 is recorded for that range (port fetch, convert:
+    porting.known_digests); only computed (dequantized) tensors are read through the checkpoint.
     """
+    from porting.known_digests import tensor_digests
+
     hasher = WeightsHasher()
     chosen = [(key, info) for key, info in ckpt.tensors.items() if key.startswith(prefix)]
     stored = [(key, info) for key, info in chosen if getattr(info, "byte_range", None) is not None]
-    if stored:
+    known = tensor_digests({info.byte_range[0] for _, info in stored})
+    todo = []
+    for key, info in stored:
+        path, start, length = info.byte_range
+        digest = known.get(path, {}).get((start, length))
+        if digest is not None:
+            hasher.add(key[len(prefix):], info.dtype, tuple(info.shape), digest)
+        else:
+            todo.append((key, info))
+    if todo:
         with ThreadPoolExecutor(2, thread_name_prefix="flux-port-identity") as pool:
-            digests = pool.map(lambda item: range_sha256(*item[1].byte_range, item[0]), stored)
-            for (key, info), digest in zip(stored, digests):
+            digests = pool.map(lambda item: range_sha256(*item[1].byte_range, item[0]), todo)
+            for (key, info), digest in zip(todo, digests):
                 hasher.add(key[len(prefix):], info.dtype, tuple(info.shape), digest)
     for key, info in chosen:
         if getattr(info, "byte_range", None) is None:

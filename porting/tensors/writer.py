@@ -225,7 +225,6 @@ class _Copier:
         self.sources = _Sources()
         self.kernel = hasattr(os, "copy_file_range")
         self.on_bytes = on_bytes  # told the bytes of each call once copied
-        self.on_copied: Callable[[int], None] | None = None  # the output file's digest, told the same
         self._buffer: memoryview | None = None
         self._run: list[tuple[Path, int, int, str]] = []  # adjacent parts not yet copied, with their tensor
 
@@ -280,92 +279,12 @@ class _Copier:
             self._copied(n)
 
     def _copied(self, n: int) -> None:
-        if self.on_copied:
-            self.on_copied(n)
         if self.on_bytes:
             self.on_bytes(n)
 
     def close(self) -> None:
         self._run.clear()
         self.sources.close()
-
-
-FILE_HASH_BEHIND = 256 * 2**20  # written bytes the output file's digest may lag before the writer waits for it
-
-
-class _FileDigest:
-    """The sha256 of the output file as it is written: a thread of its own reads back each range the moment it is
-    written or copied (from the page cache, where the write just put it) and hashes it, so the digest publish's
-    manifest and the Hub's LFS oid use costs no pass over the file of its own. Copies go file to file inside the
-    kernel and never pass through this process, so reading them back is the only way to hash them; read 1 MiB at a
-    time into one buffer, they are hashed from the CPU cache (1.8 GiB/s here, 1.1 GiB/s straight from memory)."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-        self.digest = hashlib.sha256()
-        self.written = 0
-        self.hashed = 0
-        self.done = False
-        self.stopped = False
-        self.error: BaseException | None = None
-        self.cond = threading.Condition()
-        self.thread = threading.Thread(target=self._run, name="flux-port-file-hash", daemon=True)
-        self.thread.start()
-
-    def advance(self, n: int) -> None:
-        """`n` more bytes are in the file; waits while the digest lags more than `FILE_HASH_BEHIND`."""
-        with self.cond:
-            self.written += n
-            self.cond.notify_all()
-            while self.written - self.hashed > FILE_HASH_BEHIND and self.error is None:
-                self.cond.wait()
-        if self.error is not None:
-            raise self.error
-
-    def _run(self) -> None:
-        buf = memoryview(bytearray(HASH_PIECE))
-        try:
-            while True:
-                with self.cond:
-                    while self.hashed == self.written and not self.done:
-                        self.cond.wait()
-                    upto, pos = self.written, self.hashed
-                if pos == upto or self.stopped:
-                    return
-                while pos < upto and not self.stopped:
-                    n = os.preadv(self.fd, [buf[:min(HASH_PIECE, upto - pos)]], pos)
-                    if n == 0:
-                        raise InternalError(f"the output ended at byte {pos} while {upto} were written.")
-                    self.digest.update(buf[:n])
-                    pos += n
-                    with self.cond:
-                        self.hashed = pos
-                        self.cond.notify_all()
-        except BaseException as e:  # handed to the writer, which raises it
-            with self.cond:
-                self.error = e
-                self.cond.notify_all()
-
-    def finish(self) -> str:
-        """The digest of everything written; waits for the last bytes."""
-        with self.cond:
-            self.done = True
-            self.cond.notify_all()
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
-        return self.digest.hexdigest()
-
-    def __enter__(self) -> _FileDigest:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        """Stops the thread (without waiting for the rest of the file after an error)."""
-        with self.cond:
-            self.stopped = self.stopped or exc[0] is not None
-            self.done = True
-            self.cond.notify_all()
-        self.thread.join()
 
 
 KnownDigests = Mapping[Path, Mapping[tuple[int, int], str]]  # source file -> (start, length) -> sha256 of those bytes
@@ -376,9 +295,10 @@ class _SideHashes:
     or is about to) on two threads: tensors are hashed in parallel while later ones are copied. A range whose
     digest is `known` (port fetch took it while verifying the file) is not read again."""
 
-    def __init__(self, hasher: WeightsHasher | None, known: KnownDigests | None = None) -> None:
+    def __init__(self, hasher: WeightsHasher | None, known: KnownDigests | None = None, defer: bool = False) -> None:
         self.hasher = hasher
         self.known = known or {}
+        self.defer = defer  # a copied tensor whose digest is not known is not hashed here (hasher.defer)
         self.pool = ThreadPoolExecutor(2, thread_name_prefix="flux-port-hash") if hasher else None
         self.local = threading.local()
         self.opened: list[_Sources] = []
@@ -396,6 +316,9 @@ class _SideHashes:
             if digest is not None:
                 self.hasher.add(e.key, e.dtype, e.shape, digest)
                 return
+        if self.defer:
+            self.hasher.defer(e.key)
+            return
         while self.pending and self.bytes_pending + item.nbytes > HASH_BEHIND:
             if before_waiting is not None:
                 before_waiting()
@@ -565,8 +488,7 @@ class _ShardRun:
     hasher: WeightsHasher | None
     on_bytes: Callable[[int], None] | None
 
-    def write_entry(self, e: Entry, pieces: Iterator[Any], out_fd: int, follower: _FileDigest,
-                    behind: _DropBehind) -> None:
+    def write_entry(self, e: Entry, pieces: Iterator[Any], out_fd: int, behind: _DropBehind) -> None:
         """Write one tensor's pieces (up to its None): copied ranges by the kernel, hashed on the side; bytes from
         memory written while a third thread hashes them."""
         digest = hashlib.sha256() if self.hasher else None
@@ -585,7 +507,6 @@ class _ShardRun:
             elif digest:
                 digest.update(data)
             _write_all(out_fd, data)
-            follower.advance(data.nbytes)
             behind.wrote(out_fd, data.nbytes)
             if hashed:
                 hashed.result()
@@ -604,18 +525,20 @@ def write_shards(folder: Path, stem: str, entries: list[Entry],
                  max_shard_bytes: int, metadata: dict[str, str] | None = None,
                  on_bytes: Callable[[int], None] | None = None,
                  hasher: WeightsHasher | None = None, known: KnownDigests | None = None,
-                 digests: dict[str, str] | None = None) -> list[str]:
+                 defer: bool = False) -> list[str]:
     """Write `tensors` (yielded in the order of `entries`) as one file or shards plus the standard index.
 
     An item is a tensor (written from memory), `Segments` (byte ranges of source files, copied), `Chunks` (row
     blocks computed one after another) or `Filled` (rows the producer writes into the writer's buffers).
 
-    `Segments` are copied file to file by the kernel while two side threads hash the same source ranges (from the
-    page cache), except the whole tensors whose digest is `known` (source file -> (start, length) -> sha256).
-    Tensors in memory are computed on a second thread while this one writes the last pieces and a third hashes them
-    (for `hasher`) at the same time. Each file's own sha256 is taken from its bytes as they land (`_FileDigest`),
-    kept for later verbs (`porting.known_digests`, with the weights identity when `hasher` is given) and put into
-    `digests` (file name -> sha256) when given.
+    With `hasher` (the weights identity), `Segments` are copied file to file by the kernel while two side threads
+    hash the same source ranges (from the page cache), except the whole tensors whose digest is `known` (source
+    file -> (start, length) -> sha256: port fetch took it); tensors in memory are computed on a second thread while
+    this one writes the last pieces and a third hashes them. With `defer`, a copied tensor whose digest is not known
+    is not hashed (the hasher is then not `complete`: the weights identity is left to the first verb that certifies
+    the weights, validate). Each shard's record (`porting.known_digests`) holds each tensor's sha256 by its byte
+    range in the shard, and the weights identity of the set when complete. No file's own sha256 is taken here: the
+    first verb that certifies the file takes it (publish, push), so a convert costs what the copy costs.
     """
     shards = plan_shards(entries, max_shard_bytes)
     names = shard_names(stem, len(shards))
@@ -624,28 +547,23 @@ def write_shards(folder: Path, stem: str, entries: list[Entry],
     pool: list[mmap.mmap] = []
     stream = prefetched(_pieces(entries, tensors, budget, pool), depth=64)
     hashing = ThreadPoolExecutor(1, thread_name_prefix="flux-port-hash")
-    copier, side = _Copier(on_bytes), _SideHashes(hasher, known)
+    copier, side = _Copier(on_bytes), _SideHashes(hasher, known, defer)
     run = _ShardRun(copier, side, hashing, budget, pool, hasher, on_bytes)
-    file_sha256: dict[str, str] = {}
-    as_hashed: dict[str, os.stat_result] = {}
+    written: dict[str, tuple[os.stat_result, int]] = {}  # each shard as closed, and where its data starts
     try:
         for name, shard in zip(names, shards):
-            # read too: the digest reads back what is written, and stops before the file is closed
-            with open(folder / name, "w+b", buffering=0) as f, _FileDigest(f.fileno()) as follower:
+            with open(folder / name, "wb", buffering=0) as f:
                 out_fd = f.fileno()
-                copier.on_copied = follower.advance
                 first = next(stream) if shard else None  # seen before the header, padded to its place in a page
                 pieces = itertools.chain((first,), stream)
                 header = _header_bytes(shard, metadata, _folio_twin(first))
                 _write_all(out_fd, header)
-                follower.advance(len(header))
                 behind = _DropBehind(len(header))
                 for e in shard:
-                    run.write_entry(e, pieces, out_fd, follower, behind)
+                    run.write_entry(e, pieces, out_fd, behind)
                     weight_map[e.key] = name
                 copier.flush(out_fd)
-                file_sha256[name] = follower.finish()
-                as_hashed[name] = os.fstat(out_fd)  # the file the digest describes; recorded only while still so
+            written[name] = (os.stat(folder / name), len(header))
             side.finish()  # every hash of this shard is taken before the next shard (and before returning)
     finally:
         budget.close()  # a producer waiting for room returns, so closing the stream can join it
@@ -653,12 +571,25 @@ def write_shards(folder: Path, stem: str, entries: list[Entry],
         hashing.shutdown()
         side.close()
         copier.close()
-    weights = shards_record(hasher.hexdigest(), file_sha256) if hasher else None
-    for name, sha in file_sha256.items():  # the files are closed: their modification times are final
-        remember(folder / name, sha, weights, expect=as_hashed[name])
-    if digests is not None:
-        digests.update(file_sha256)
+    if hasher is not None:
+        _remember_shards(folder, zip(names, shards), written, hasher)
     if len(names) > 1:
         index = {"metadata": {"total_size": sum(e.nbytes for e in entries)}, "weight_map": weight_map}
         (folder / f"{stem}.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     return names
+
+
+def _remember_shards(folder: Path, shards: Iterable[tuple[str, list[Entry]]],
+                     written: Mapping[str, tuple[os.stat_result, int]], hasher: WeightsHasher) -> None:
+    """Each shard's record: the weights identity of the set (when every tensor's digest was taken), and each
+    tensor's sha256 by its byte range in it."""
+    weights = shards_record(hasher.hexdigest(), list(written)) if hasher.complete else None
+    for name, shard in shards:
+        st, offset = written[name]
+        tensors: dict[tuple[int, int], str] = {}
+        for e in shard:
+            digest = hasher.digest(e.key)
+            if digest is not None:
+                tensors[(offset, e.nbytes)] = digest
+            offset += e.nbytes
+        remember(folder / name, weights=weights, expect=st, tensors=tensors)

@@ -14,7 +14,7 @@ from typing import Any, Callable, Protocol
 from rich.console import Console
 
 from porting import errors, known_digests
-from porting.errors import CheckFailed, DiskSpaceError, InputError, NetworkError, PortError
+from porting.errors import CheckFailed, DiskSpaceError, InputError, NetworkError, PortError, add_secret
 from porting.hub.recipes import Recipe
 from porting.hub.workspace import recipe_paths, record_step
 from porting.outputs import UnsafeOutputError
@@ -224,8 +224,9 @@ def run_part(run: PartRun, opts: FetchOptions, ui: Reporter) -> PartRun:
 
 
 def _remember(dest: Path, sha256: str | None, tensors: dict[Range, str]) -> None:
-    """Per-tensor digests go to the one digest store (porting.known_digests), where convert finds them."""
-    if sha256 and tensors:
+    """The file's sha256 and its per-tensor digests go to the one digest store (porting.known_digests), where
+    convert, publish and push find them."""
+    if sha256:
         known_digests.remember(dest, sha256, tensors=tensors)
 
 
@@ -250,13 +251,12 @@ def _execute(runs: list[PartRun], opts: FetchOptions, ui: Reporter,
 
 
 def _scrubbed(err: PortError, secrets: list[str]) -> PortError:
-    """Make sure no token can reach the terminal through a message that quotes a server or client."""
+    """Make sure no token can reach the terminal through a message that quotes a server or client: the tokens the
+    clients found (a login file's) become secrets of this run (errors.redact), and the error's texts are redacted."""
     for secret in secrets:
-        if secret and len(secret) >= 4:
-            err.message = err.message.replace(secret, "***")
-            err.hint = err.hint.replace(secret, "***") if err.hint else err.hint
-            err.details = err.details.replace(secret, "***") if err.details else err.details
-    err.args = (err.message,)
+        add_secret(secret)
+    for name in ("message", "hint", "details"):
+        setattr(err, name, getattr(err, name))  # redacted as set, now with these secrets too
     return err
 
 

@@ -15,7 +15,18 @@ from porting.errors import CheckFailed, InputError, PortError
 from porting.hub.fetch.engine import _known_secrets, _scrubbed
 from porting.hub.fetch.verify import RemoteFile
 
-from .identity import CARD, HUB_FILES, MANIFEST, LocalFile, difference, local_identity, stamp, stamped_revision
+from .identity import (
+    CARD,
+    HUB_FILES,
+    MANIFEST,
+    LocalFile,
+    difference,
+    local_identity,
+    stale_digests,
+    stale_error,
+    stamp,
+    stamped_revision,
+)
 from .target import PushTarget
 
 
@@ -126,6 +137,20 @@ def push_folder(pusher: Pusher, folder: Path, say: Callable[[str], None] = lambd
         raise _scrubbed(err, pusher.secrets + _known_secrets()) from None
 
 
+def _commit(pusher: Pusher, adds: list[tuple[str, Path | bytes]], deleted: list[str], summary: str,
+            description: str, known: dict[str, str], local: dict[str, LocalFile]) -> str:
+    """The upload commit, its files' LFS oids the recorded sha256 (a hint). A hub that refuses the upload may have
+    refused an oid its bytes do not hash to: those files are hashed again, and a record that lied is named as the
+    cause (exit 1: the weights changed since validation), not the hub."""
+    try:
+        return pusher.commit(adds, deleted, summary, description, known)
+    except PortError as err:
+        stale = stale_digests([local[p] for p in known])
+        if stale:
+            raise stale_error(stale, pusher.target.repo, err.message) from None
+        raise
+
+
 def _push(pusher: Pusher, folder: Path, say: Callable[[str], None]) -> PushResult:
     started = time.perf_counter()
     t = pusher.target
@@ -171,7 +196,8 @@ def _push(pusher: Pusher, folder: Path, say: Callable[[str], None]) -> PushResul
             f"{f', deleting {len(deleted)}' if deleted else ''}; {result.unchanged} unchanged")
         summary, description = commit_text(manifest)
         known = {p: local[p].sha256 for p in uploads if local[p].proven}  # not hashed once more for the LFS oid
-        result.revision = pusher.commit([(p, local[p].file) for p in uploads], deleted, summary, description, known)
+        result.revision = _commit(pusher, [(p, local[p].file) for p in uploads], deleted, summary, description,
+                                  known, local)
     else:  # the hub holds the folder already, without the stamped card (a push stopped between its two commits)
         result.revision = pusher.head()
     say(f"checking {t.source.label} at revision {result.revision} against manifest.json")

@@ -13,7 +13,7 @@ from porting import __version__
 from porting._files import read_json_object
 from porting.errors import CheckFailed
 from porting.hub.fetch.verify import RemoteFile, file_digests
-from porting.known_digests import known_sha256
+from porting.known_digests import file_sha256, forget, hash_file
 from porting.ownership import RECORD
 
 MANIFEST = "manifest.json"
@@ -29,6 +29,10 @@ class LocalFile:
     size: int
     sha256: str
     proven: bool = False  # the sha256 is one flux-port took of these very bytes (unchanged file since)
+
+
+CHANGED_HINT = ("Validate the weights as they are now (port validate), then publish again (port publish ... "
+                "--force): the gate compares them with the report.")
 
 
 def local_identity(folder: Path) -> tuple[dict[str, LocalFile], dict[str, Any]]:
@@ -48,12 +52,12 @@ def local_identity(folder: Path) -> tuple[dict[str, LocalFile], dict[str, Any]]:
             raise CheckFailed(f"{path}: {'missing' if size is None else f'{size:,} bytes'}, but {manifest_path} "
                               f"lists {info.get('bytes')} bytes: the folder changed after port publish wrote it; "
                               "nothing was uploaded.", hint="Publish it again (port publish ... --force).")
-        known = known_sha256(path)
-        if known is not None and known != info["sha256"]:
+        known = file_sha256(path)  # recorded, else hashed now (the LFS oid the client would take anyway), recorded
+        if known != info["sha256"]:
             raise CheckFailed(f"{path}: sha256 {known}, but {manifest_path} lists {info['sha256']}: the folder "
                               "changed after port publish wrote it; nothing was uploaded.",
                               hint="Publish it again (port publish ... --force).")
-        files[rel] = LocalFile(rel, path, size, info["sha256"], proven=known is not None)
+        files[rel] = LocalFile(rel, path, size, info["sha256"], proven=True)
     on_disk = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() or p.is_symlink()}
     extra = sorted(on_disk - set(files) - {MANIFEST, RECORD})  # RECORD: flux-port's local ownership seal
     if extra:
@@ -63,6 +67,32 @@ def local_identity(folder: Path) -> tuple[dict[str, LocalFile], dict[str, Any]]:
     digest, _ = file_digests(manifest_path, git=False)
     files[MANIFEST] = LocalFile(MANIFEST, manifest_path, manifest_path.stat().st_size, digest)
     return dict(sorted(files.items())), manifest
+
+
+def stale_digests(files: list[LocalFile]) -> list[tuple[LocalFile, str]]:
+    """The files whose bytes do not hash to the sha256 recorded for them (each read once more), with their true
+    sha256; their records are dropped, so that every later verb hashes them again."""
+    stale = []
+    for f in files:
+        actual = hash_file(f.file)
+        if actual != f.sha256:
+            forget(f.file)
+            stale.append((f, actual))
+    return stale
+
+
+def stale_error(stale: list[tuple[LocalFile, str]], repo: str, rejected: str) -> CheckFailed:
+    """What a hub's refusal of a recorded sha256 means once the file was hashed again: it changed after flux-port
+    hashed it (an edit in place that kept its size and modification time), so it is not what was validated."""
+    f, actual = stale[0]
+    more = f" ({len(stale) - 1} more file(s) likewise)" if len(stale) > 1 else ""
+    err = CheckFailed(
+        f"{f.file}: changed since it was validated and published: its bytes hash to {actual}, manifest.json and "
+        f"flux-port's record say {f.sha256}{more}. {repo} refused the upload ({rejected}); nothing of it was "
+        "committed, and the record was dropped.",
+        hint=CHANGED_HINT, details="\n".join(f"{g.path}: sha256 {a}, recorded {g.sha256}" for g, a in stale))
+    err.resumable = False  # type: ignore[attr-defined]  # the same command cannot succeed: no "--force resumes"
+    return err
 
 
 def git_sha1(data: bytes) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from porting.errors import AuthError, InputError
+from porting.errors import AuthError, InputError, holds_secret
 from porting.hub.fetch.sources import Source, check_repo_id, normalize_endpoint, resolve_endpoint
 
 PUSH_HUBS = ("hf", "modelscope")
@@ -49,6 +49,10 @@ def check_push_name(repo: str, hub: str) -> None:
     """ORG/NAME as the hub takes it, refused here (exit 2) rather than by the hub after the token check: on the
     Hugging Face Hub each part is at most 96 characters, without `--` and not ending in `.git`."""
     hint = "Name the repository with its owner, e.g. --push my-org/my-klein-finetune."
+    if holds_secret(repo):  # shown as *** (errors.redact); a name holding a token would publish it: refused
+        raise InputError(f"--push {repo!r}: it holds a credential (a repository id is ORG/NAME; nothing was sent).",
+                         hint=f"{hint} A token never goes on the command line: set "
+                              f"{TOKEN_ENV.get(hub, 'HF_TOKEN')} or run {LOGIN.get(hub, LOGIN['hf'])}.")
     try:
         check_repo_id(repo)
     except InputError:
