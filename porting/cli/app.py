@@ -222,6 +222,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _run(args: list[str]) -> None:
+    resources = sys.modules.get("porting.resources")  # loaded by an earlier run in this process (tests, embedders):
+    if resources is not None:  # its estimates are not this run's
+        resources.ESTIMATES.clear()
     try:
         code = app(args=args, prog_name="port", standalone_mode=False)
     except PortError as err:
@@ -255,6 +258,10 @@ def _run(args: list[str]) -> None:
 
 def os_error(err: OSError) -> PortError:
     where = f"{err.filename}: " if err.filename else ""
+    if err.errno == errno.ENOMEM:  # the OS refused memory: the run does not fit, as an allocator's failure
+        from porting.resources import out_of_memory
+
+        return out_of_memory(err, str(err.filename or ""))
     if err.errno in (errno.ENOSPC, errno.EDQUOT):
         return DiskSpaceError(f"{where}the disk is full ({err.strerror}).", hint="Free some space and run it again.")
     return PortError(f"{where}{err.strerror or err}.", hint="Check the path and its permissions.")
