@@ -72,15 +72,17 @@ VERBS: dict[str, Verb] = {
 
 
 def verb_command(name: str) -> typer.core.TyperCommand:
-    """The click command of one verb, built as an eager registration builds it: options checked (`checked`),
-    examples fitted to 80 columns (`_output.examples`)."""
+    """The click command of one verb, built as an eager registration builds it: options checked (`checked`, with
+    the module's `preflight` where it has one: the refusals that need no model, before any is loaded), examples
+    fitted to 80 columns (`_output.examples`)."""
     from ._options import checked
 
     verb = VERBS[name]
     module = importlib.import_module(f"porting.cli.{verb.module}")
     examples = getattr(module, verb.examples) if verb.examples else None
     one = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
-    one.command(epilog=_output.examples(examples) if examples else None)(checked(getattr(module, verb.function)))
+    command = checked(getattr(module, verb.function), getattr(module, "preflight", None))
+    one.command(epilog=_output.examples(examples) if examples else None)(command)
     command = typer.main.get_command(one)
     assert isinstance(command, typer.core.TyperCommand) and command.name == name, (name, command.name)
     return command

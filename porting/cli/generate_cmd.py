@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
@@ -19,6 +19,7 @@ from ._options import (
     SvdqCompute,
     SvdqComputeOpt,
     TextEncoderOpt,
+    device_option,
     out_option,
 )
 
@@ -132,3 +133,15 @@ def generate(
             bar.stop()
     out.document(result.to_dict())
     out.table(summary_table(result))
+
+
+def preflight(*, seed: int, size: Optional[str], device: str, **_: Any) -> None:
+    """generate's refusals that need no model (the seed, the size, the device string), before any model library is
+    imported (`_options.checked` runs it)."""
+    from porting.pipeline.run_options import parse_size
+    from porting.seeds import check_seed
+
+    check_seed(seed, "--seed")
+    if size is not None:
+        parse_size(size)
+    device_option(device, "--device")
