@@ -34,6 +34,8 @@ REFUSALS: dict[str, list[tuple[list[str], str]]] = {
         (["{model}", "--out", "{out}", "--target", "ryzenai", "--accuracy-level", "9"], "--accuracy-level 9"),
         (["{model}", "--out", "{out}", "--components", ","], "--components is empty"),
         (["{model}", "--check", "{model}"], "--check DIR lints a folder"),
+        (["{model}", "--out", "{out}", "--dtype", "bf16"], "--dtype bf16: onnxruntime's CPU execution provider"),
+        (["{model}", "--out", "{out}", "--target", "ryzenai", "--opset", "18"], "--opset 18: --target ryzenai"),
     ],
     "validate": [
         (["{model}", "--devices", "cuda:0"], "a pipeline needs two or more devices"),
@@ -57,6 +59,7 @@ REFUSALS: dict[str, list[tuple[list[str], str]]] = {
         (["{model}", "{model}", "--seeds", "x"], "--seeds 'x'"),
         (["{model}", "{model}", "--device", "gpu"], "--device: Unknown device 'gpu'"),
         (["{model}", "{model}", "--reference-device", "gpu"], "--reference-device: Unknown device 'gpu'"),
+        (["{model}", "{model}", "--diff-gain", "0"], "--diff-gain 0.0: must be positive"),
     ],
     "bench": [
         (["{model}", "--card"], "--card compares the base with its 4-bit files"),
@@ -70,6 +73,8 @@ REFUSALS: dict[str, list[tuple[list[str], str]]] = {
         (["{model}", "--prompt", "x", "--size", "abc"], "--size 'abc'"),
         (["{model}", "--prompt", "x", "--seed", "-1"], "--seed -1"),
         (["{model}", "--prompt", "x", "--device", "gpu"], "--device: Unknown device 'gpu'"),
+        (["{model}", "--prompt", "x", "--cpu-offload", "model"], "--cpu-offload moves weights between CPU and"),
+        (["{model}", "--prompt", "x", "--output", "{out}.jpg"], "flux-port writes PNG"),
     ],
     "demo": [
         (["--family", "flux3"], "--family 'flux3'"),

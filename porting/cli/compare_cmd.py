@@ -114,13 +114,15 @@ def compare(
 
 
 def preflight(*, prompt: Optional[list[str]], prompts: Optional[Path], seeds: Optional[str], size: Optional[str],
-              device: str, reference_device: str, **_: Any) -> None:
-    """compare's refusals that need no model (--prompt with --prompts, the seeds, the size, the device strings),
-    before any model library is imported (`_options.checked` runs it)."""
+              device: str, reference_device: str, diff_gain: float, **_: Any) -> None:
+    """compare's refusals that need no model (--prompt with --prompts, the seeds, the size, the device strings,
+    --diff-gain), before any model library is imported (`_options.checked` runs it)."""
     from porting.pipeline.run_options import parse_size
 
     if prompt and prompts:
         raise PortError("give --prompt or --prompts, not both.")
+    if diff_gain <= 0:
+        raise PortError(f"--diff-gain {diff_gain}: must be positive.")
     _seeds(seeds)
     if size is not None:
         parse_size(size)

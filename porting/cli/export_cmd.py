@@ -93,16 +93,23 @@ def export(
 def preflight(*, folder: Optional[Path], out: Optional[Path], check: Optional[Path],
               target: ExportTarget = ExportTarget.generic, dtype: ExportDtype = ExportDtype.fp32,
               size: Optional[List[int]] = None, text_len: Optional[int] = None, block_size: Optional[int] = None,
-              accuracy_level: Optional[int] = None, components: Optional[str] = None, **_: Any) -> None:
-    """export's refusals that need no model (what is given with --check, the ryzenai sizes and settings, an empty
-    --components), before any model library is imported (`_options.checked` runs it)."""
+              accuracy_level: Optional[int] = None, components: Optional[str] = None, opset: Optional[int] = None,
+              **_: Any) -> None:
+    """export's refusals that need no model (what is given with --check, the dtype, the ryzenai opset, sizes and
+    settings, an empty --components), before any model library is imported (`_options.checked` runs it)."""
     if check is not None:
         if folder is not None or out is not None:
             raise UsageError("--check DIR lints a folder; give no FOLDER or --out with it.")
         return
     if folder is None or out is None:
         raise UsageError("port export needs FOLDER and --out (or --check DIR to lint a folder).")
+    from porting.export.options import check_dtype, check_ryzenai_opset
+
     _profile(target, dtype, size, text_len, block_size, accuracy_level)
+    if target is ExportTarget.ryzenai:
+        check_ryzenai_opset(opset)
+    else:
+        check_dtype(dtype.value)
     _components(components)
 
 
@@ -119,7 +126,7 @@ def _profile(target: ExportTarget, dtype: ExportDtype, size: Optional[List[int]]
     """The ryzenai profile (sizes, text length, int4 block size), checked; None for the generic export, which takes
     none of its options."""
     if target is ExportTarget.ryzenai:
-        from porting.export import ryzenai_profile as ryzenai
+        from porting.export import options as ryzenai
 
         if dtype is not ExportDtype.fp32:
             raise UsageError(f"--dtype {dtype.value}: --target ryzenai sets the dtypes itself (bf16-cast transformer "

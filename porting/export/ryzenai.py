@@ -30,16 +30,16 @@ from porting.families.export_spec import Traceable
 from porting.skeleton import diffusers_skeleton
 
 from .external import padding, save_streamed  # noqa: F401  (save_streamed: used by the export engine)
-from .ort import require
-from .ryzenai_profile import (  # noqa: F401  (ryzenai.check_profile, the defaults: the CLI's and the tests')
+from .options import (  # noqa: F401  (ryzenai.check_profile, OPSET, the defaults: the CLI's and the tests')
     DEFAULT_BLOCK_SIZE,
     DEFAULT_SIZE,
     DEFAULT_TEXT_LEN,
+    OPSET,
     Profile,
     check_profile,
 )
+from .ort import require
 
-OPSET = 17
 FLOW_FOR = "FLUX.2 [klein]"  # the model this flow is written for; a family's ExportSpec.ryzenai says it is taken
 TEXT_ENCODER_FILE = "qwen3_text_encoder_prompt_embeds_matmulnbits.onnx"
 FILES = {"transformer": "model.onnx", "vae_decoder": "model.onnx", "text_encoder": TEXT_ENCODER_FILE}

@@ -1,13 +1,15 @@
-"""The options of a `--target ryzenai` export (static sizes, text length, int4 block size), checked here, a leaf
-module without torch: `port export` refuses a wrong one before it loads any model library."""
+"""`port export`'s option values checked without torch, a leaf module: the generic export's dtype, and a
+`--target ryzenai` export's opset and profile (static sizes, text length, int4 block size). `port export` refuses a
+wrong one before it loads any model library."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Sequence
 
-from porting.errors import UsageError
+from porting.errors import PortError, UsageError
 
+OPSET = 17  # what --target ryzenai writes (Ryzen AI's recommended opset)
 DEFAULT_SIZE = 1024
 DEFAULT_TEXT_LEN = 512
 DEFAULT_BLOCK_SIZE = 128
@@ -54,3 +56,24 @@ def check_profile(size: int | Sequence[int], text_len: int, block_size: int, acc
         raise UsageError(f"--accuracy-level {accuracy_level}: onnxruntime's MatMulNBits takes 0 to 4 (0: unset, "
                          "1: fp32, 2: fp16, 3: bf16, 4: int8 compute).")
     return Profile(sizes[0], text_len, block_size, accuracy_level, tuple(sizes[1:]))
+
+
+BF16_REFUSAL = ("--dtype bf16: onnxruntime's CPU execution provider has no bf16 kernels (bf16 Mul fails to load), "
+                "so a bf16 export cannot be validated or run on CPU.")
+BF16_HINT = "Use --dtype fp16 (half the size, runs on every provider) or fp32."
+
+
+def check_dtype(dtype: str) -> None:
+    """The generic export's --dtype: fp32 or fp16 (bf16 refused: no CPU kernels in onnxruntime)."""
+    if dtype == "bf16":
+        raise PortError(BF16_REFUSAL, hint=BF16_HINT)
+    if dtype not in ("fp32", "fp16"):
+        raise PortError(f"--dtype {dtype!r}: choose fp32 or fp16.")
+
+
+def check_ryzenai_opset(opset: object) -> int:
+    """--target ryzenai writes opset 17 exactly (the graph is rewritten down to 17 after tracing)."""
+    if opset is not None and (isinstance(opset, bool) or opset != OPSET):
+        raise UsageError(f"--opset {opset!r}: --target ryzenai writes opset {OPSET} exactly (Ryzen AI's "
+                         "recommended opset).", hint="Leave --opset out with --target ryzenai.")
+    return OPSET
