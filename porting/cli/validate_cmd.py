@@ -93,10 +93,13 @@ def validate(
 ) -> None:
     """Run the full transformer on the device against a float32 golden and judge it against bf16's own error."""
     from validation.api import validate as run_validate
-    from validation.distributed import launched_by_torchrun
+    from validation.distributed import launched_by_torchrun, parse_devices
     from validation.options import check_applicable, check_options, parse_seeds, parse_timesteps
 
     given = {"--device": device, "--ort-threads": ort_threads, "--svdq-compute": svdq_compute, "--devices": devices}
+    check_applicable(runtime, given, device=device, devices=devices, ort_threads=ort_threads)  # before any rank
+    if devices is not None:
+        parse_devices(devices)  # (preflight made both first; kept for a caller of this function without it)
     device = device or "cpu"
     follower = devices is not None and launched_by_torchrun() and os.environ.get("RANK", "0") != "0"
     output = _output.use(json_mode=json_, quiet=quiet or follower, heavy=True)
