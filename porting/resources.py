@@ -195,8 +195,11 @@ def out_of_memory(err: BaseException, where: str = "") -> ResourceError:
     binds now: the run did not fit, which no estimate is exact enough to rule out."""
     said = str(err).splitlines()[0].strip() if str(err).strip() else ""
     said = f"{type(err).__name__}{': ' + said[:300] if said else ''}"
-    limit = memory_limit()
-    now = f"{gib(limit.available)} is available now" + (f" under {limit.name}" if limit.name != "the host" else "")
+    try:
+        limit = memory_limit()
+        now = f"{gib(limit.available)} is available now" + (f" under {limit.name}" if limit.name != "the host" else "")
+    except (MemoryError, OSError):  # still short of memory: the estimate alone
+        now = "the memory available now could not be read"
     head = f"{where}: " if where else ""
     if not ESTIMATES:
         return ResourceError(f"{head}the run ran out of memory ({said}); {now}; no estimate was made before this "
