@@ -1,7 +1,8 @@
 """Device strings (`cpu`, `cuda[:N]`, `npu[:N]`, `mps`, `xpu[:N]`) parsed by flux-port itself.
 
 Stock PyTorch rejects `torch.device("npu:0")` until `torch_npu` registers the backend, so the string is parsed
-first and the backend imported lazily.
+first and the backend imported lazily; torch itself is imported by the functions that need it, so that a device
+string is checked (parse_device) before torch is loaded.
 """
 
 from __future__ import annotations
@@ -11,10 +12,12 @@ import importlib.util
 import os
 import re
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from porting.errors import DeviceError
+
+if TYPE_CHECKING:
+    import torch
 
 KNOWN = ("cpu", "cuda", "npu", "mps", "xpu")
 VISIBLE_ENV = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES", "xpu": "ZE_AFFINITY_MASK"}
@@ -58,6 +61,8 @@ def _check_index(spec: DeviceSpec, count: int) -> None:
 def resolve_device(text: str, option: str = "--device") -> torch.device:
     """Parse, import the backend if needed, check the device exists, and return a torch.device; `option` names
     the option the text came from in the refusal."""
+    import torch
+
     spec = parse_device(text)
     if spec.type == "cpu":
         return torch.device("cpu")
@@ -96,6 +101,8 @@ def resolve_device(text: str, option: str = "--device") -> torch.device:
 def free_memory(device: torch.device) -> int | None:
     """Free bytes on an accelerator that is present (resolve_device first): torch.cuda.mem_get_info, or torch_npu's
     torch.npu.mem_get_info; None for the CPU and where the backend cannot say."""
+    import torch
+
     try:
         if device.type == "cuda":
             return int(torch.cuda.mem_get_info(device)[0])
@@ -122,6 +129,8 @@ def npu_importable() -> bool:
 def validate_device() -> str:
     """The `--device` a hint names: a device this machine has (npu:0 only where torch_npu imports, else cuda when
     CUDA is available, else cpu)."""
+    import torch
+
     if npu_importable():
         return "npu:0"
     try:
@@ -134,6 +143,8 @@ def validate_device() -> str:
 
 def device_facts(device: torch.device) -> dict[str, object]:
     """What a report must record about the device and its software (validation-practice.md 6.7)."""
+    import torch
+
     facts: dict[str, object] = {"device": str(device), "torch": torch.__version__}
     try:
         import diffusers

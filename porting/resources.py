@@ -3,13 +3,17 @@
 One seam for every heavy verb: `port export` (weights of each component), `port validate` (the streamed golden:
 the largest stage's weights plus the activations of all cases) and `port compare` / `port generate` (the pipeline's
 weights plus, on the CPU, the transformer's activations and the VAE decode). A run whose estimate exceeds the
-available memory (psutil) is refused with exit 2 and the estimate in the message, instead of swapping for hours or
-being killed half-way. The estimates are deliberately simple upper-ish bounds, not measurements.
+memory this process may use (the host's available memory, its address-space limit `RLIMIT_AS` and its cgroup's
+limit, the tightest of them) is refused with exit 2 and the estimate in the message, instead of swapping for hours
+or being killed half-way. The estimates are deliberately simple upper-ish bounds, not measurements; an allocation
+that fails anyway is still exit 2, with the last estimate made (`out_of_memory`).
 """
 
 from __future__ import annotations
 
 import math
+import resource
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -34,24 +38,181 @@ def gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
-def machine_memory() -> tuple[int, int]:
-    """(available, total) bytes of host memory."""
+@dataclass(frozen=True)
+class Limit:
+    """One bound on the memory this process may still take: `available` of `total` bytes, `name` saying whose."""
+
+    name: str
+    available: int
+    total: int
+
+
+# cgroup v1 writes "no limit" as 2^63 - 1 rounded down to a page; anything this large is no limit
+CGROUP_UNLIMITED = 2**60
+
+
+def host_limit() -> Limit:
+    """The host's available memory (psutil: free plus reclaimable caches)."""
     import psutil
 
     vm = psutil.virtual_memory()
-    return int(vm.available), int(vm.total)
+    return Limit("the host", int(vm.available), int(vm.total))
+
+
+def mapped_bytes() -> int:
+    """This process's address space now (VmSize), what RLIMIT_AS bounds."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[0]) * resource.getpagesize()
+
+
+def address_space_limit() -> Limit | None:
+    """Room under this process's soft RLIMIT_AS (`ulimit -v`), None without one. The interpreter's share of every
+    estimate (MEMORY_OVERHEAD) is mapped already, up to what is mapped now, so it is not counted twice."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY:
+        return None
+    try:
+        mapped = mapped_bytes()
+    except (OSError, ValueError, IndexError):  # no /proc (not Linux): the limit alone
+        mapped = 0
+    return Limit("the address-space limit (RLIMIT_AS)", max(0, soft - mapped + min(mapped, MEMORY_OVERHEAD)), soft)
+
+
+def _read_number(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+        return int(text)
+    except (OSError, ValueError):  # absent, unreadable, or "max"
+        return None
+
+
+def _reclaimable(stat: Path, key: str) -> int:
+    """Page cache the kernel drops before failing an allocation (`inactive_file` in memory.stat)."""
+    try:
+        for line in stat.read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key:
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+# per cgroup version: the mounts its hierarchy may be at (under `root`), the limit, usage and memory.stat key
+_CGROUP_FILES = {"v2": (("sys/fs/cgroup", "sys/fs/cgroup/unified"), "memory.max", "memory.current", "inactive_file"),
+                 "v1": (("sys/fs/cgroup/memory",), "memory.limit_in_bytes", "memory.usage_in_bytes",
+                        "total_inactive_file")}
+
+
+def cgroup_limits(root: Path = Path("/")) -> list[Limit]:
+    """The memory limits of this process's cgroups (v2 `memory.max`, v1 `memory.limit_in_bytes`), its own and every
+    ancestor's that sets one, each as limit minus usage (page cache the kernel would reclaim not counted as used).
+    `root`: where `proc/self/cgroup` and `sys/fs/cgroup` are read (the tests give a fake tree)."""
+    try:
+        lines = (root / "proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return []
+    limits = []
+    for line in lines:
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        version = "v2" if hierarchy == "0" and controllers == "" else (
+            "v1" if "memory" in controllers.split(",") else None)
+        if version is None:
+            continue
+        mounts, limit_file, usage_file, cache_key = _CGROUP_FILES[version]
+        for mount in mounts:
+            base = root / mount
+            folder = base / path.strip("/")
+            while True:
+                limit = _read_number(folder / limit_file)
+                usage = _read_number(folder / usage_file)
+                if limit is not None and limit < CGROUP_UNLIMITED:
+                    used = max(0, (usage or 0) - _reclaimable(folder / "memory.stat", cache_key))
+                    where = "/" + str(folder.relative_to(base)).strip(".")
+                    limits.append(Limit(f"the cgroup limit ({limit_file} of {where})", max(0, limit - used), limit))
+                if folder == base or base not in folder.parents:
+                    break
+                folder = folder.parent
+    return limits
+
+
+def memory_limit(root: Path = Path("/")) -> Limit:
+    """The tightest of the host's available memory, RLIMIT_AS and the cgroup limits: what this run may still take."""
+    limits = [host_limit(), *cgroup_limits(root)]
+    space = address_space_limit()
+    if space is not None:
+        limits.append(space)
+    return min(limits, key=lambda limit: limit.available)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """An estimate `require_memory` made: what, the bytes it needs and their breakdown, and what was available."""
+
+    what: str
+    need: int
+    breakdown: str
+    available: int
+    limit: str  # whose limit `available` is ("" when the caller gave the figure: a device's free memory)
+
+
+# the estimates this run made, newest last: an allocation that fails after them is reported with them
+ESTIMATES: list[Estimate] = []
 
 
 def require_memory(what: str, need: int, breakdown: str, *, hint: str, available: int | None = None) -> int:
-    """Raise ResourceError when `need` bytes exceed the available memory; returns `need`."""
-    total = None
-    if available is None:
-        available, total = machine_memory()
-    if need > available:
-        has = f"{gib(available)} is available" + (f" of {gib(total)}" if total else "")
+    """Raise ResourceError when `need` bytes exceed the available memory (default: `memory_limit()`, which names
+    the limit that binds); returns `need`. Every estimate is recorded in ESTIMATES."""
+    limit = Limit("", available, 0) if available is not None else memory_limit()
+    ESTIMATES.append(Estimate(what, need, breakdown, limit.available, limit.name))
+    if need > limit.available:
+        has = f"{gib(limit.available)} is available" + (f" of {gib(limit.total)}" if limit.total else "")
+        if limit.name and limit.name != "the host":
+            has += f" under {limit.name}"
         raise ResourceError(f"{what} needs about {gib(need)} of memory ({breakdown}), {has}; nothing was done.",
                             hint=hint)
     return need
+
+
+# what allocators say when they fail: torch's CPU allocator ("DefaultCPUAllocator: can't allocate memory", "not
+# enough memory"), CUDA and other devices ("out of memory"), and the C library (errno 12)
+ALLOCATION_FAILED = ("not enough memory", "DefaultCPUAllocator", "can't allocate memory", "out of memory",
+                     "Cannot allocate memory")
+
+
+def allocation_failed(err: BaseException) -> bool:
+    """Whether `err` is an allocation refused: MemoryError, or an allocator's RuntimeError / OSError (ENOMEM)."""
+    if isinstance(err, MemoryError):
+        return True
+    if isinstance(err, OSError):
+        return err.errno == 12
+    return isinstance(err, RuntimeError) and any(s in str(err) for s in ALLOCATION_FAILED)
+
+
+def out_of_memory(err: BaseException, where: str = "") -> ResourceError:
+    """An allocation that failed (`allocation_failed`) as exit 2, with the last estimate made and the limit that
+    binds now: the run did not fit, which no estimate is exact enough to rule out."""
+    said = str(err).splitlines()[0].strip() if str(err).strip() else ""
+    said = f"{type(err).__name__}{': ' + said[:300] if said else ''}"
+    try:
+        limit = memory_limit()
+        now = f"{gib(limit.available)} is available now" + (f" under {limit.name}" if limit.name != "the host" else "")
+    except (MemoryError, OSError):  # still short of memory: the estimate alone
+        now = "the memory available now could not be read"
+    head = f"{where}: " if where else ""
+    if not ESTIMATES:
+        return ResourceError(f"{head}the run ran out of memory ({said}); {now}; no estimate was made before this "
+                             "step.", hint="Lower the sizes or counts the run was given, or raise the memory limit "
+                                           "(ulimit -v, the container's limit), or use a machine with more memory.")
+    last = ESTIMATES[-1]
+    had = f"{gib(last.available)} was available" + (f" under {last.limit}" if last.limit and last.limit != "the host"
+                                                     else "")
+    return ResourceError(f"{head}the run ran out of memory ({said}): flux-port's estimate was that {last.what} needs "
+                         f"about {gib(last.need)} ({last.breakdown}), and {had}; {now}.",
+                         hint="The estimate was short of what the run took: lower the sizes or counts it names, "
+                              "or raise the memory limit (ulimit -v, the container's limit), or use a machine with "
+                              "more memory.")
 
 
 def itemsize(dtype: Any) -> int:

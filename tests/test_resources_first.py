@@ -21,6 +21,8 @@ from porting.pipeline.publish import publish
 from .helpers import run_port
 
 HEADROOM = 1 << 30  # what a refused run may still allocate: far less than any of the requests below
+# the estimates count this limit (RLIMIT_AS) too: a request meant to pass them (to meet a later check) gets more room
+ROOM_TO_PASS = 8 << 30
 
 
 def _address_space() -> int:
@@ -29,9 +31,9 @@ def _address_space() -> int:
 
 
 @contextmanager
-def small_address_space() -> Iterator[None]:
+def small_address_space(headroom: int = HEADROOM) -> Iterator[None]:
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    limit = _address_space() + HEADROOM
+    limit = _address_space() + headroom
     if hard != resource.RLIM_INFINITY:
         limit = min(limit, hard)
     resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
@@ -41,8 +43,8 @@ def small_address_space() -> Iterator[None]:
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
 
-def refused(capsys, *argv: str | Path) -> dict:
-    with small_address_space():
+def refused(capsys, *argv: str | Path, headroom: int = HEADROOM) -> dict:
+    with small_address_space(headroom):
         run = run_port(capsys, *argv, "--json")
     assert run.code == 2, (run.code, run.out[-2000:], run.err[-2000:])
     return json.loads(run.out)
@@ -89,10 +91,12 @@ def test_validate_with_an_accelerator_reference_is_estimated_on_the_host_before_
     assert "the host needs about" in doc["error"] and "nothing was done" in doc["error"]
     assert "The largest part is" in doc["hint"] and "--resolution" in doc["hint"]
     if reference == "cuda" and not torch.cuda.is_available():
-        doc = refused(capsys, "validate", port["transformer"], "--reference", reference, "--out", tmp_path / "r")
+        doc = refused(capsys, "validate", port["transformer"], "--reference", reference, "--out", tmp_path / "r",
+                      headroom=ROOM_TO_PASS)
         assert "--reference cuda: no CUDA device available" in doc["error"] and "--reference cpu" in doc["hint"]
     if reference == "npu" and importlib.util.find_spec("torch_npu") is None:
-        doc = refused(capsys, "validate", port["transformer"], "--reference", reference, "--out", tmp_path / "r")
+        doc = refused(capsys, "validate", port["transformer"], "--reference", reference, "--out", tmp_path / "r",
+                      headroom=ROOM_TO_PASS)
         assert "--reference npu needs torch_npu, which is not installed" in doc["error"]
     assert not (tmp_path / "r").exists()
 
@@ -182,6 +186,111 @@ def test_compare_prompt_count_is_estimated_first(capsys, published, tmp_path):
     prompts.write_text("a fox\n" * 200000)  # each prompt's embedding, images and grid row are held at once
     out = tmp_path / "c"
     doc = refused(capsys, "compare", published, published, "--prompts", prompts, "--size", "1024", "--steps", "1",
-                  "--out", out)
+                  "--out", out, headroom=ROOM_TO_PASS)  # each side's 1024x1024 on cpu fits; the prompts do not
     assert "comparing 200,000 prompt(s) at 1024x1024" in doc["error"]
     assert not out.exists()
+
+
+# --- the limits of this process, not only the host's memory -------------------------------------------------------
+
+def test_validate_counts_the_address_space_limit_in_its_estimate(capsys, port, tmp_path):
+    """--text-len 2,000,000 fits the host's free memory but not this process's RLIMIT_AS: the estimate refuses it
+    before any tensor is made (it used to pass and end in exit 70 from torch's allocator)."""
+    doc = refused(capsys, "validate", port["transformer"], "--text-len", "2000000", "--out", tmp_path / "r")
+    assert "--text-len 2000000" in doc["error"] and "under the address-space limit (RLIMIT_AS)" in doc["error"]
+    assert "nothing was done" in doc["error"]
+    assert not (tmp_path / "r").exists()
+
+
+def test_an_allocation_that_fails_past_the_estimate_is_exit_2_with_the_estimate(capsys, monkeypatch, port, tmp_path):
+    """Injected fault: the estimate counts no copy of the residual stream instead of 24, so it passes and torch's
+    allocator fails under the address-space limit; the run is still exit 2 naming the estimate, not a flux-port bug."""
+    import porting.resources
+
+    monkeypatch.setattr(porting.resources, "ACTIVATION_COPIES", 0)
+    doc = refused(capsys, "validate", port["transformer"], "--text-len", "2000000", "--out", tmp_path / "r")
+    assert "the run ran out of memory (RuntimeError: " in doc["error"], doc["error"]
+    assert "flux-port's estimate was that validating at --resolution 256 --text-len 2000000" in doc["error"]
+    assert "GiB" in doc["error"] and "lower the sizes" in doc["hint"]
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_child_under_a_4_gib_address_space_limit_is_refused_with_the_estimate(port, tmp_path):
+    """The case as a user meets it: `ulimit -v 4194304` (a child process under setrlimit), then validate."""
+    import os
+    import subprocess
+    import sys
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (4 * 2**30, resource.getrlimit(resource.RLIMIT_AS)[1]))
+
+    run = subprocess.run([sys.executable, "-m", "porting", "validate", str(port["transformer"]), "--text-len",
+                          "2000000", "--out", str(tmp_path / "r"), "--json"], capture_output=True, text=True,
+                         preexec_fn=limit, timeout=300, cwd=Path(__file__).resolve().parents[1],
+                         env={**os.environ, "FLUX_PORT_DEBUG": ""})
+    assert run.returncode == 2, (run.returncode, run.stdout[-2000:], run.stderr[-2000:])
+    error = json.loads(run.stdout)["error"]
+    assert "needs about" in error and "4.00 GiB under the address-space limit (RLIMIT_AS)" in error, error
+    assert not (tmp_path / "r").exists()
+
+
+def _cgroup_tree(root: Path, cgroup: str, files: dict[str, str]) -> Path:
+    (root / "proc/self").mkdir(parents=True)
+    (root / "proc/self/cgroup").write_text(cgroup)
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
+
+
+def test_cgroup_v2_limits_of_the_process_and_its_ancestors_are_read(tmp_path):
+    from porting.resources import cgroup_limits
+
+    root = _cgroup_tree(tmp_path, "0::/user.slice/job\n", {
+        "sys/fs/cgroup/user.slice/memory.max": str(8 * 2**30),
+        "sys/fs/cgroup/user.slice/memory.current": str(3 * 2**30),
+        "sys/fs/cgroup/user.slice/job/memory.max": "max\n",  # no limit of its own
+        "sys/fs/cgroup/user.slice/job/memory.current": str(2**30),
+        "sys/fs/cgroup/user.slice/memory.stat": f"anon 100\ninactive_file {2**30}\nactive_file 5\n",
+    })
+    limits = cgroup_limits(root)
+    assert [(lim.available, lim.total) for lim in limits] == [(6 * 2**30, 8 * 2**30)]  # 8 - (3 - 1 reclaimable)
+    assert limits[0].name == "the cgroup limit (memory.max of /user.slice)"
+
+
+def test_cgroup_v1_limit_is_read_and_its_no_limit_value_ignored(tmp_path):
+    from porting.resources import cgroup_limits
+
+    root = _cgroup_tree(tmp_path, "4:memory:/docker/abc\n3:cpu:/\n0::/\n", {
+        "sys/fs/cgroup/memory/memory.limit_in_bytes": "9223372036854771712",  # v1's "no limit"
+        "sys/fs/cgroup/memory/memory.usage_in_bytes": str(10 * 2**30),
+        "sys/fs/cgroup/memory/docker/abc/memory.limit_in_bytes": str(4 * 2**30),
+        "sys/fs/cgroup/memory/docker/abc/memory.usage_in_bytes": str(2**30),
+        "sys/fs/cgroup/memory/docker/abc/memory.stat": "cache 7\ntotal_inactive_file 0\n",
+    })
+    limits = cgroup_limits(root)
+    assert [(lim.available, lim.total, lim.name) for lim in limits] == [
+        (3 * 2**30, 4 * 2**30, "the cgroup limit (memory.limit_in_bytes of /docker/abc)")]
+
+
+def test_the_tightest_limit_binds_and_is_named_in_the_refusal(tmp_path, monkeypatch):
+    """A cgroup limit below the host's free memory is what the estimate compares with, and the refusal names it."""
+    import porting.resources as resources
+
+    root = _cgroup_tree(tmp_path, "0::/\n", {"sys/fs/cgroup/memory.max": str(2**20),
+                                             "sys/fs/cgroup/memory.current": "0"})
+    tightest = resources.memory_limit(root)
+    assert (tightest.available, tightest.name) == (2**20, "the cgroup limit (memory.max of /)")
+    assert resources.memory_limit(tmp_path / "no-such-root").available > 2**20  # no cgroup there: the host's
+    monkeypatch.setattr(resources, "memory_limit", lambda root=Path("/"): tightest)
+    with pytest.raises(resources.ResourceError, match=r"0\.00 GiB is available of 0\.00 GiB under the cgroup limit "
+                                                      r"\(memory.max of /\); nothing was done"):
+        resources.require_memory("a run", 2**30, "weights 1 GiB", hint="smaller")
+
+
+def test_no_cgroup_file_is_no_limit(tmp_path):
+    from porting.resources import cgroup_limits
+
+    assert cgroup_limits(tmp_path) == []
+    root = _cgroup_tree(tmp_path / "x", "0::/a\n", {"sys/fs/cgroup/a/memory.max": "max"})
+    assert cgroup_limits(root) == []

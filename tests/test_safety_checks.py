@@ -233,7 +233,8 @@ def test_export_that_cannot_fit_is_refused_with_the_estimate(capsys, monkeypatch
                                                              published: Path) -> None:
     import porting.resources
 
-    monkeypatch.setattr(porting.resources, "machine_memory", lambda: (2**20, 2**21))  # a 2 MiB machine
+    monkeypatch.setattr(porting.resources, "memory_limit",  # a 2 MiB machine
+                        lambda root=None: porting.resources.Limit("the host", 2**20, 2**21))
     run = run_port(capsys, "export", published, "--out", tmp_path / "x", "--components", "transformer")
     assert_clean_refusal(run, 2, "transformer: a streamed export", "needs about", "0.00 GiB is available of 0.00 GiB")
     assert not (tmp_path / "x").exists()

@@ -15,14 +15,14 @@ from .checks import GoldenWeights, check_dequantized, check_not_one_computation
 from .compare import Runs, lockstep
 from .inputs import Inputs, build_inputs
 from .memory import check_devices, check_host, request_for
-from .options import check_applicable
+from .options import RUNTIMES, check_applicable
 from .report import Report
 from .runners.base import Runner
 from .runners.torch_staged import torch_runner
 from .verdict import DTYPES, RunFacts, _dtype, verdict  # noqa: F401  (DTYPES: re-exported)
 from .weights import WeightSource, WeightTransform
 
-RUNTIMES = ("torch", "onnxruntime")
+
 def validate(model: str | Path, *, device: str = "cpu", dtype: str | None = None, reference: str | None = None,
              golden_dtype: str | None = None, out: Path | None = None, resolution: int = 512, text_len: int = 512,
              timesteps: Sequence[float] = (1.0, 0.5, 0.1), seeds: Sequence[int] = (0,),

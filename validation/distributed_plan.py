@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from porting.devices import DeviceSpec, parse_device, resolve_device
 from porting.errors import EXIT_CHECK_FAILED, DeviceError, PortError, UsageError
+
+if TYPE_CHECKING:  # imported where used: `--devices` is checked (parse_devices) before torch is loaded
+    import torch
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 TIMEOUT_ENV = "FLUX_PORT_DIST_TIMEOUT"
@@ -65,6 +66,7 @@ def parse_devices(devices: str | Sequence[str], option: str = OPTION) -> list[De
 
 def check_backend(specs: list[DeviceSpec], option: str = OPTION) -> str:
     """The backend for these devices, available and with every device present; exit 2 naming the option if not."""
+    import torch
     import torch.distributed as dist
 
     kind = specs[0].type
@@ -146,6 +148,8 @@ def split_stages(sizes: list[int], world: int) -> list[tuple[int, int]]:
     n = len(sizes)
     if world > n:
         raise UsageError(f"{OPTION}: {world} ranks for a model of {n} stages; use at most {n} devices.")
+    import torch
+
     total = float(sum(sizes)) or 1.0
     cuts, start = [], 0
     bounds = [0.0] + [float(s) for s in torch.tensor(sizes, dtype=torch.float64).cumsum(0).tolist()]

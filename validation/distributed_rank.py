@@ -195,6 +195,11 @@ def rank_main(job: Job, rank: int, world: int, device: str, store: Any = None) -
                          hint="Spread the model over more devices, lower --resolution / --text-len or the number of "
                               "cases, or keep the golden on the CPU (--reference cpu).") from e
     except Exception as e:
+        from porting.resources import allocation_failed, out_of_memory
+
+        if allocation_failed(e):  # the host's allocator (a cpu rank): exit 2 with the rank's estimate, not a bug
+            oom = out_of_memory(e)
+            raise RankFailed(f"{progress.where()}: {oom.message}", hint=oom.hint, exit_code=EXIT_USAGE) from e
         comm = _is_comm(e)
         raise RankFailed(f"{progress.where()}: {type(e).__name__}: {e}".rstrip(),
                          hint=("another rank probably failed first; its message is the cause" if comm else

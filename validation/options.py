@@ -6,8 +6,24 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping, Sequence
 
-from porting.errors import Applies, Refusal, UsageError, refuse_inapplicable
+from porting.errors import Applies, PortError, Refusal, UsageError, refuse_inapplicable
 from porting.seeds import check_seed, parse_seeds  # noqa: F401  (validate's --seeds)
+
+RUNTIMES = ("torch", "onnxruntime")
+DTYPE_NAMES = ("bf16", "fp16", "fp32", "fp64")  # --dtype / --golden-dtype (validation.verdict.DTYPES' names)
+INTRINSICS = ("native", "emulated")
+
+
+def check_names(*, runtime: str, devices: Any, dtype: str | None, golden_dtype: str | None,
+                intrinsic: str | None) -> None:
+    """--runtime, --dtype, --golden-dtype and --intrinsic are values validate knows (exit 2 naming the option)."""
+    if runtime not in RUNTIMES and devices is None:
+        raise PortError(f"--runtime {runtime!r}: choose one of {', '.join(RUNTIMES)}.")
+    for option, name in (("--dtype", dtype), ("--golden-dtype", golden_dtype)):
+        if name is not None and name not in DTYPE_NAMES:
+            raise PortError(f"{option} {name!r} is not one of {', '.join(DTYPE_NAMES)}.")
+    if intrinsic not in (None, *INTRINSICS):
+        raise PortError(f"--intrinsic {intrinsic!r}: use native or emulated.")
 
 
 def parse_timesteps(text: str) -> list[float]:

@@ -1,10 +1,13 @@
 """The last resort of the `port` entry point: an exception no verb turned into a PortError still ends in one clear
 message and a documented exit code, never a traceback.
 
-Input parsing that escaped the readers' own checks (RecursionError, MemoryError, ValueError and their kin: a file
-deeper, larger or stranger than any check foresaw) is exit 2 naming the input being read; a full disk reported by a
-library in its own words (safetensors' "No space left on device (os error 28)") is exit 5; anything else is a
-flux-port bug, exit 70 (InternalError), with the exception named. FLUX_PORT_DEBUG=1 still shows the traceback.
+An allocation that failed (MemoryError, torch's "DefaultCPUAllocator: not enough memory", a device's "out of
+memory") is exit 2 with the last memory estimate the run made (porting.resources.out_of_memory): a run that does not
+fit is the user's to resize, whatever the allocator says. Input parsing that escaped the readers' own checks
+(RecursionError, MemoryError, ValueError and their kin: a file deeper, larger or stranger than any check foresaw) is
+exit 2 naming the input being read; a full disk reported by a library in its own words (safetensors' "No space left
+on device (os error 28)") is exit 5; anything else is a flux-port bug, exit 70 (InternalError), with the exception
+named. FLUX_PORT_DEBUG=1 still shows the traceback.
 """
 
 from __future__ import annotations
@@ -64,7 +67,12 @@ def as_port_error(err: BaseException, argv: Sequence[str]) -> PortError:
     if isinstance(err, RecursionError):
         return InputError(f"{_where(err, argv)}: nested too deeply to read ({text}); refused.",
                           hint="The file is damaged or hostile; no file flux-port reads nests that deep.")
-    if isinstance(err, MemoryError):
+    from porting.resources import ESTIMATES, allocation_failed, out_of_memory
+
+    if allocation_failed(err) and (ESTIMATES or not isinstance(err, MemoryError)):
+        named = _paths_in(err.__traceback__)
+        return out_of_memory(err, named[0] if named else "")
+    if isinstance(err, MemoryError):  # a reader, before any estimate: the file (or an option) is the cause
         return InputError(f"{_where(err, argv)}: reading it would need more memory than this machine has "
                           f"(MemoryError{': ' + text if text else ''}).",
                           hint="Is the file damaged, or an option (a size, a count) far larger than meant?")

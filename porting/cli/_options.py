@@ -162,11 +162,15 @@ def _option_names(command: Callable[..., Any]) -> dict[str, str]:
     return names
 
 
-def checked(command: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap a verb so that every float option (or list of floats) holds finite numbers before the verb runs.
+def checked(command: Callable[..., Any], preflight: Optional[Callable[..., None]] = None) -> Callable[..., Any]:
+    """Wrap a verb so that every float option (or list of floats) holds finite numbers, and its `preflight` (the
+    verb module's `preflight` function, called with the verb's options as keywords) has refused every option value
+    that needs no model, before the verb runs.
 
     app.py registers every verb through this; int ranges are declared on the options themselves (`min=`), output
-    paths go through `nonempty_path`.
+    paths go through `nonempty_path`. A preflight imports no torch, diffusers or transformers: the verb's body
+    imports them (`_output.use(heavy=True)` and its engine), so a refusal costs what `port VERB --help` costs
+    (tests/test_cli_refusals.py holds each verb to that).
     """
     names = _option_names(command)
 
@@ -175,9 +179,25 @@ def checked(command: Callable[..., Any]) -> Callable[..., Any]:
         for name, value in kwargs.items():
             for v in (value if isinstance(value, (list, tuple)) else (value,)):
                 require_finite(v, names.get(name, name))
+        if preflight is not None:
+            preflight(**kwargs)
         return command(*args, **kwargs)
 
     return run
+
+
+def device_option(text: Optional[str], option: str) -> None:
+    """A device string (cpu, cuda[:N], npu[:N], mps, xpu[:N]) refused (exit 2, naming `option`) when malformed; its
+    presence on this machine is checked where the verb resolves it."""
+    from porting.devices import parse_device
+    from porting.errors import DeviceError, UsageError
+
+    if text is None:
+        return
+    try:
+        parse_device(text)
+    except DeviceError as e:
+        raise UsageError(f"{option}: {e.message}", hint=e.hint) from None
 
 
 # --- which options apply to which input -----------------------------------------------------------------------------

@@ -72,15 +72,17 @@ VERBS: dict[str, Verb] = {
 
 
 def verb_command(name: str) -> typer.core.TyperCommand:
-    """The click command of one verb, built as an eager registration builds it: options checked (`checked`),
-    examples fitted to 80 columns (`_output.examples`)."""
+    """The click command of one verb, built as an eager registration builds it: options checked (`checked`, with
+    the module's `preflight` where it has one: the refusals that need no model, before any is loaded), examples
+    fitted to 80 columns (`_output.examples`)."""
     from ._options import checked
 
     verb = VERBS[name]
     module = importlib.import_module(f"porting.cli.{verb.module}")
     examples = getattr(module, verb.examples) if verb.examples else None
     one = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
-    one.command(epilog=_output.examples(examples) if examples else None)(checked(getattr(module, verb.function)))
+    command = checked(getattr(module, verb.function), getattr(module, "preflight", None))
+    one.command(epilog=_output.examples(examples) if examples else None)(command)
     command = typer.main.get_command(one)
     assert isinstance(command, typer.core.TyperCommand) and command.name == name, (name, command.name)
     return command
@@ -222,6 +224,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _run(args: list[str]) -> None:
+    resources = sys.modules.get("porting.resources")  # loaded by an earlier run in this process (tests, embedders):
+    if resources is not None:  # its estimates are not this run's
+        resources.ESTIMATES.clear()
     try:
         code = app(args=args, prog_name="port", standalone_mode=False)
     except PortError as err:
@@ -255,6 +260,10 @@ def _run(args: list[str]) -> None:
 
 def os_error(err: OSError) -> PortError:
     where = f"{err.filename}: " if err.filename else ""
+    if err.errno == errno.ENOMEM:  # the OS refused memory: the run does not fit, as an allocator's failure
+        from porting.resources import out_of_memory
+
+        return out_of_memory(err, str(err.filename or ""))
     if err.errno in (errno.ENOSPC, errno.EDQUOT):
         return DiskSpaceError(f"{where}the disk is full ({err.strerror}).", hint="Free some space and run it again.")
     return PortError(f"{where}{err.strerror or err}.", hint="Check the path and its permissions.")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
@@ -18,6 +18,7 @@ from ._options import (
     SvdqCompute,
     SvdqComputeOpt,
     TextEncoderOpt,
+    device_option,
     out_option,
 )
 
@@ -121,3 +122,19 @@ def bench(
     if not drawn and missing():
         output.warning(f"{missing()}; bench.md has the chart as text")
     output.document({**doc, "out": str(result.out)})
+
+
+def preflight(*, card: bool, transformer: Optional[Path], text_encoder: Optional[Path], offload: str, task: str,
+              runs: int, warmup: int, size: Optional[str], device: str, **_: Any) -> None:
+    """bench's refusals that need no model (--card without a 4-bit file, the offload modes and tasks, the run
+    counts, the size, the device string), before any model library is imported (`_options.checked` runs it)."""
+    from porting.errors import PortError
+    from porting.pipeline.run_options import check_choices, parse_list, parse_size
+
+    if card and transformer is None and text_encoder is None:
+        raise PortError("--card compares the base with its 4-bit files: give --transformer (an SVDQuant file), "
+                        "--text-encoder (a 4-bit text encoder), or both.")
+    check_choices(parse_list(offload, "--offload"), parse_list(task, "--task"), runs, warmup)
+    if size is not None:
+        parse_size(size)
+    device_option(device, "--device")

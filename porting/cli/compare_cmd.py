@@ -18,6 +18,7 @@ from ._options import (
     StepsOpt,
     SvdqCompute,
     SvdqComputeOpt,
+    device_option,
     out_option,
 )
 
@@ -98,8 +99,6 @@ def compare(
     from validation.image_compare import compare as run_compare
 
     output = _output.use(json_mode=json_, quiet=quiet, heavy=True)
-    if prompt and prompts:
-        raise PortError("give --prompt or --prompts, not both.")
     prompt_list = list(prompt) if prompt else (read_prompts(prompts) if prompts else None)
     with _RenderBar(output) as bar:
         result = run_compare(
@@ -112,6 +111,23 @@ def compare(
             diff_gain=diff_gain, images=image or [], on_status=bar.say, on_image=bar.on_image,
             inputs={"--prompts": prompts}, on_step=bar.on_step, on_render_start=bar.on_render_start)
     _report(output, result)
+
+
+def preflight(*, prompt: Optional[list[str]], prompts: Optional[Path], seeds: Optional[str], size: Optional[str],
+              device: str, reference_device: str, diff_gain: float, **_: Any) -> None:
+    """compare's refusals that need no model (--prompt with --prompts, the seeds, the size, the device strings,
+    --diff-gain), before any model library is imported (`_options.checked` runs it)."""
+    from porting.pipeline.run_options import parse_size
+
+    if prompt and prompts:
+        raise PortError("give --prompt or --prompts, not both.")
+    if diff_gain <= 0:
+        raise PortError(f"--diff-gain {diff_gain}: must be positive.")
+    _seeds(seeds)
+    if size is not None:
+        parse_size(size)
+    device_option(reference_device, "--reference-device")
+    device_option(device, "--device")
 
 
 class _RenderBar:

@@ -72,20 +72,13 @@ def export(
     quiet: QuietOpt = False,
 ) -> None:
     """Export a diffusers folder to ONNX (weights as external data), ready for onnxruntime; or lint one (--check)."""
-    from porting.export.onnx import export_onnx
-
+    preflight(folder=folder, out=out, check=check)
     output = _output.use(json_mode=json_, quiet=quiet, heavy=True)
     if check is not None:
-        if folder is not None or out is not None:
-            raise UsageError("--check DIR lints a folder; give no FOLDER or --out with it.")
         return _check(check, target.value, output)
-    if folder is None or out is None:
-        raise UsageError("port export needs FOLDER and --out (or --check DIR to lint a folder).")
     profile = _profile(target, dtype, size, text_len, block_size, accuracy_level)
-    wanted = [c.strip() for c in components.split(",") if c.strip()] if components else None
-    if components is not None and not wanted:
-        raise PortError("--components is empty; name at least one of transformer, vae_decoder, text_encoder, "
-                        "text_encoder_2.")
+    wanted = _components(components)
+    from porting.export.onnx import export_onnx
     from porting.progress import TimedSteps
 
     steps = TimedSteps(None if output.quiet else output.err)
@@ -97,12 +90,43 @@ def export(
     _report(output, result, target)
 
 
+def preflight(*, folder: Optional[Path], out: Optional[Path], check: Optional[Path],
+              target: ExportTarget = ExportTarget.generic, dtype: ExportDtype = ExportDtype.fp32,
+              size: Optional[List[int]] = None, text_len: Optional[int] = None, block_size: Optional[int] = None,
+              accuracy_level: Optional[int] = None, components: Optional[str] = None, opset: Optional[int] = None,
+              **_: Any) -> None:
+    """export's refusals that need no model (what is given with --check, the dtype, the ryzenai opset, sizes and
+    settings, an empty --components), before any model library is imported (`_options.checked` runs it)."""
+    if check is not None:
+        if folder is not None or out is not None:
+            raise UsageError("--check DIR lints a folder; give no FOLDER or --out with it.")
+        return
+    if folder is None or out is None:
+        raise UsageError("port export needs FOLDER and --out (or --check DIR to lint a folder).")
+    from porting.export.options import check_dtype, check_ryzenai_opset
+
+    _profile(target, dtype, size, text_len, block_size, accuracy_level)
+    if target is ExportTarget.ryzenai:
+        check_ryzenai_opset(opset)
+    else:
+        check_dtype(dtype.value)
+    _components(components)
+
+
+def _components(components: Optional[str]) -> Optional[list[str]]:
+    wanted = [c.strip() for c in components.split(",") if c.strip()] if components else None
+    if components is not None and not wanted:
+        raise PortError("--components is empty; name at least one of transformer, vae_decoder, text_encoder, "
+                        "text_encoder_2.")
+    return wanted
+
+
 def _profile(target: ExportTarget, dtype: ExportDtype, size: Optional[List[int]], text_len: Optional[int],
              block_size: Optional[int], accuracy_level: Optional[int]) -> Any:
     """The ryzenai profile (sizes, text length, int4 block size), checked; None for the generic export, which takes
     none of its options."""
     if target is ExportTarget.ryzenai:
-        from porting.export import ryzenai
+        from porting.export import options as ryzenai
 
         if dtype is not ExportDtype.fp32:
             raise UsageError(f"--dtype {dtype.value}: --target ryzenai sets the dtypes itself (bf16-cast transformer "

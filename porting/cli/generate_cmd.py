@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
@@ -19,6 +19,7 @@ from ._options import (
     SvdqCompute,
     SvdqComputeOpt,
     TextEncoderOpt,
+    device_option,
     out_option,
 )
 
@@ -135,3 +136,23 @@ def generate(
             bar.stop()
     out.document(result.to_dict())
     out.table(summary_table(result))
+
+
+def preflight(*, seed: int, size: Optional[str], device: str, output: Path, cpu_offload: Optional[OffloadChoice],
+              **_: Any) -> None:
+    """generate's refusals that need no model (the seed, the size, the device string, --cpu-offload on the cpu,
+    an --output that is not a PNG), before any model library is imported (`_options.checked` runs it)."""
+    from porting.devices import parse_device
+    from porting.errors import PortError
+    from porting.pipeline.run_options import parse_size
+    from porting.seeds import check_seed
+
+    check_seed(seed, "--seed")
+    if size is not None:
+        parse_size(size)
+    device_option(device, "--device")
+    if cpu_offload is not None and parse_device(device).type == "cpu":
+        raise PortError("--cpu-offload moves weights between CPU and an accelerator; it needs --device cuda or "
+                        "npu:N.")
+    if output.suffix.lower() != ".png":
+        raise PortError(f"--output {output}: flux-port writes PNG; name the file *.png.")

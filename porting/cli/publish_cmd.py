@@ -140,16 +140,11 @@ def publish(
     output = _output.use(json_mode=json_, quiet=quiet, heavy=True)
     paths = None
     if recipe is not None:
-        if base is not None or transformer is not None:
-            raise PortError("give either a RECIPE or --base/--transformer, not both.")
+        _one_source(recipe, base, transformer)
         paths = _recipe_paths(recipe, workspace)
         base, transformer, out, report = paths.base, paths.transformer, out or paths.published, report or paths.reports
         variant, base_model = _recipe_defaults(recipe, variant, base_model)
-    missing = [flag for flag, value in (("--base", base), ("--transformer", transformer), ("--out", out))
-               if value is None]
-    if missing:
-        raise PortError(f"port publish needs {', '.join(missing)} (or a RECIPE).",
-                        hint="port publish --base BASE_DIR --transformer CONVERTED_DIR --report REPORT --out DIR")
+    _missing(base, transformer, out)
     pusher = _push_preflight(push, push_to, public, endpoint, send_token, timeout, skip_validation, output)
     with output.bytes_progress("publishing") as (on_start, on_bytes):
         from porting.pipeline.publish import publish as run_publish
@@ -173,6 +168,30 @@ def publish(
         output.warning(notice)
     output.hint(f'try it: port generate {result.out} --prompt "a red fox in the snow" --device cpu --size 256 '
                 "--steps 4 --output fox.png")
+
+
+def preflight(*, recipe: Optional[str], base: Optional[Path], transformer: Optional[Path], out: Optional[Path],
+              push: Optional[str], push_to: PushHub, public: bool, endpoint: Optional[str], send_token: bool,
+              timeout: float, skip_validation: bool, **_: Any) -> None:
+    """publish's refusals that need no folder (the inputs given, the --push options and the repository id's form),
+    before any model library is imported (`_options.checked` runs it)."""
+    _one_source(recipe, base, transformer)
+    if recipe is None:
+        _missing(base, transformer, out)
+    _push_target(push, push_to, public, endpoint, send_token, timeout, skip_validation)
+
+
+def _one_source(recipe: Optional[str], base: Optional[Path], transformer: Optional[Path]) -> None:
+    if recipe is not None and (base is not None or transformer is not None):
+        raise PortError("give either a RECIPE or --base/--transformer, not both.")
+
+
+def _missing(base: Optional[Path], transformer: Optional[Path], out: Optional[Path]) -> None:
+    missing = [flag for flag, value in (("--base", base), ("--transformer", transformer), ("--out", out))
+               if value is None]
+    if missing:
+        raise PortError(f"port publish needs {', '.join(missing)} (or a RECIPE).",
+                        hint="port publish --base BASE_DIR --transformer CONVERTED_DIR --report REPORT --out DIR")
 
 
 def _recipe_defaults(recipe: str, variant: Optional[VariantChoice],
@@ -209,6 +228,19 @@ def _resume_hint(out: Path) -> str:
 def _push_preflight(push: str | None, push_to: PushHub, public: bool, endpoint: str | None, send_token: bool,
                     timeout: float, skip_validation: bool, output: Any) -> Any:
     """Every refusal of --push that needs no folder (name, token, owner), before publish does any work."""
+    target = _push_target(push, push_to, public, endpoint, send_token, timeout, skip_validation)
+    if target is None:
+        return None
+    from porting.hub.push import preflight
+
+    output.status(f"checking the token and {target.source.label} on {target.source.host} before publishing")
+    return preflight(target)
+
+
+def _push_target(push: str | None, push_to: PushHub, public: bool, endpoint: str | None, send_token: bool,
+                 timeout: float, skip_validation: bool) -> Any:
+    """The --push options checked without the network (what applies, the repository id's form, whether a token may
+    go to the endpoint): the target, or None without --push."""
     if push is None:
         given = [flag for flag, on in (("--push-to", push_to != PushHub.hf), ("--public", public),
                                        ("--endpoint", endpoint is not None), ("--send-token", send_token),
@@ -220,9 +252,6 @@ def _push_preflight(push: str | None, push_to: PushHub, public: bool, endpoint: 
         raise PortError("--push with --skip-validation: flux-port uploads only folders that passed the validation "
                         "gate.", hint="Validate the transformer (port validate), then publish with --push; or publish "
                                       "with --skip-validation and upload that folder yourself.")
-    from porting.hub.push import preflight, push_target
+    from porting.hub.push.target import push_target
 
-    target = push_target(push, push_to.value, endpoint=endpoint, public=public, send_token=send_token,
-                         timeout=timeout)
-    output.status(f"checking the token and {target.source.label} on {target.source.host} before publishing")
-    return preflight(target)
+    return push_target(push, push_to.value, endpoint=endpoint, public=public, send_token=send_token, timeout=timeout)

@@ -17,6 +17,7 @@ from ._options import (
     QuietOpt,
     SvdqCompute,
     WorkspaceOpt,
+    device_option,
     out_option,
     transformer_of,
 )
@@ -98,7 +99,7 @@ def validate(
     given = {"--device": device, "--ort-threads": ort_threads, "--svdq-compute": svdq_compute, "--devices": devices}
     check_applicable(runtime, given, device=device, devices=devices, ort_threads=ort_threads)  # before any rank
     if devices is not None:
-        parse_devices(devices)  # a malformed list is refused (exit 2, naming --devices) before any work
+        parse_devices(devices)  # (preflight made both first; kept for a caller of this function without it)
     device = device or "cpu"
     follower = devices is not None and launched_by_torchrun() and os.environ.get("RANK", "0") != "0"
     output = _output.use(json_mode=json_, quiet=quiet or follower, heavy=True)
@@ -125,6 +126,28 @@ def validate(
                               text_encoder=text_encoder)
     if report is not None:  # None: a torchrun rank other than 0; rank 0 writes the one report
         _report(output, report, model, out, recipe, runtime)
+
+
+def preflight(*, device: Optional[str], devices: Optional[str], reference: Optional[str], runtime: str,
+              ort_threads: Optional[int], svdq_compute: Optional[SvdqCompute], dtype: Optional[str],
+              golden_dtype: Optional[str], intrinsic: Optional[str], resolution: Optional[int],
+              text_len: Optional[int], timesteps: str, seeds: str, max_ratio: float, **_: Any) -> None:
+    """validate's refusals that need no model (options that do not apply, the device strings and --devices list,
+    names, sizes, seeds and timesteps), before any model library is imported or any rank started
+    (`_options.checked` runs it)."""
+    from validation.distributed_plan import parse_devices
+    from validation.options import check_applicable, check_names, check_options, parse_seeds, parse_timesteps
+
+    check_applicable(runtime, {"--device": device, "--ort-threads": ort_threads, "--svdq-compute": svdq_compute,
+                               "--devices": devices}, device=device, devices=devices, ort_threads=ort_threads)
+    if devices is not None:
+        parse_devices(devices)
+    check_names(runtime=runtime, devices=devices, dtype=dtype, golden_dtype=golden_dtype, intrinsic=intrinsic)
+    device_option(device, "--device")
+    device_option(reference, "--reference")
+    resolution, text_len = _sizes(resolution, text_len, device or "cpu", devices, runtime, None)
+    check_options(resolution=resolution, text_len=text_len, timesteps=parse_timesteps(timesteps),
+                  seeds=parse_seeds(seeds), max_ratio=max_ratio)
 
 
 def _model_of(model: Path, base: Optional[Path], workspace: Optional[Path],
@@ -217,12 +240,14 @@ CPU = (256, 128)  # on a CPU: 256 image and 128 text tokens, a quarter of the to
 
 
 def _sizes(resolution: int | None, text_len: int | None, device: str, devices: str | None, runtime: str,
-           output: _output.Output) -> tuple[int, int]:
-    """--resolution and --text-len as given, else the defaults for where the model runs (said when on the cpu)."""
+           output: _output.Output | None) -> tuple[int, int]:
+    """--resolution and --text-len as given, else the defaults for where the model runs (said on `output` when on
+    the cpu)."""
     on_cpu = runtime == "torch" and devices is None and device.split(":")[0] == "cpu"
     chosen = CPU if on_cpu else FULL
     sizes = (chosen[0] if resolution is None else resolution, chosen[1] if text_len is None else text_len)
-    if on_cpu and (resolution is None or text_len is None):  # 0 is a value given (and refused later), not a default
+    # 0 is a value given (and refused later), not a default
+    if output is not None and on_cpu and (resolution is None or text_len is None):
         output.status(f"on cpu: --resolution {sizes[0]} --text-len {sizes[1]} by default "
                       f"({FULL[0]} and {FULL[1]} on an accelerator); pass them for more")
     return sizes

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 
 from porting._files import read_config
-from porting.errors import CheckFailed, PortError, UsageError
+from porting.errors import CheckFailed, UsageError
 from porting.families.export_spec import Traceable, gib, nbytes
 from porting.resources import (
     MEMORY_OVERHEAD,
@@ -31,6 +31,7 @@ from porting.resources import (
 )
 
 from .onnx_layout import DATA_SUFFIX, ComponentResult, Layout, layout_of
+from .options import check_dtype, check_ryzenai_opset
 from .ort import MODEL_FILE, require
 from .streamed import hollow_traceable, key_map, stream_component, streamed_bytes
 
@@ -41,8 +42,6 @@ MIN_OPSET = 18  # torch's dynamo exporter writes no older opset
 # i.e. about twice the weights (the loaded model plus the source file's mapped pages and the bytes being written)
 # plus the interpreter with torch, diffusers and the exporter (porting.resources.MEMORY_OVERHEAD)
 MEMORY_FACTOR = 2.0
-BF16_REFUSAL = ("--dtype bf16: onnxruntime's CPU execution provider has no bf16 kernels (bf16 Mul fails to load), "
-                "so a bf16 export cannot be validated or run on CPU.")
 
 
 def estimate_bytes(params: int, dtype: torch.dtype) -> int:
@@ -68,12 +67,7 @@ def check_opset(opset: object, target: str = "generic") -> int:
     generic: what torch's dynamo exporter writes (18 up to its newest). ryzenai: 17 exactly (the graph is rewritten
     down to 17 after tracing, porting/export/ryzenai.py)."""
     if target == "ryzenai":
-        from .ryzenai import OPSET
-
-        if isinstance(opset, bool) or opset != OPSET:
-            raise UsageError(f"--opset {opset!r}: --target ryzenai writes opset {OPSET} exactly (Ryzen AI's "
-                             "recommended opset).", hint="Leave --opset out with --target ryzenai.")
-        return OPSET
+        return check_ryzenai_opset(opset)
     newest = max_opset()
     if isinstance(opset, bool) or not isinstance(opset, int) or opset < MIN_OPSET or (newest and opset > newest):
         raise UsageError(f"--opset {opset!r}: torch {torch.__version__}'s dynamo exporter writes opsets {MIN_OPSET}"
@@ -205,10 +199,7 @@ class Generic(Target):
     def prepare(self, folder: Path) -> None:
         if self.profile is not None:
             raise UsageError("--size, --text-len, --block-size and --accuracy-level belong to --target ryzenai.")
-        if self.dtype == "bf16":
-            raise PortError(BF16_REFUSAL, hint="Use --dtype fp16 (half the size, runs on every provider) or fp32.")
-        if self.dtype not in DTYPES:
-            raise PortError(f"--dtype {self.dtype!r}: choose fp32 or fp16.")
+        check_dtype(self.dtype)
         check_opset(self.opset)
         self.torch_dtype = DTYPES[self.dtype]
 

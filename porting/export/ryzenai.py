@@ -21,23 +21,26 @@ import logging
 import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
-from porting.errors import UsageError
 from porting.families.export_spec import Traceable
 from porting.skeleton import diffusers_skeleton
 
 from .external import padding, save_streamed  # noqa: F401  (save_streamed: used by the export engine)
+from .options import (  # noqa: F401  (ryzenai.check_profile, OPSET, the defaults: the CLI's and the tests')
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_SIZE,
+    DEFAULT_TEXT_LEN,
+    OPSET,
+    Profile,
+    check_profile,
+)
 from .ort import require
 
-OPSET = 17
 FLOW_FOR = "FLUX.2 [klein]"  # the model this flow is written for; a family's ExportSpec.ryzenai says it is taken
-DEFAULT_SIZE = 1024
-DEFAULT_TEXT_LEN = 512
-DEFAULT_BLOCK_SIZE = 128
 TEXT_ENCODER_FILE = "qwen3_text_encoder_prompt_embeds_matmulnbits.onnx"
 FILES = {"transformer": "model.onnx", "vae_decoder": "model.onnx", "text_encoder": TEXT_ENCODER_FILE}
 # how each component's weights are stored in the profile
@@ -47,23 +50,6 @@ BF16_MIN_ELEMENTS = 16  # float initializers at least this large are weights (st
 REDUCE_OPS = {"ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1", "ReduceL2", "ReduceLogSum",
               "ReduceLogSumExp", "ReduceSumSquare"}
 RESIZE_18_ATTRS = {"antialias": 0, "keep_aspect_ratio_policy": b"stretch"}
-
-
-@dataclass(frozen=True)
-class Profile:
-    """The static shapes and int4 settings of a ryzenai export. `size` is the first (or only) image size;
-    `more_sizes` the others when `--size` is given several times (one transformer / VAE decoder graph per size, all
-    reading one weights file)."""
-
-    size: int = DEFAULT_SIZE
-    text_len: int = DEFAULT_TEXT_LEN
-    block_size: int = DEFAULT_BLOCK_SIZE
-    accuracy_level: int | None = None
-    more_sizes: tuple[int, ...] = ()
-
-    @property
-    def sizes(self) -> tuple[int, ...]:
-        return (self.size, *self.more_sizes)
 
 
 def graph_file(component: str, size: int, profile: Profile) -> str:
@@ -85,32 +71,6 @@ def _dynamo_export(traced: Any) -> Any:
                                     input_names=traced.inputs, output_names=traced.outputs, verbose=False,
                                     optimize=False)
     return program.model
-
-
-def check_profile(size: int | Sequence[int], text_len: int, block_size: int, accuracy_level: int | None) -> Profile:
-    """The ryzenai options, or UsageError (exit 2) naming the one that is wrong. `size`: one image size or several
-    (`--size` given several times: one static graph per size, in the order given, no repeats)."""
-    sizes = [size] if isinstance(size, int) else list(size)
-    if not sizes:
-        raise UsageError("--size: at least one image size is needed.")
-    for name, value in [("--size", s) for s in sizes] + [("--text-len", text_len), ("--block-size", block_size)]:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise UsageError(f"{name} {value!r}: an integer is needed.")
-    for s in sizes:
-        if s < 16 or s % 16:
-            raise UsageError(f"--size {s}: a multiple of 16 (the VAE's 8x and the 2x2 patches), at least 16.")
-    repeated = sorted({s for s in sizes if sizes.count(s) > 1})
-    if repeated:
-        raise UsageError(f"--size {repeated[0]} is given twice; each size makes one graph.",
-                         hint="Give each --size once.")
-    if text_len < 1:
-        raise UsageError(f"--text-len {text_len}: at least 1.")
-    if block_size < 16 or block_size & (block_size - 1):
-        raise UsageError(f"--block-size {block_size}: MatMulNBits takes a power of two, at least 16 (default 128).")
-    if accuracy_level is not None and accuracy_level not in (0, 1, 2, 3, 4):
-        raise UsageError(f"--accuracy-level {accuracy_level}: onnxruntime's MatMulNBits takes 0 to 4 (0: unset, "
-                         "1: fp32, 2: fp16, 3: bf16, 4: int8 compute).")
-    return Profile(sizes[0], text_len, block_size, accuracy_level, tuple(sizes[1:]))
 
 
 # ---------------------------------------------------------------- static traceables (batch 1, one shape)

@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from porting import __version__, charts
-from porting.errors import InputError, PortError
+from porting.errors import PortError
 from porting.finite import dumps
 from porting.outputs import atomic_folder, check_output
 from porting.progress import duration, estimate_line
@@ -43,8 +43,8 @@ from .generate import (
     read_model_index,
     resolve_device,
 )
+from .run_options import TASKS, check_choices, parse_list  # noqa: F401  (bench.parse_list, bench.TASKS: the CLI's)
 
-TASKS = ("t2i", "edit")
 BENCH_JSON = "bench.json"
 BENCH_MD = "bench.md"
 DEFAULT_PROMPT = "a red fox standing in fresh snow at dawn, soft golden light"
@@ -351,22 +351,6 @@ class RunProgress:
         self.say(f"  {what} done ({self.done}/{self.total} runs; {duration(elapsed)} elapsed{left})")
 
 
-def _check_choices(modes: Sequence[str], tasks: Sequence[str], runs: int, warmup: int) -> tuple[list[str], list[str]]:
-    """The offload modes and tasks, each once in the order given; refuses unknown ones and empty lists."""
-    modes, tasks = list(dict.fromkeys(modes)), list(dict.fromkeys(tasks))
-    for m in modes:
-        if m not in pipeload.OFFLOADS:
-            raise PortError(f"--offload {m!r}: choose from {', '.join(pipeload.OFFLOADS)}.")
-    for t in tasks:
-        if t not in TASKS:
-            raise PortError(f"--task {t!r}: choose from {', '.join(TASKS)}.")
-    if not modes or not tasks:
-        raise PortError("--offload and --task need at least one value each.")
-    if runs < 1 or warmup < 0:
-        raise PortError(f"--runs {runs} / --warmup {warmup}: at least one timed run, no negative warm-up.")
-    return modes, tasks
-
-
 def _call_kwargs(pipe: Any, accepted: Any, guidance_scale: float | None) -> dict[str, Any]:
     """guidance_scale as given, else 1.0 for a distilled pipeline that takes one."""
     kwargs: dict[str, Any] = {}
@@ -479,7 +463,7 @@ def bench(folder: str | Path, *, transformer: str | Path | None = None, device: 
     dtype_name = dtype or ("fp32" if dev.type == "cpu" else "bf16")
     if dtype_name not in DTYPES:
         raise PortError(f"--dtype {dtype_name!r}: choose one of {', '.join(DTYPES)}.")
-    modes, tasks = _check_choices(modes, tasks, runs, warmup)
+    modes, tasks = check_choices(modes, tasks, runs, warmup)
     width, height = parse_size(default_size(dev, folder) if size is None else size)
     steps = default_steps(index, folder) if steps is None else steps
     if steps < 1:
@@ -559,8 +543,3 @@ def _open_text_encoder(folder: Path, text_encoder: str | Path | None, card: bool
     return open_swap(folder, Path(text_encoder))
 
 
-def parse_list(text: str, option: str) -> list[str]:
-    items = [x.strip() for x in text.split(",") if x.strip()]
-    if not items:
-        raise InputError(f"{option} {text!r}: give a comma-separated list.")
-    return items

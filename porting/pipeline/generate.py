@@ -35,6 +35,8 @@ from porting.ownership import file_is_flux_ports, require_key, write_file_record
 from porting.paths import check_component_names
 from porting.progress import debug
 
+from .run_options import parse_size  # noqa: F401  (generate.parse_size: compare and bench take it from here)
+
 
 def progress_clock() -> float:
     """The clock step times are read from (porting.progress.clock, which tests replace)."""
@@ -95,19 +97,6 @@ class GenerateResult:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def parse_size(text: str | int) -> tuple[int, int]:
-    """'1024' or '768x1024' (width x height)."""
-    s = str(text).lower().strip()
-    try:
-        w, _, h = s.partition("x")
-        width, height = int(w), int(h or w)
-    except ValueError as e:
-        raise PortError(f"--size {text!r}: use one number (1024) or WIDTHxHEIGHT (768x1024).") from e
-    if width <= 0 or height <= 0:
-        raise PortError(f"--size {text!r}: sides must be positive.")
-    return width, height
 
 
 def read_model_index(folder: Path) -> dict[str, Any]:

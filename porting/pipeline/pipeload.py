@@ -13,9 +13,8 @@ from porting._files import read_config
 from porting.errors import InputError, PortError
 from porting.progress import debug
 
+from .run_options import OFFLOADS  # noqa: F401  (pipeload.OFFLOADS: the modes it loads)
 from .transformer_source import transformer_source
-
-OFFLOADS = ("none", "model", "sequential", "group")
 
 
 def transformer_folder(folder: Path, transformer: Path | None) -> Path:

@@ -15,6 +15,7 @@ import importlib
 import io
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -364,14 +365,17 @@ def invoke(verb: str, args: list[str]) -> tuple[int, dict[str, Any], str]:
     from .._options import checked
 
     step = STEPS[verb]
-    fn = getattr(importlib.import_module(f"porting.cli.{step.module}"), step.function)
+    module = importlib.import_module(f"porting.cli.{step.module}")
     app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
-    app.command()(checked(fn))
+    app.command()(checked(getattr(module, step.function), getattr(module, "preflight", None)))  # as `port VERB`
     command = typer.main.get_command(app)
     out, err = io.StringIO(), io.StringIO()
     code, error = 0, None
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         _output.current = _output.Output(json_mode=True)
+        resources = sys.modules.get("porting.resources")  # an earlier step's memory estimates are not this one's
+        if resources is not None:
+            resources.ESTIMATES.clear()
         try:
             result = command.main(args=[*args, "--json"], prog_name=f"port {verb}", standalone_mode=False)
             code = result if isinstance(result, int) else 0
