@@ -10,7 +10,7 @@
 # Wheels the machine lacks travel in .whl/ (pure-Python ones, pip download --no-deps); .whl/alt/ holds newer
 # transformers / huggingface_hub, installed only if the machine's own cannot import the pipeline.
 #   1. packed:   the demo's klein-wide model, its SVDQuant int4 file run packed on cuda (generate, w4a16 and w4a4,
-#                against the bf16 folder)
+#                against the bf16 folder; the same model written in diffusers' Nunchaku layout, run packed)
 #   2. forward:  bench/svdquant.py's forward at klein-9B widths on cuda
 #   3. validate: port validate --device cuda against the CPU golden, the bf16 folder and the packed file
 #   4. offload:  bench/offload.py at klein-4B size, offload none and model, t2i
@@ -70,6 +70,10 @@ if [[ " $STEPS " == *" packed "* ]]; then
         step "gen-$c" 120 "${PORT[@]}" generate "$BASE" --device "$DEVICE" --transformer "$SVDQ" --svdq-compute "$c" \
             --prompt "a red fox" -o "$c.png" --json
     done
+    step lite-convert 120 "${PORT[@]}" convert demo-out/klein-wide/transformer --quantize svdq-int4 \
+        --layout diffusers --out lite
+    step gen-lite 120 "${PORT[@]}" generate "$BASE" --device "$DEVICE" --transformer lite --svdq-compute w4a16 \
+        --prompt "a red fox" -o lite.png --json
 fi
 if [[ " $STEPS " == *" forward "* ]]; then
     # shellcheck disable=SC2086
