@@ -6,6 +6,7 @@ not share their factors are requantized, each named with its error."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -60,6 +61,11 @@ def own(tmp_path_factory) -> dict[tuple[str, str], dict[str, Path]]:
             doc = _port("convert", sources[family], "--quantize", f"svdq-{precision}", "--layout", "diffusers",
                         "--out", base / "diffusers")
             assert doc["layout"]["requantized"] == [] and doc["files"] == ["diffusion_pytorch_model.safetensors"]
+            # the report and the manifest name what was written and from what, not the file moved in between
+            written = base / "diffusers" / doc["files"][0]
+            assert doc["file_sha256"] == hashlib.sha256(written.read_bytes()).hexdigest()
+            manifest = json.loads((base / "diffusers" / "flux-port.json").read_text())
+            assert manifest["source"] == str(sources[family].resolve())
             paths["diffusers"] = base / "diffusers"
         doc = _port("convert", paths["nunchaku"], "--layout", "diffusers", "--out", base / "to-diffusers")
         assert doc["layout"]["requantized"] == [], doc["layout"]

@@ -219,7 +219,8 @@ def _diffusers_layout(src: SourceLike, out: str | Path, quantize: str, rank: int
     with tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=out.absolute().parent) as tmp:
         result = convert_svdquant(src, Path(tmp) / "nunchaku", quantize, rank, config, strict, False, on_start, None,
                                   tables, tensors, extra_meta, verb, calibrate)
-        moved = relayout(Path(tmp) / "nunchaku" / result.files[0], out, "diffusers", force=force)
+        moved = relayout(Path(tmp) / "nunchaku" / result.files[0], out, "diffusers", force=force,
+                         source=Path(getattr(src, "path", src)))
     if moved.extra["layout"]["requantized"]:
         raise CheckFailed(f"{out}: layer {moved.extra['layout']['requantized'][0]['layer']} of flux-port's own file "
                           "did not join exactly into diffusers' layout.",
@@ -227,8 +228,10 @@ def _diffusers_layout(src: SourceLike, out: str | Path, quantize: str, rank: int
     if on_bytes:
         on_bytes(result.plan.output_bytes)
     result.out, result.files = out, moved.files
-    result.extra.update(file=moved.files[0], layout=moved.extra["layout"],
-                        quantized_to=result.extra["quantized_to"] + " in diffusers' Nunchaku layout")
+    joined = moved.extra["layout"]["rank"]
+    result.extra.update(file=moved.files[0], layout=moved.extra["layout"], file_sha256=_sha256(out / moved.files[0]),
+                        quantized_to=result.extra["quantized_to"] + f" in diffusers' Nunchaku layout (rank {joined}: "
+                        "one rank for every target, joined layers carry their pieces' branches side by side)")
     return result
 
 

@@ -250,7 +250,9 @@ def _in_requantized(key: str, skip: set[str], family: str) -> bool:
 
 def relayout(src: SourceLike, out: str | Path, layout: str, force: bool = False,
              on_start: Callable[[int], None] | None = None,
-             on_bytes: Callable[[int], None] | None = None) -> ConvertResult:
+             on_bytes: Callable[[int], None] | None = None, source: Path | None = None) -> ConvertResult:
+    """`src` moved into `layout`; `source`: the file the manifest names as the source (default `src`: convert
+    --quantize --layout diffusers moves a file it wrote in a temporary folder)."""
     started = time.perf_counter()
     ckpt, detection, plan = plan_source(weights_source(src), "diffusers")
     path = Path(ckpt.path)
@@ -296,7 +298,7 @@ def relayout(src: SourceLike, out: str | Path, layout: str, force: bool = False,
         compared = _check(staging if layout == "diffusers" else staging / name, ckpt, job.requantized, info.family)
         extra = {"layout": {"from": info.layout, "to": layout, "rank": rank, "tensors_identical": compared,
                             "requantized": job.requantized}}
-        manifest = {"tool": "flux-port", "version": __version__, "source": str(path.resolve()),
+        manifest = {"tool": "flux-port", "version": __version__, "source": str((source or path).resolve()),
                     "table": info.family, "to": layout, "files": [name], **extra}
         (staging / MANIFEST).write_text(dumps(manifest, indent=2) + "\n")
     if on_bytes:
