@@ -13,6 +13,7 @@ import pytest
 from porting.ownership import RECORD
 from tests.hubserver.harness import CliRunner, cli, client_env, hubs, local_files, wait_until  # noqa: F401
 from tests.hubserver.server import GOOD_TOKEN, OTHER_TOKEN, FakeHubs, Repo
+from tests.test_known_digests import edit_in_place_keeping_size_and_mtime
 
 REPO = "alice/tiny-klein-ft"
 WRONG_TOKEN = "hf_wrong_but_secret_value"
@@ -415,20 +416,6 @@ def test_ctrl_c_during_the_upload_names_the_resume(cli, hubs, port, tmp_path):
 
 # --- an identity is never stale: a file edited in place, its size and modification time put back --------------
 
-def _edit_in_place(victim: Path) -> None:
-    """The last byte flipped in place (the same inode, so the published hard link shares it), then the modification
-    time put back to the nanosecond: what `make` and rsync would not notice."""
-    import os
-
-    st = victim.stat()
-    with open(victim, "r+b") as fh:
-        fh.seek(st.st_size - 1)
-        last = fh.read(1)
-        fh.seek(st.st_size - 1)
-        fh.write(bytes([last[0] ^ 0x01]))
-    os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
-
-
 def _own_port(port: dict, tmp_path: Path, monkeypatch) -> tuple[Path, Path, dict[str, str]]:
     """A transformer converted here (its records in this test's state folder, which the CLI children share) and a
     passing report for it; returns (transformer, report, the state variable for the children)."""
@@ -450,7 +437,7 @@ def test_an_edit_in_place_is_refused_at_the_gate_locally_and_on_push(cli, hubs, 
     """After convert and validate, the weights edited in place with size and mtime kept: publish and publish --push
     refuse at the gate (exit 1), nothing is written or sent; the records do not describe the file any more."""
     transformer, report, state = _own_port(port, tmp_path, monkeypatch)
-    _edit_in_place(transformer / "diffusion_pytorch_model.safetensors")
+    edit_in_place_keeping_size_and_mtime(transformer / "diffusion_pytorch_model.safetensors")
     env = client_env(tmp_path, hubs, HF_TOKEN=GOOD_TOKEN, **state)
     local = cli.run(_argv(port, transformer, report, tmp_path / "pub"), env, tmp_path)
     assert local.code == 1, local
@@ -471,7 +458,7 @@ def _lie(files: list[Path]) -> None:
     from porting.ownership import read_state_record, write_state_record
 
     before = {f: read_state_record("digests", os.stat(f)) for f in files}
-    _edit_in_place(files[0])
+    edit_in_place_keeping_size_and_mtime(files[0])
     for f, doc in before.items():
         assert doc is not None
         st = os.stat(f)

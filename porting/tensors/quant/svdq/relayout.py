@@ -132,13 +132,18 @@ def _branches(lgs: list[Logical]) -> list[tuple[torch.Tensor, torch.Tensor]]:
             for lg in lgs]
 
 
+def _w4a4_only(lgs: list[Logical], name: str) -> Logical:
+    """The first piece, once every piece is SVDQuant W4A4 (AWQ W4A16 pieces are not joined)."""
+    if any(lg.kind != "w4a4" for lg in lgs):
+        raise NotExact(f"{name}: only SVDQuant W4A4 pieces are joined")
+    return lgs[0]
+
+
 def join_rows(lgs: list[Logical], name: str) -> Logical:
     """Pieces reading the same input, their outputs stacked."""
     if len(lgs) == 1:
         return lgs[0]
-    first = lgs[0]
-    if first.kind != "w4a4" or any(lg.kind != "w4a4" for lg in lgs):
-        raise NotExact(f"{name}: only SVDQuant W4A4 pieces are joined")
+    first = _w4a4_only(lgs, name)
     if not _same([lg.smooth for lg in lgs]):
         raise NotExact(f"{name}: its pieces have different smoothing factors (one layer has one)")
     branches = _branches(lgs)
@@ -157,9 +162,7 @@ def join_columns(lgs: list[Logical], name: str) -> Logical:
     """Pieces reading consecutive input columns, their outputs added."""
     if len(lgs) == 1:
         return lgs[0]
-    first = lgs[0]
-    if first.kind != "w4a4" or any(lg.kind != "w4a4" for lg in lgs):
-        raise NotExact(f"{name}: only SVDQuant W4A4 pieces are joined")
+    first = _w4a4_only(lgs, name)
     if first.rows is not None and not _same([lg.rows for lg in lgs]):
         raise NotExact(f"{name}: its nvfp4 pieces have different per-tensor scales (one layer has one per row)")
     branches = _branches(lgs)
