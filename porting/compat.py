@@ -2,8 +2,8 @@
 companions in a base folder fit the transformer.
 
 Each runtime is one small function of the checkpoint's facts (naming, prefix, spelling, files, quantized layout),
-written from what the runtimes' own loaders accept (../shared/targets-and-scale.md section 1,
-flux2-checkpoints.md section 10): a new runtime is a new function in `RUNTIMES`, not a branch elsewhere.
+written from what the runtimes' own loaders accept (their loading code; docs/convert.md and docs/quantized.md
+say what each takes): a new runtime is a new function in `RUNTIMES`, not a branch elsewhere.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Nunchaku's W4A4 activation quantization, as the CUDA kernel rounds it (`../shared/svdquant.md` 10.2, 10.3, 10.7).
+"""Nunchaku's W4A4 activation quantization, as the CUDA kernel rounds it (docs/quantized.md, "Running SVDQuant
+files as they are").
 
 T is the activation dtype (the model's: bf16 or fp16 on the kernel; whatever the run uses here). Every function
 takes h, the smoothed input already rounded to T (`smoothed`), and returns the dequantized activations

@@ -8,14 +8,14 @@ MMA tile permutation is undone once, at load), the group scales as stored (bf16 
 the per-tensor `wtscale` and per-channel `wcscales`), the smoothing s, the low-rank factors D (r, k) and U (n, r),
 the bias. That is about a third of the bf16 weight.
 
-`compute="w4a4"` runs what the Nunchaku kernel computes (`../shared/svdquant.md` 10.7, `svdq_act`): the low-rank
-branch on the raw input, the 4-bit branch on the input divided by s and rounded to 4 bits per group, multiplied by
-the 4-bit weights and accumulated in float32 (the kernel accumulates int4 groups in T: about 1 % apart for bf16),
-then the bias, then the low-rank output. `compute="w4a16"` multiplies the full-precision input by the dequantized
-weight R/s + U·D (what `port convert` writes), computed as (x/s)·Rᵀ + (x·Dᵀ)·Uᵀ so that only R is ever dequantized.
-Either way R is dequantized a cache-sized band of rows at a time while the forward runs, in one vectorized pass over
-the band's bytes and its scales, and multiplied at once: memory stays packed. AWQ W4A16 layers (FLUX.1 adaLN) are
-plain linears with dequantized weights.
+`compute="w4a4"` runs what the Nunchaku kernel computes (`svdq_act`; docs/quantized.md, "Running SVDQuant files as
+they are"): the low-rank branch on the raw input, the 4-bit branch on the input divided by s and rounded to 4 bits
+per group, multiplied by the 4-bit weights and accumulated in float32 (the kernel accumulates int4 groups in T:
+about 1 % apart for bf16), then the bias, then the low-rank output. `compute="w4a16"` multiplies the full-precision
+input by the dequantized weight R/s + U·D (what `port convert` writes), computed as (x/s)·Rᵀ + (x·Dᵀ)·Uᵀ so that
+only R is ever dequantized. Either way R is dequantized a cache-sized band of rows at a time while the forward runs
+(on an accelerator, the whole weight at once), in one vectorized pass over the band's bytes and its scales, and
+multiplied at once: memory stays packed. AWQ W4A16 layers (FLUX.1 adaLN) are plain linears with dequantized weights.
 """
 
 from __future__ import annotations

@@ -370,7 +370,7 @@ def markdown(doc: dict[str, Any]) -> str:
 
 
 def local_paths(jobs: list[Job], jobs_file: Path) -> dict[str, Any]:
-    """Every local path a batch reads: the jobs file, local sources, local bases (issue 17: inputs)."""
+    """Every local path a batch reads: the jobs file, local sources, local bases."""
     return {"jobs file": jobs_file, "source": [j.source for j in jobs if j.source_kind == "local"],
             "base": [j.base for j in jobs if j.base_kind == "local"]}
 

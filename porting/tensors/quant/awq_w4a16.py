@@ -1,4 +1,5 @@
-"""Nunchaku's 4-bit text encoders (S2's Qwen3, FLUX.1's T5-XXL): AWQ W4A16 in deepcompressor's "TinyChat" layout.
+"""Nunchaku's 4-bit text encoders (the FLUX.2 [klein] 9B-KV release's Qwen3, FLUX.1's T5-XXL): AWQ W4A16 in
+deepcompressor's "TinyChat" layout.
 
 Each 4-bit linear `X` stores `X.qweight` (int16 [n/4, k]: unsigned 4-bit codes, 4 output rows interleaved per 64
 inputs), `X.scales` and `X.scaled_zeros` (16-bit [groups, n], groups rounded up by the writer and padded with zeros).

@@ -4,7 +4,7 @@ The layouts: 4-bit MMA tiles, permuted scales and vectors, low-rank tiles, AWQ.
 
 Each `unpack_*` is the inverse of one of deepcompressor's packers (`NunchakuWeightPacker.pack_weight`,
 `pack_scale`, `pack_micro_scale`, `pack_lowrank_weight`; TinyChat's `pack_w4` for the AWQ W4A16 layers); the
-permutations are written as the inverse index orders of the packers' (`../shared/svdquant.md` section 3). The tests
+permutations are written as the inverse index orders of the packers' (deepcompressor's `pack` modules). The tests
 hold them to deepcompressor's own packers.
 """
 
