@@ -35,7 +35,7 @@ QWEN3 = {  # Qwen/Qwen3-4B and Qwen/Qwen3-8B config.json geometry
     "klein-9b": {"hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
                  "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": False},
 }
-CARD = """SVDQuant klein-9B-kv card, RTX 5090, 1024x1024, 8 steps, bf16 base (community-formats.md section 4):
+CARD = """SVDQuant klein-9B-kv card, RTX 5090, 1024x1024, 8 steps, bf16 base (the SVDQuant model card on the Hub):
   no offload: OOM | model CPU offload: 20.18 GB, 0.62 it/s (edit), 18.53 GB, 0.83 it/s (t2i)
   sequential offload: 2.55 GB, 0.48 it/s (edit) / 0.62 it/s (t2i)"""
 
