@@ -3,10 +3,11 @@
     python bench/identity.py                           # klein-4B shapes cut to 1 + 2 blocks (1.37 GB)
     python bench/identity.py --model klein-4b --full   # the whole klein-4B (7.75 GB)
 
-Writes a synthetic source (real shapes, bf16, not measured), converts it with `port convert` (which records the
-weights identity and each tensor's sha256, sealed by inode, but not the files' own sha256: the first verb that
-certifies a file takes it), then times, in child processes, what publish does to name the transformer: its weights
-identity (`Source.weights_sha256`) and every shard's sha256 for `manifest.json` (the Hub's LFS oid too):
+Writes a synthetic source (real shapes, bf16, not measured), converts it with `port convert` (which records each
+tensor's sha256 it has, sealed by inode, but neither the weights identity nor the files' own sha256: the first verb
+that names the weights or certifies a file takes them and records them), then times, in child processes, what
+publish does to name the transformer: its weights identity (`Source.weights_sha256`) and every shard's sha256 for
+`manifest.json` (the Hub's LFS oid too):
 
   (a) with the records convert kept (the first run takes each file's sha256 once and records it; with --repeat 3
       or more the median is a run after it: what a second publish or a push pays);
